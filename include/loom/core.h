@@ -1,0 +1,264 @@
+// loom core: errors, dtypes, memory tiers with accounted allocators, tensors,
+// and the counter-based RNG that makes initialization layout-independent.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+namespace loom {
+
+// ---------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------
+
+// A recoverable error the user can act on: bad config, I/O, timeouts, corrupt
+// files, out-of-budget. The message names the value and what to do about it.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Concatenates anything streamable; used to build error messages.
+template <typename... Args>
+std::string str(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+
+// The rank of the calling thread, for messages. Ranks are threads under the
+// local backend, so this is thread-local; -1 until a communicator sets it.
+int current_rank();
+void set_current_rank(int rank);
+
+namespace detail {
+[[noreturn]] void check_failed(const char* file, int line, const char* cond, const std::string& msg);
+}  // namespace detail
+
+// A broken invariant (a bug, not bad input): prints file:line and rank, aborts.
+#define LOOM_CHECK(cond, ...)                                                          \
+  do {                                                                                 \
+    if (!(cond)) [[unlikely]]                                                          \
+      ::loom::detail::check_failed(__FILE__, __LINE__, #cond, ::loom::str(__VA_ARGS__)); \
+  } while (0)
+
+// ---------------------------------------------------------------------------
+// Data types
+// ---------------------------------------------------------------------------
+
+enum class DType : uint8_t { f32, bf16, f16, i32, i64, u8 };
+
+size_t dtype_size(DType dt);
+const char* dtype_name(DType dt);
+// Parses "f32"/"fp32"/"float32", "bf16"/"bfloat16", "f16"/"fp16"/"float16"; throws Error otherwise.
+DType parse_dtype(std::string_view name);
+
+// Exact conversions with round-to-nearest-even; NaN stays NaN, overflow goes to Inf.
+uint16_t f32_to_bf16(float x);
+float bf16_to_f32(uint16_t x);
+uint16_t f32_to_f16(float x);
+float f16_to_f32(uint16_t x);
+
+// Bulk conversions between any two floating dtypes (f32, bf16, f16).
+void convert(const void* src, DType src_dt, void* dst, DType dst_dt, int64_t n);
+
+// Rounds f32 values in place to what `dt` can represent (identity for f32).
+void round_to(float* x, int64_t n, DType dt);
+
+// ---------------------------------------------------------------------------
+// Memory tiers and accounted allocators
+// ---------------------------------------------------------------------------
+
+// Where bytes live. Without a GPU, `device` is a budgeted host arena standing in
+// for GPU memory, so out-of-memory and offload are real on a CPU machine.
+enum class Tier : uint8_t { device, host, nvme };
+constexpr int kNumTiers = 3;
+const char* tier_name(Tier t);
+
+constexpr size_t kUnlimited = SIZE_MAX;
+
+// Byte accounting for one tier with a budget and a high-water mark. Every
+// allocation of the tier goes through here, so memory figures are read from
+// these counters rather than estimated. Thread-safe.
+class Allocator {
+ public:
+  Allocator(Tier tier, size_t budget = kUnlimited);
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+
+  // Host memory, 64-byte aligned, zero bytes allowed. Throws Error naming the
+  // tier, the request and the budget when the budget would be exceeded.
+  void* allocate(size_t bytes);
+  void deallocate(void* p, size_t bytes);
+
+  // Accounting without memory, for bytes that live elsewhere (NVMe files).
+  void reserve(size_t bytes);
+  void release(size_t bytes);
+
+  Tier tier() const { return tier_; }
+  size_t used() const { return used_.load(); }
+  size_t peak() const { return peak_.load(); }
+  size_t budget() const { return budget_.load(); }
+  // Lowering the budget below what is in use is an Error.
+  void set_budget(size_t bytes);
+  void reset_peak() { peak_.store(used_.load()); }
+
+ private:
+  Tier tier_;
+  std::atomic<size_t> budget_;
+  std::atomic<size_t> used_{0};
+  std::atomic<size_t> peak_{0};
+};
+
+// The allocators of one rank, one per tier. Under the local backend every rank
+// thread installs its own, so budgets and high-water marks are per rank.
+class MemoryContext {
+ public:
+  MemoryContext();
+  Allocator& tier(Tier t) { return *tiers_[static_cast<int>(t)]; }
+
+  // The calling thread's context: the one installed with `Install`, or the
+  // process-wide default.
+  static MemoryContext& current();
+
+  // Installs a context for the calling thread for the lifetime of this object.
+  class Install {
+   public:
+    explicit Install(MemoryContext& ctx);
+    ~Install();
+    Install(const Install&) = delete;
+    Install& operator=(const Install&) = delete;
+
+   private:
+    MemoryContext* previous_;
+  };
+
+ private:
+  std::array<std::unique_ptr<Allocator>, kNumTiers> tiers_;
+};
+
+// Human-readable byte count ("1.50 GiB").
+std::string format_bytes(double bytes);
+
+// ---------------------------------------------------------------------------
+// Tensor
+// ---------------------------------------------------------------------------
+
+using Shape = std::vector<int64_t>;
+int64_t shape_numel(const Shape& s);
+std::string shape_str(const Shape& s);
+
+// Owned bytes from one allocator, freed into it.
+class Storage {
+ public:
+  Storage(Allocator& alloc, size_t bytes);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  Allocator& allocator() const { return alloc_; }
+
+ private:
+  Allocator& alloc_;
+  size_t bytes_;
+  void* data_;
+};
+
+// A contiguous, row-major n-d array. Views share storage. Tensors describe
+// memory; they never decide where parameters live (the stores do).
+class Tensor {
+ public:
+  Tensor() = default;
+
+  // Allocated from the calling thread's MemoryContext.
+  static Tensor empty(const Shape& shape, DType dt = DType::f32, Tier tier = Tier::device);
+  static Tensor zeros(const Shape& shape, DType dt = DType::f32, Tier tier = Tier::device);
+  // A non-owning view over memory someone else keeps alive.
+  static Tensor borrow(void* data, const Shape& shape, DType dt, Tier tier);
+
+  bool defined() const { return data_ != nullptr || (storage_ && numel() == 0); }
+  const Shape& shape() const { return shape_; }
+  int64_t dim(int i) const;
+  int ndim() const { return static_cast<int>(shape_.size()); }
+  int64_t numel() const { return shape_numel(shape_); }
+  DType dtype() const { return dtype_; }
+  Tier tier() const { return tier_; }
+  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+
+  void* raw() const { return data_; }
+  template <typename T>
+  T* data() const {
+    check_element_type(sizeof(T), type_tag<T>());
+    return static_cast<T*>(data_);
+  }
+
+  // Same bytes, another shape of the same element count.
+  Tensor view(const Shape& shape) const;
+  // Rows [start, start + len) along dimension 0.
+  Tensor rows(int64_t start, int64_t len) const;
+  // A 1-d view of `n` elements starting at flat element `offset`.
+  Tensor flat(int64_t offset, int64_t n) const;
+
+  void zero_();
+  void fill_(float value);  // floating dtypes only
+  // Copies `src` (same element count) converting dtype with RNE rounding.
+  void copy_from(const Tensor& src);
+  Tensor clone(Tier tier) const;
+
+ private:
+  template <typename T>
+  static constexpr int type_tag();
+  void check_element_type(size_t size, int tag) const;
+
+  std::shared_ptr<Storage> storage_;
+  void* data_ = nullptr;
+  Shape shape_;
+  DType dtype_ = DType::f32;
+  Tier tier_ = Tier::device;
+};
+
+template <typename T>
+constexpr int Tensor::type_tag() {
+  if constexpr (std::is_same_v<T, float>) return 0;
+  else if constexpr (std::is_same_v<T, uint16_t>) return 1;
+  else if constexpr (std::is_same_v<T, int32_t>) return 2;
+  else if constexpr (std::is_same_v<T, int64_t>) return 3;
+  else if constexpr (std::is_same_v<T, uint8_t>) return 4;
+  else return -1;
+}
+
+// ---------------------------------------------------------------------------
+// Counter-based RNG (Philox4x32-10)
+// ---------------------------------------------------------------------------
+
+// Random numbers that are a pure function of (key, counter): any rank can
+// produce any element of any stream without generating the ones before it.
+// That is what makes initialization and dropout independent of the layout.
+struct Philox {
+  static std::array<uint32_t, 4> block(uint64_t key, uint64_t counter_hi, uint64_t counter_lo);
+};
+
+// The stream key of a named object, e.g. a parameter: mixes the seed with a
+// 64-bit hash of the name.
+uint64_t stream_key(uint64_t seed, std::string_view name);
+// Mixes further integers into a key (e.g. step and layer for dropout).
+uint64_t stream_key(uint64_t key, uint64_t a, uint64_t b);
+
+// Element `index` of the stream `key`: uniform in [0, 1) and standard normal.
+float philox_uniform(uint64_t key, uint64_t index);
+float philox_normal(uint64_t key, uint64_t index);
+
+// out[i] = mean + std * normal(key, first + i) for i in [0, n).
+void fill_normal(float* out, int64_t n, uint64_t key, uint64_t first, float mean, float std);
+
+}  // namespace loom

@@ -1,0 +1,146 @@
+// loom CPU kernels: the numerical contracts every backend implements.
+//
+// Conventions (shared by every kernel here, and by the CUDA backend later):
+// - fp32, contiguous, row-major; N is a row count (usually B*T).
+// - Backward kernels ACCUMULATE (+=) into every gradient they write, input
+//   gradients included; the caller zeroes buffers when it needs a fresh sum.
+//   That makes gradient accumulation, tied weights and residual branches free.
+// - Results do not depend on the number of threads: reductions run over fixed
+//   chunks in a fixed order, so a run is bit-identical to itself whatever the
+//   thread budget of its rank.
+// - Kernels never throw on user input; callers validate (token ids, shapes).
+#pragma once
+
+#include <cstdint>
+
+namespace loom::cpu {
+
+// ---------------------------------------------------------------------------
+// Threads
+// ---------------------------------------------------------------------------
+
+// Threads the calling thread's parallel regions (OpenMP and BLAS) may use.
+int num_threads();
+// Sets that budget for the calling thread (OpenMP ICVs are per thread, and the
+// OpenMP build of OpenBLAS follows them), so ranks-as-threads split the cores.
+void set_num_threads(int n);
+
+// ---------------------------------------------------------------------------
+// GEMM
+// ---------------------------------------------------------------------------
+
+// C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, row-major, through CBLAS.
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+// ---------------------------------------------------------------------------
+// Linear: out[N,OC] = inp[N,C] @ weight[OC,C]^T + bias[OC] (PyTorch layout).
+// bias may be null. backward: dinp += dout @ weight (skipped if dinp is null),
+// dweight += dout^T @ inp, dbias += column sums of dout (skipped if null).
+// ---------------------------------------------------------------------------
+
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
+                    int64_t OC);
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t N, int64_t C, int64_t OC);
+
+// ---------------------------------------------------------------------------
+// Embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[pos0 + t,:].
+// Token ids must already be validated to lie in [0, V).
+// backward: dwte[token] += dout, dwpe[pos0 + t] += dout (either may be null).
+// ---------------------------------------------------------------------------
+
+void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
+                       int64_t C, int64_t pos0);
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
+                        int64_t C, int64_t pos0);
+
+// ---------------------------------------------------------------------------
+// LayerNorm over the last dimension, eps = 1e-5 (as PyTorch's default).
+// forward saves mean[N] and rstd[N] for backward.
+// ---------------------------------------------------------------------------
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                       int64_t N, int64_t C);
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C);
+
+// ---------------------------------------------------------------------------
+// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+// ---------------------------------------------------------------------------
+
+void gelu_forward(float* out, const float* inp, int64_t n);
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);
+
+// out = a + b (out may alias a or b). Backward of a residual is `accumulate`.
+void add(float* out, const float* a, const float* b, int64_t n);
+// y += x
+void accumulate(float* y, const float* x, int64_t n);
+// x *= s
+void scale(float* x, int64_t n, float s);
+// Sum of squares in double, in a fixed order (for gradient-norm clipping).
+double sum_squares(const float* x, int64_t n);
+
+// ---------------------------------------------------------------------------
+// Causal self-attention, flash-attention style.
+// qkv[B,T,3C] holds q | k | v per token (as GPT-2's c_attn emits them); head h
+// uses columns [h*hs, (h+1)*hs) of each, hs = C/NH, scale 1/sqrt(hs).
+// forward writes out[B,T,C] (heads concatenated) and lse[B,NH,T], the
+// log-sum-exp of each query row's scaled scores. No B*NH*T*T matrix is kept:
+// backward recomputes the scores tile by tile from qkv and lse, so saved
+// activation memory is linear in T. backward accumulates into dqkv[B,T,3C].
+// ---------------------------------------------------------------------------
+
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t NH);
+void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
+                        int64_t B, int64_t T, int64_t C, int64_t NH);
+
+// ---------------------------------------------------------------------------
+// Fused softmax + cross-entropy over V classes.
+// forward: losses[i] = lse_i - logits[i, targets[i]], and saves lse[N]; a target
+// of -1 is ignored (loss 0, gradient 0). Returns nothing: callers reduce losses.
+// backward: dlogits[i,:] = dloss[i] * (softmax(logits[i,:]) - onehot(targets[i]))
+// written (not accumulated: the logits are consumed here), and dlogits may alias
+// logits, so the largest activation of the model is reused in place.
+// ---------------------------------------------------------------------------
+
+void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
+                           int64_t V);
+void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+                            const float* dloss, int64_t N, int64_t V);
+
+// ---------------------------------------------------------------------------
+// Dropout with counter-based masks: element i is kept iff
+// philox_uniform(key, first + i) >= p, kept values scaled by 1/(1-p). The mask
+// is a function of (key, global index) alone, so backward regenerates it and
+// any layout draws the same mask.
+// ---------------------------------------------------------------------------
+
+void dropout_forward(float* out, const float* inp, int64_t n, float p, uint64_t key, uint64_t first);
+void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first);
+
+// ---------------------------------------------------------------------------
+// AdamW (decoupled weight decay, Loshchilov & Hutter), PyTorch semantics:
+//   p -= lr * wd * p;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
+//   p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
+// with g = grad * grad_scale (unscaling and clipping folded in). The bias
+// corrections bc1 = 1 - b1^t, bc2 = 1 - b2^t are computed once per step.
+// ---------------------------------------------------------------------------
+
+struct AdamWStep {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  float bias_correction1 = 1.0f;  // 1 - beta1^t
+  float bias_correction2 = 1.0f;  // 1 - beta2^t
+  float grad_scale = 1.0f;
+
+  // Fills the bias corrections for step t (1-based).
+  static AdamWStep at(int64_t t, float lr, float beta1, float beta2, float eps, float weight_decay);
+};
+
+void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWStep& s);
+
+}  // namespace loom::cpu

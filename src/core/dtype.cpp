@@ -1,0 +1,149 @@
+#include <cmath>
+#include <cstring>
+
+#include "loom/core.h"
+
+namespace loom {
+
+size_t dtype_size(DType dt) {
+  switch (dt) {
+    case DType::f32: return 4;
+    case DType::bf16: return 2;
+    case DType::f16: return 2;
+    case DType::i32: return 4;
+    case DType::i64: return 8;
+    case DType::u8: return 1;
+  }
+  LOOM_CHECK(false, "unknown dtype");
+}
+
+const char* dtype_name(DType dt) {
+  switch (dt) {
+    case DType::f32: return "f32";
+    case DType::bf16: return "bf16";
+    case DType::f16: return "f16";
+    case DType::i32: return "i32";
+    case DType::i64: return "i64";
+    case DType::u8: return "u8";
+  }
+  LOOM_CHECK(false, "unknown dtype");
+}
+
+DType parse_dtype(std::string_view name) {
+  if (name == "f32" || name == "fp32" || name == "float32") return DType::f32;
+  if (name == "bf16" || name == "bfloat16") return DType::bf16;
+  if (name == "f16" || name == "fp16" || name == "float16") return DType::f16;
+  throw Error(str("unknown precision '", name, "': use one of fp32, bf16, fp16"));
+}
+
+static uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+static float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+uint16_t f32_to_bf16(float x) {
+  uint32_t u = bits_of(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
+  // Adding 0x7fff plus the lowest kept bit rounds to nearest, ties to even;
+  // a carry into the exponent correctly rounds up to the next binade or Inf.
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float bf16_to_f32(uint16_t x) { return float_of(static_cast<uint32_t>(x) << 16); }
+
+uint16_t f32_to_f16(float x) {
+  uint32_t u = bits_of(x);
+  uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: Inf
+  if (a >= 0x38800000u) {  // normal half (>= 2^-14)
+    uint32_t mant_shift = a - 0x38000000u;  // rebias exponent 127 -> 15
+    uint32_t round = 0xfffu + ((mant_shift >> 13) & 1u);
+    return static_cast<uint16_t>(sign | ((mant_shift + round) >> 13));
+  }
+  if (a < 0x33000000u) return sign;  // below half the smallest subnormal: +-0
+  // Subnormal half: shift the full 24-bit significand into place, RNE.
+  uint32_t exp = a >> 23;
+  uint32_t mant = (a & 0x7fffffu) | 0x800000u;
+  uint32_t shift = 126u - exp;  // value / 2^-24 == mant >> (126 - exp)
+  uint32_t kept = mant >> shift;
+  uint32_t rem = mant & ((1u << shift) - 1u);
+  uint32_t half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (kept & 1u))) kept += 1;
+  return static_cast<uint16_t>(sign | kept);
+}
+
+float f16_to_f32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1f) return float_of(sign | 0x7f800000u | (mant << 13));
+  if (exp == 0) {
+    if (mant == 0) return float_of(sign);
+    float v = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -v : v;
+  }
+  return float_of(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+void convert(const void* src, DType src_dt, void* dst, DType dst_dt, int64_t n) {
+  if (src_dt == dst_dt) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * dtype_size(src_dt));
+    return;
+  }
+  auto load = [&](int64_t i) -> float {
+    switch (src_dt) {
+      case DType::f32: return static_cast<const float*>(src)[i];
+      case DType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(src)[i]);
+      case DType::f16: return f16_to_f32(static_cast<const uint16_t*>(src)[i]);
+      default: LOOM_CHECK(false, "convert: not a floating dtype: ", dtype_name(src_dt));
+    }
+  };
+  switch (dst_dt) {
+    case DType::f32: {
+      float* d = static_cast<float*>(dst);
+#pragma omp parallel for if (n > (1 << 16))
+      for (int64_t i = 0; i < n; ++i) d[i] = load(i);
+      return;
+    }
+    case DType::bf16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+#pragma omp parallel for if (n > (1 << 16))
+      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(load(i));
+      return;
+    }
+    case DType::f16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+#pragma omp parallel for if (n > (1 << 16))
+      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_f16(load(i));
+      return;
+    }
+    default: LOOM_CHECK(false, "convert: not a floating dtype: ", dtype_name(dst_dt));
+  }
+}
+
+void round_to(float* x, int64_t n, DType dt) {
+  switch (dt) {
+    case DType::f32: return;
+    case DType::bf16:
+#pragma omp parallel for if (n > (1 << 16))
+      for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+      return;
+    case DType::f16:
+#pragma omp parallel for if (n > (1 << 16))
+      for (int64_t i = 0; i < n; ++i) x[i] = f16_to_f32(f32_to_f16(x[i]));
+      return;
+    default: LOOM_CHECK(false, "round_to: not a floating dtype: ", dtype_name(dt));
+  }
+}
+
+}  // namespace loom
