@@ -1,0 +1,99 @@
+#include "loom/config.h"
+
+namespace loom {
+
+namespace {
+
+ConfigSchema build_loom_schema() {
+  constexpr int64_t kMaxDim = int64_t(1) << 20;
+  ConfigSchema s;
+  s.add_choice("model.preset", "custom", {"custom", "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"},
+               "model shape: 'custom' uses the model.* keys below, a preset name fixes them");
+  s.add_int("model.n_layer", 4, "transformer blocks", 1, 1024);
+  s.add_int("model.n_head", 4, "attention heads per block (must divide model.n_embd)", 1, 1024);
+  s.add_int("model.n_embd", 128, "hidden size", 1, kMaxDim);
+  s.add_int("model.vocab_size", 512, "embedding rows; at least data.vocab_size", 1, kMaxDim);
+  s.add_int("model.block_size", 128, "context length in tokens (longest train.seq_len)", 1, kMaxDim);
+  s.add_float("model.dropout", 0.0, "dropout probability on attention and residual paths", 0.0, 1.0);
+
+  s.add_int("train.batch_size", 32, "global batch in sequences per optimizer step", 1);
+  s.add_int("train.micro_batch_size", 8, "sequences per rank per forward/backward (gradient accumulation makes up the rest)", 1);
+  s.add_int("train.seq_len", 128, "tokens per training sequence (at most model.block_size)", 1, kMaxDim);
+  s.add_int("train.steps", 1000, "optimizer steps", 1);
+  s.add_float("train.lr", 1e-3, "peak learning rate", 0.0);
+  s.add_float("train.min_lr", 1e-4, "learning rate at the end of the cosine decay", 0.0);
+  s.add_int("train.warmup_steps", 100, "linear warm-up steps", 0);
+  s.add_float("train.weight_decay", 0.1, "AdamW decoupled weight decay (matrices only)", 0.0);
+  s.add_float("train.beta1", 0.9, "AdamW first-moment decay", 0.0, 1.0);
+  s.add_float("train.beta2", 0.95, "AdamW second-moment decay", 0.0, 1.0);
+  s.add_float("train.eps", 1e-8, "AdamW denominator epsilon", 0.0);
+  s.add_float("train.grad_clip", 1.0, "global gradient-norm clip; 0 = off", 0.0);
+  s.add_int("train.seed", 1337, "seed of initialization, dropout and data order", 0);
+  s.add_int("train.log_interval", 10, "steps between progress lines", 1);
+  s.add_int("train.eval_interval", 100, "steps between validation losses; 0 = never", 0);
+  s.add_int("train.eval_batches", 10, "micro-batches per validation loss", 1);
+  s.add_int("train.checkpoint_interval", 250, "steps between checkpoints; 0 = only at the end", 0);
+  s.add_int("train.keep_last", 2, "checkpoints kept in train.out_dir; 0 = keep all", 0);
+  s.add_string("train.out_dir", "runs/shakespeare", "directory for checkpoints and logs");
+  s.add_bool("train.activation_checkpointing", false, "recompute block activations in backward to save memory");
+  s.add_int("train.sample_tokens", 200, "tokens generated from train.sample_prompt after training; 0 = none", 0);
+  s.add_string("train.sample_prompt", "ROMEO:", "prompt for the sample after training");
+
+  s.add_string("data.dir", "runs/data/shakespeare", "prepared dataset: tokenizer and token shards");
+  s.add_string("data.text", "data/tinyshakespeare.txt", "raw text prepared into data.dir when it has no shards");
+  s.add_int("data.vocab_size", 512, "tokenizer vocabulary trained by prepare", 2, kMaxDim);
+  s.add_float("data.val_fraction", 0.1, "fraction of the text held out for validation", 0.0, 0.5);
+
+  s.add_int("parallel.dp", 1, "data-parallel ranks", 1, 65536);
+  s.add_int("parallel.tp", 1, "tensor-parallel ranks", 1, 1024);
+  s.add_int("parallel.pp", 1, "pipeline stages", 1, 1024);
+  s.add_choice("parallel.backend", "local", {"local", "mpi"}, "communicator: ranks as threads (local) or processes (mpi)");
+  s.add_int("parallel.nproc", 0, "ranks to run; 0 = parallel.dp * parallel.tp * parallel.pp", 0, 1 << 20);
+
+  s.add_int("zero.stage", 0, "ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded", 0, 3);
+  s.add_int("zero.bucket_mb", 25, "gradient bucket size in MiB for all-reduce / reduce-scatter", 1, 1 << 16);
+
+  s.add_choice("precision", "fp32", {"fp32", "bf16", "fp16"}, "compute dtype; fp32 master weights are kept for bf16/fp16");
+
+  s.add_bytes("memory.device_budget", "unlimited", "device-tier bytes per rank, e.g. \"2GiB\"");
+  s.add_bytes("memory.host_budget", "unlimited", "host-tier bytes per rank, e.g. \"16GiB\"");
+  s.add_string("memory.nvme_dir", "", "directory of the NVMe tier; empty = no NVMe offload");
+  s.add_choice("memory.policy", "none", {"none", "static", "auto"},
+               "placement: none (all on device), static (the offload fractions), auto (fit the budgets)");
+  s.add_float("memory.offload_param_frac", 0.0, "fraction of parameters held off-device under the static policy", 0.0, 1.0);
+  s.add_float("memory.offload_optim_frac", 0.0, "fraction of optimizer state held off-device under the static policy", 0.0, 1.0);
+  return s;
+}
+
+}  // namespace
+
+const ConfigSchema& loom_schema() {
+  static const ConfigSchema schema = build_loom_schema();
+  return schema;
+}
+
+const std::vector<ModelPreset>& model_presets() {
+  static const std::vector<ModelPreset> presets = {
+      {"tiny", 2, 2, 64, 512, 64},
+      {"gpt2", 12, 12, 768, 50257, 1024},
+      {"gpt2-medium", 24, 16, 1024, 50257, 1024},
+      {"gpt2-large", 36, 20, 1280, 50257, 1024},
+      {"gpt2-xl", 48, 25, 1600, 50257, 1024},
+  };
+  return presets;
+}
+
+const ModelPreset& find_model_preset(std::string_view name) {
+  std::vector<std::string> names;
+  for (const ModelPreset& p : model_presets()) {
+    if (p.name == name) return p;
+    names.push_back(p.name);
+  }
+  std::string list;
+  for (const std::string& n : names) list += (list.empty() ? "" : ", ") + n;
+  std::string hint;
+  if (auto m = did_you_mean(name, names)) hint = str(" (did you mean '", *m, "'?)");
+  throw Error(str("unknown model preset '", name, "'", hint, "; presets are ", list, ", or 'custom'"));
+}
+
+}  // namespace loom

@@ -1,0 +1,100 @@
+#include "loom/io.h"
+
+namespace loom {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+bool is_hex_digest(const std::string& s) {
+  return s.size() == 64 && s.find_first_not_of("0123456789abcdef") == std::string::npos;
+}
+
+// A manifest path must stay inside its directory.
+bool is_safe_relative(const std::string& rel) {
+  fs::path p(rel);
+  if (rel.empty() || p.is_absolute() || p.lexically_normal() != p) return false;
+  for (const fs::path& part : p)
+    if (part == "..") return false;
+  return true;
+}
+
+}  // namespace
+
+Manifest write_manifest(const fs::path& dir, const nlohmann::json& fields) {
+  LOOM_CHECK(fields.is_object() && !fields.contains("files"), "manifest fields must be an object without \"files\"");
+  Manifest m;
+  m.fields = fields;
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(dir, ec), end; it != end; it.increment(ec)) {
+    if (ec) break;
+    if (!it->is_regular_file() || it->is_symlink()) continue;
+    std::string rel = it->path().lexically_relative(dir).generic_string();
+    if (rel == kManifestFile) continue;
+    m.files[rel] = FileDigest{it->file_size(), sha256_file(it->path())};
+  }
+  if (ec) throw Error(str("cannot list checkpoint directory '", dir.string(), "': ", ec.message()));
+
+  nlohmann::json j = fields;
+  nlohmann::json& files = j["files"] = nlohmann::json::object();
+  for (const auto& [rel, digest] : m.files) files[rel] = {{"sha256", digest.sha256}, {"bytes", digest.bytes}};
+  write_file_atomic(dir / kManifestFile, j.dump(2) + "\n");
+  return m;
+}
+
+Manifest read_manifest(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) throw Error(str("checkpoint directory '", dir.string(), "' does not exist"));
+  fs::path file = dir / kManifestFile;
+  if (!fs::exists(file, ec))
+    throw Error(str("checkpoint directory '", dir.string(), "' has no ", kManifestFile,
+                    ": it is incomplete or not a loom checkpoint; resume from another checkpoint"));
+  auto corrupt = [&](const std::string& problem) {
+    return Error(str(kManifestFile, " of checkpoint '", dir.string(), "' is corrupt: ", problem,
+                     "; resume from another checkpoint"));
+  };
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(file));
+  } catch (const nlohmann::json::exception& e) {
+    throw corrupt(e.what());
+  }
+  if (!j.is_object()) throw corrupt("not a JSON object");
+  if (!j.contains("files") || !j["files"].is_object()) throw corrupt("no \"files\" object");
+  Manifest m;
+  for (const auto& [rel, entry] : j["files"].items()) {
+    if (!is_safe_relative(rel)) throw corrupt(str("file path '", rel, "' is not a plain relative path"));
+    if (!entry.is_object() || !entry.contains("bytes") || !entry["bytes"].is_number_unsigned() ||
+        !entry.contains("sha256") || !entry["sha256"].is_string() || !is_hex_digest(entry["sha256"].get<std::string>()))
+      throw corrupt(str("entry of '", rel, "' is not {\"sha256\": <64 hex digits>, \"bytes\": <count>}"));
+    m.files[rel] = FileDigest{entry["bytes"].get<uint64_t>(), entry["sha256"].get<std::string>()};
+  }
+  j.erase("files");
+  m.fields = std::move(j);
+  return m;
+}
+
+Manifest verify_checkpoint_dir(const fs::path& dir, bool checksums) {
+  Manifest m = read_manifest(dir);
+  for (const auto& [rel, digest] : m.files) {
+    fs::path p = dir / rel;
+    std::error_code ec;
+    if (!fs::is_regular_file(p, ec))
+      throw Error(str("checkpoint '", dir.string(), "' is missing '", rel,
+                      "' listed in its manifest; resume from another checkpoint"));
+    uint64_t bytes = fs::file_size(p, ec);
+    if (ec) throw Error(str("checkpoint '", dir.string(), "': cannot stat '", rel, "': ", ec.message()));
+    if (bytes != digest.bytes)
+      throw Error(str("checkpoint '", dir.string(), "': '", rel, "' is ", bytes, " bytes but the manifest says ",
+                      digest.bytes, " (truncated or overwritten); resume from another checkpoint"));
+    if (checksums) {
+      std::string actual = sha256_file(p);
+      if (actual != digest.sha256)
+        throw Error(str("checkpoint '", dir.string(), "': '", rel, "' has SHA-256 ", actual, " but the manifest says ",
+                        digest.sha256, " (corrupt); resume from another checkpoint"));
+    }
+  }
+  return m;
+}
+
+}  // namespace loom
