@@ -1,0 +1,303 @@
+// loom data: the sentencepiece tokenizer, llm.c token shards, `prepare` (text ->
+// tokenizer + train/val shards + dataset.json) and the sharded, resumable loader.
+// docs/data.md describes the file formats and the loader's semantics.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json_fwd.hpp>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "loom/core.h"
+
+namespace loom {
+
+// ---------------------------------------------------------------------------
+// Text
+// ---------------------------------------------------------------------------
+
+// Byte offset of the first byte that does not start a well-formed UTF-8
+// sequence (overlong forms, surrogates, code points above U+10FFFF and
+// truncated sequences are all invalid), or nullopt for valid text.
+std::optional<size_t> invalid_utf8_offset(std::string_view text);
+
+// Unicode code points in valid UTF-8 text: the "characters" that per-character
+// loss is measured in, so a byte-level and a BPE model compare on one scale.
+int64_t count_utf8_chars(std::string_view text);
+
+// ---------------------------------------------------------------------------
+// Tokenizer
+// ---------------------------------------------------------------------------
+
+// The recommended vocabulary for small corpora such as tinyshakespeare: large
+// enough for ~2.8 characters per token, small enough that the embedding and the
+// logits stay a modest part of a small model's compute and every token is seen
+// often in 1 MB of text (docs/data.md has the measurements).
+constexpr int kDefaultVocabSize = 2048;
+
+struct TokenizerTrainOptions {
+  int vocab_size = kDefaultVocabSize;
+  // Seeds sentencepiece's random generator, so training is deterministic.
+  uint32_t seed = 1234;
+};
+
+// A byte-fallback BPE sentencepiece model that reproduces its input exactly:
+// decode(encode(text)) == text for every valid UTF-8 string, including
+// newlines (a token of their own), runs of spaces, tabs and any code point.
+// Immutable after construction, so encode/decode may be called concurrently.
+class Tokenizer {
+ public:
+  // Trains on `text` (valid UTF-8) and writes the model to `model_path`
+  // atomically. Deterministic: the same text and options give the same bytes.
+  static Tokenizer train(std::string_view text, const std::filesystem::path& model_path,
+                         const TokenizerTrainOptions& opts = {});
+  // The same, reading the text from `text_path`.
+  static Tokenizer train_file(const std::filesystem::path& text_path, const std::filesystem::path& model_path,
+                              const TokenizerTrainOptions& opts = {});
+  // Throws Error naming the path when it is missing, unreadable or not a
+  // sentencepiece model.
+  static Tokenizer load(const std::filesystem::path& model_path);
+
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+  ~Tokenizer();
+
+  // Throws Error giving the byte offset of invalid UTF-8.
+  std::vector<int32_t> encode(std::string_view text) const;
+  // Throws Error naming an id outside [0, vocab_size()).
+  std::string decode(std::span<const int32_t> ids) const;
+  // The bytes of one token, for printing tokens as they are generated: byte
+  // pieces give their raw byte (a character may span several tokens, so the
+  // concatenation, not each piece, is UTF-8), control tokens give "".
+  // Concatenating decode_piece over ids equals decode(ids).
+  std::string decode_piece(int32_t id) const;
+
+  int vocab_size() const;
+  std::optional<int32_t> bos_id() const;
+  std::optional<int32_t> eos_id() const;
+  const std::filesystem::path& path() const;
+
+ private:
+  struct Impl;
+  explicit Tokenizer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---------------------------------------------------------------------------
+// Token shards (llm.c's .bin format)
+// ---------------------------------------------------------------------------
+//
+// A header of 256 little-endian int32: [0] magic, [1] version, [2] token count,
+// the rest zero; then `count` little-endian tokens. Versions of magic 20240520:
+//   1  uint16 tokens (llm.c's GPT-2 shards, byte for byte)
+//   2  uint32 tokens (loom's extension for vocabularies above 65536)
+// llm.c's own uint32 shards (magic 20240801, version 7, written by its LLaMA-3
+// tooling) are read as well, so every shard llm.c writes loads unchanged.
+
+constexpr int32_t kShardMagic = 20240520;
+constexpr int32_t kShardVersionU16 = 1;
+constexpr int32_t kShardVersionU32 = 2;
+constexpr int32_t kLlmcU32ShardMagic = 20240801;
+constexpr int32_t kLlmcU32ShardVersion = 7;
+constexpr int kShardHeaderInts = 256;
+constexpr size_t kShardHeaderBytes = kShardHeaderInts * sizeof(int32_t);
+
+// Writes `tokens` atomically (temp file, fsync, rename): readers never see a
+// half-written shard. Version 1 when vocab_size <= 65536, else version 2.
+// Throws Error naming the first token outside [0, vocab_size).
+void write_token_shard(const std::filesystem::path& path, std::span<const int32_t> tokens, int vocab_size);
+
+// A read-only, memory-mapped shard, validated on open: magic, version and the
+// header's count against the file size (Error naming the file and the problem).
+class TokenShard {
+ public:
+  explicit TokenShard(const std::filesystem::path& path);
+  TokenShard(TokenShard&&) noexcept;
+  TokenShard& operator=(TokenShard&&) noexcept;
+  TokenShard(const TokenShard&) = delete;
+  TokenShard& operator=(const TokenShard&) = delete;
+  ~TokenShard();
+
+  const std::filesystem::path& path() const { return path_; }
+  int64_t size() const { return count_; }
+  int token_bytes() const { return token_bytes_; }
+  int32_t token(int64_t i) const;
+  // out[j] = token(start + j); the range must lie within the shard.
+  void read(int64_t start, std::span<int32_t> out) const;
+  // Scans the shard (-1 when empty), so a trainer can hold the data against its
+  // model's vocabulary before training.
+  int64_t max_token_id() const;
+
+ private:
+  std::filesystem::path path_;
+  const uint8_t* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  int64_t count_ = 0;
+  int token_bytes_ = 2;
+};
+
+// ---------------------------------------------------------------------------
+// prepare: text -> tokenizer + train/val shards + dataset.json
+// ---------------------------------------------------------------------------
+
+struct SplitInfo {
+  std::filesystem::path file;  // absolute once read; relative to the dataset in JSON
+  int64_t tokens = 0;
+  int64_t chars = 0;  // Unicode code points
+  int64_t bytes = 0;  // UTF-8 bytes
+  // loss per character = loss per token / chars_per_token().
+  double chars_per_token() const { return tokens > 0 ? static_cast<double>(chars) / tokens : 0.0; }
+};
+
+// What `prepare` wrote, from <dir>/dataset.json.
+struct DatasetInfo {
+  std::filesystem::path dir;
+  std::vector<std::string> sources;  // the input files, in order
+  double val_fraction = 0.0;
+  int vocab_size = 0;
+  std::filesystem::path tokenizer;  // absolute once read
+  // Recorded so a dataset is never decoded with a tokenizer other than the one
+  // that encoded it.
+  std::string tokenizer_sha256;
+  SplitInfo train, val;
+
+  // Throws Error naming the file when it is missing, not JSON or lacks a key.
+  static DatasetInfo read(const std::filesystem::path& dir);
+  // Writes <dir>/dataset.json atomically.
+  void write() const;
+};
+
+struct PrepareOptions {
+  std::vector<std::filesystem::path> inputs{};  // UTF-8 text, concatenated in order
+  std::filesystem::path out_dir{};
+  // Train a new tokenizer on the train split (empty), or reuse this model file.
+  std::filesystem::path tokenizer{};
+  // 0: kDefaultVocabSize when training, the model's own when reusing; when
+  // reusing, any other value must equal the model's.
+  int vocab_size = 0;
+  // The validation split is the end of the corpus from the first line start at
+  // or after (1 - val_fraction) of its bytes (from that byte itself when no
+  // line starts between there and the end): deterministic.
+  double val_fraction = 0.1;
+  // Each split must hold at least seq_len + 1 tokens (one training sequence).
+  int seq_len = 256;
+  uint32_t seed = 1234;  // tokenizer training
+};
+
+// Checks options, inputs (readable, UTF-8), split sizes and a reused
+// tokenizer's vocabulary before writing anything; then writes
+// <out>/tokenizer.model, tokenizes, checks the token counts and the round trip,
+// and writes train.bin, val.bin and, last, so that its presence marks a
+// complete dataset, dataset.json.
+DatasetInfo prepare_dataset(const PrepareOptions& opts);
+
+// ---------------------------------------------------------------------------
+// Training loader
+// ---------------------------------------------------------------------------
+//
+// The shards are cut into windows of T + 1 tokens (inputs are the first T,
+// targets the last T) that never straddle two shards. Each epoch visits every
+// window once in an order that is a pure function of (seed, epoch, index), and
+// with shuffling each shard's windows start at an offset in [0, T) drawn per
+// (seed, epoch, shard), so epochs see different cuts of the text. Step k of an
+// epoch is the global batch of G windows at order positions [k*G, (k+1)*G);
+// dp rank r takes [r*G/D, (r+1)*G/D) of it in micro-batches of B. The global
+// batch is thus the same whatever D is; the last (windows mod G) positions of
+// an epoch's order are skipped so every step is full.
+
+struct LoaderOptions {
+  std::vector<std::filesystem::path> shards{};
+  int seq_len = 0;       // T
+  int micro_batch = 0;   // B: sequences per rank per next()
+  int global_batch = 0;  // G: sequences per optimizer step over all dp ranks,
+                         // a multiple of B * dp_size (the rest is accumulation)
+  int dp_rank = 0;
+  int dp_size = 1;
+  uint64_t seed = 0;
+  bool shuffle = true;
+};
+
+// Where a loader is: plain data for checkpoints. Saved between steps (micro ==
+// 0) it is the same on every rank, and restores under another dp_size.
+struct LoaderState {
+  int64_t epoch = 0;
+  int64_t step = 0;   // global batch within the epoch
+  int64_t micro = 0;  // micro-batches of this rank's slice already served
+  bool operator==(const LoaderState&) const = default;
+};
+void to_json(nlohmann::json& j, const LoaderState& s);
+void from_json(const nlohmann::json& j, LoaderState& s);
+
+class TokenLoader {
+ public:
+  // Opens and validates every shard; throws Error naming a shard shorter than
+  // T + 1 tokens, or the counts when the shards hold fewer than G windows.
+  explicit TokenLoader(const LoaderOptions& opts);
+
+  // Fills B*T inputs and targets (row-major [B, T]) with the next micro-batch
+  // and returns the position of its first sequence within the global batch, for
+  // layout-independent dropout masks.
+  int64_t next(std::span<int32_t> inputs, std::span<int32_t> targets);
+
+  LoaderState state() const { return state_; }
+  // Throws Error when the state lies outside this loader's epoch.
+  void restore(const LoaderState& state);
+
+  int64_t windows_per_epoch() const { return windows_per_epoch_; }
+  int64_t steps_per_epoch() const { return windows_per_epoch_ / opts_.global_batch; }
+  int micro_batches_per_step() const { return opts_.global_batch / (opts_.dp_size * opts_.micro_batch); }
+  // Throws Error naming the first shard holding a token >= vocab_size, with its
+  // largest id and the vocabulary.
+  void check_vocab(int vocab_size) const;
+  const std::vector<TokenShard>& shards() const { return shards_; }
+
+ private:
+  LoaderOptions opts_;
+  std::vector<TokenShard> shards_;
+  std::vector<int64_t> first_window_;  // per shard, prefix sums of windows
+  int64_t windows_per_epoch_ = 0;
+  LoaderState state_;
+};
+
+// ---------------------------------------------------------------------------
+// Evaluation loader
+// ---------------------------------------------------------------------------
+//
+// Every non-overlapping window [i*T, i*T + T + 1) of every shard, in order, no
+// shuffling. Dp rank r evaluates windows [r*W/D, (r+1)*W/D) of the W windows;
+// every rank runs the same number of batches (a collective per batch stays
+// matched), padding short ones with input 0 and target -1, which the
+// cross-entropy kernel ignores.
+
+class EvalLoader {
+ public:
+  EvalLoader(const std::vector<std::filesystem::path>& shards, int seq_len, int micro_batch, int dp_rank = 0,
+             int dp_size = 1);
+
+  // Fills the next B*T inputs and targets and returns how many rows are real
+  // (possibly 0 on a rank with fewer windows); nullopt once every batch has
+  // been served, after which `reset` starts over.
+  std::optional<int> next(std::span<int32_t> inputs, std::span<int32_t> targets);
+  void reset() { batch_ = 0; }
+
+  int64_t total_windows() const { return first_window_.back(); }
+  int64_t rank_windows() const { return end_ - begin_; }
+  int64_t batches() const { return batches_; }
+  // The target tokens the whole split's evaluation covers (all ranks).
+  int64_t target_tokens() const { return total_windows() * seq_len_; }
+  void check_vocab(int vocab_size) const;
+
+ private:
+  std::vector<TokenShard> shards_;
+  std::vector<int64_t> first_window_;
+  int seq_len_;
+  int micro_batch_;
+  int64_t begin_ = 0, end_ = 0, batches_ = 0, batch_ = 0;
+};
+
+}  // namespace loom

@@ -1,0 +1,70 @@
+#include <nlohmann/json.hpp>
+
+#include "data/file_io.h"
+#include "loom/data.h"
+#include "loom/io.h"
+
+namespace loom {
+
+namespace {
+
+constexpr std::string_view kFileName = "dataset.json";
+constexpr std::string_view kFormat = "loom.dataset";
+constexpr int kFormatVersion = 1;
+
+nlohmann::json split_json(const SplitInfo& s) {
+  return {{"file", s.file.filename().string()},
+          {"tokens", s.tokens},
+          {"chars", s.chars},
+          {"bytes", s.bytes},
+          {"chars_per_token", s.chars_per_token()}};
+}
+
+SplitInfo split_from_json(const nlohmann::json& j, const std::filesystem::path& dir) {
+  SplitInfo s;
+  s.file = dir / j.at("file").get<std::string>();
+  s.tokens = j.at("tokens").get<int64_t>();
+  s.chars = j.at("chars").get<int64_t>();
+  s.bytes = j.at("bytes").get<int64_t>();
+  return s;
+}
+
+}  // namespace
+
+DatasetInfo DatasetInfo::read(const std::filesystem::path& dir_or_file) {
+  const bool is_file = dir_or_file.filename() == kFileName;
+  const std::filesystem::path file = is_file ? dir_or_file : dir_or_file / kFileName;
+  std::string text = data::read_file(file, "dataset description");
+  DatasetInfo info;
+  info.dir = std::filesystem::absolute(file).parent_path();
+  try {
+    auto j = nlohmann::json::parse(text);
+    if (j.at("format").get<std::string>() != kFormat || j.at("format_version").get<int>() != kFormatVersion)
+      throw Error(
+          str(file, " is not a ", kFormat, " version ", kFormatVersion, " description; run `loom prepare` again"));
+    info.sources = j.at("sources").get<std::vector<std::string>>();
+    info.val_fraction = j.at("val_fraction").get<double>();
+    info.vocab_size = j.at("vocab_size").get<int>();
+    info.tokenizer = info.dir / j.at("tokenizer").at("file").get<std::string>();
+    info.tokenizer_sha256 = j.at("tokenizer").at("sha256").get<std::string>();
+    info.train = split_from_json(j.at("train"), info.dir);
+    info.val = split_from_json(j.at("val"), info.dir);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(str("dataset description ", file, " is malformed (", e.what(), "); run `loom prepare` again"));
+  }
+  return info;
+}
+
+void DatasetInfo::write() const {
+  nlohmann::json j = {{"format", kFormat},
+                      {"format_version", kFormatVersion},
+                      {"sources", sources},
+                      {"val_fraction", val_fraction},
+                      {"vocab_size", vocab_size},
+                      {"tokenizer", {{"file", tokenizer.filename().string()}, {"sha256", tokenizer_sha256}}},
+                      {"train", split_json(train)},
+                      {"val", split_json(val)}};
+  write_file_atomic(dir / kFileName, j.dump(2) + "\n");
+}
+
+}  // namespace loom
