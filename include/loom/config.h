@@ -89,7 +89,8 @@ size_t parse_bytes(std::string_view text);
 // file:line, override, JSON) so cross-field errors can point at it.
 class Config {
  public:
-  explicit Config(const ConfigSchema& schema);  // every key at its default
+  // Every key at its default. The schema must outlive the Config (loom_schema() does).
+  explicit Config(const ConfigSchema& schema);
 
   const ConfigSchema& schema() const { return *schema_; }
 
