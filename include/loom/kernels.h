@@ -33,6 +33,11 @@ void set_num_threads(int n);
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
           const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
+// This machine's cblas_sgemm GFLOP/s with the calling thread's budget on an
+// n x n x n product (best of `reps` after a warm-up): the baseline that MFU
+// and the benchmarks' ratios are quoted against.
+double measure_sgemm_gflops(int64_t n = 2048, int reps = 5);
+
 // ---------------------------------------------------------------------------
 // Linear: out[N,OC] = inp[N,C] @ weight[OC,C]^T + bias[OC] (PyTorch layout).
 // bias may be null. backward: dinp += dout @ weight (skipped if dinp is null),

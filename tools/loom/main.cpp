@@ -1,6 +1,151 @@
+// The `loom` command line: prepare, train, generate, eval, export.
+#include <CLI/CLI.hpp>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 
-int main() {
-  std::puts("loom");
+#include "loom/config.h"
+#include "loom/data.h"
+#include "loom/io.h"
+#include "loom/train.h"
+
+namespace fs = std::filesystem;
+using namespace loom;
+
+namespace {
+
+// A trained model loaded from a checkpoint, with its tokenizer.
+struct LoadedModel {
+  CheckpointInfo info;
+  GPT model;
+  ParamStore params;
+  Tokenizer tokenizer;
+
+  explicit LoadedModel(const fs::path& checkpoint)
+      : info(read_checkpoint_info(resolve_checkpoint(checkpoint))),
+        model(checkpoint_model_config(info)),
+        params(model.layout(), 0),
+        tokenizer(Tokenizer::load(info.fields.at("tokenizer").get<std::string>())) {
+    load_weights(info, model, params);
+  }
+};
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  Config cfg(loom_schema());
+  if (!path.empty()) cfg.load_toml(path);
+  for (const std::string& o : overrides) cfg.set_override(o);
+  return cfg;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"loom: train GPT-class transformers in C++"};
+  app.require_subcommand(1);
+
+  // prepare
+  auto* prepare = app.add_subcommand("prepare", "train a tokenizer and write train/val token shards");
+  std::vector<std::string> texts;
+  std::string prep_out, prep_tokenizer;
+  int prep_vocab = 0, prep_seq = 256;
+  double prep_val = 0.1;
+  prepare->add_option("--text", texts, "UTF-8 text file(s)")->required();
+  prepare->add_option("--out", prep_out, "output directory")->required();
+  prepare->add_option("--tokenizer", prep_tokenizer, "reuse this sentencepiece model instead of training one");
+  prepare->add_option("--vocab", prep_vocab, "vocabulary size of a new tokenizer");
+  prepare->add_option("--val-fraction", prep_val, "share of the corpus (from its end) for validation");
+  prepare->add_option("--seq-len", prep_seq, "training context, to check each split is long enough");
+
+  // train
+  auto* train = app.add_subcommand("train", "train a model from a TOML config");
+  std::string config_path = "configs/shakespeare.toml";
+  std::vector<std::string> overrides;
+  bool resume = false;
+  int64_t stop_after = 0;
+  train->add_option("--config", config_path, "TOML config")->capture_default_str();
+  train->add_option("--set", overrides, "override a key: --set model.n_layer=6 (repeatable)");
+  train->add_flag("--resume", resume, "continue from the latest checkpoint in train.out_dir");
+  train->add_option("--stop-after", stop_after, "stop after this step as if interrupted (checkpoints first)");
+
+  // generate
+  auto* gen = app.add_subcommand("generate", "sample text from a checkpoint");
+  std::string ckpt, prompt = "\n";
+  int64_t max_tokens = 200;
+  SampleOptions so;
+  gen->add_option("--checkpoint", ckpt, "checkpoint directory, or a run directory (uses latest)")->required();
+  gen->add_option("--prompt", prompt, "text to continue");
+  gen->add_option("--tokens", max_tokens, "tokens to generate");
+  gen->add_option("--temperature", so.temperature, "0 = greedy")->capture_default_str();
+  gen->add_option("--top-k", so.top_k, "keep the k most likely tokens; 0 = all");
+  gen->add_option("--top-p", so.top_p, "nucleus: keep the most likely tokens up to this probability");
+  gen->add_option("--seed", so.seed, "sampling seed")->capture_default_str();
+
+  // eval
+  auto* eval = app.add_subcommand("eval", "mean loss of a checkpoint over a token-shard file");
+  std::string eval_data;
+  int64_t eval_seq = 0, eval_batch = 8;
+  eval->add_option("--checkpoint", ckpt, "checkpoint directory, or a run directory (uses latest)")->required();
+  eval->add_option("--data", eval_data, "token shard (.bin); its dataset.json gives chars per token")->required();
+  eval->add_option("--seq-len", eval_seq, "window length; default: the model's context");
+  eval->add_option("--batch", eval_batch, "sequences per forward");
+
+  // export
+  auto* exp = app.add_subcommand("export", "write Hugging Face GPT-2 config.json + model.safetensors");
+  std::string export_out;
+  exp->add_option("--checkpoint", ckpt, "checkpoint directory, or a run directory (uses latest)")->required();
+  exp->add_option("--out", export_out, "output directory")->required();
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (prepare->parsed()) {
+      PrepareOptions po;
+      for (const std::string& t : texts) po.inputs.emplace_back(t);
+      po.out_dir = prep_out;
+      po.tokenizer = prep_tokenizer;
+      po.vocab_size = prep_vocab;
+      po.val_fraction = prep_val;
+      po.seq_len = prep_seq;
+      const DatasetInfo d = prepare_dataset(po);
+      std::printf("wrote %s: vocabulary %d, %lld train and %lld val tokens, %.3f chars/token\n",
+                  d.dir.string().c_str(), d.vocab_size, static_cast<long long>(d.train.tokens),
+                  static_cast<long long>(d.val.tokens), d.train.chars_per_token());
+    } else if (train->parsed()) {
+      RunOptions run;
+      run.resume = resume;
+      run.stop_after = stop_after;
+      run_training(load_config(config_path, overrides), run);
+    } else if (gen->parsed()) {
+      LoadedModel m(ckpt);
+      std::printf("%s", prompt.c_str());
+      generate(m.model, m.params, m.tokenizer, prompt, max_tokens, so, [](const std::string& piece) {
+        std::fputs(piece.c_str(), stdout);
+        std::fflush(stdout);
+      });
+      std::printf("\n");
+    } else if (eval->parsed()) {
+      LoadedModel m(ckpt);
+      const fs::path data(eval_data);
+      double chars_per_token = 0.0;
+      std::error_code ec;
+      if (fs::exists(data.parent_path() / "dataset.json", ec)) {
+        const DatasetInfo d = DatasetInfo::read(data.parent_path());
+        if (d.tokenizer_sha256 != m.info.fields.value("tokenizer_sha256", std::string()))
+          throw Error(str("'", eval_data, "' was tokenized with ", d.tokenizer.string(),
+                          ", not the checkpoint's tokenizer: evaluate on data prepared with the same tokenizer"));
+        chars_per_token = fs::equivalent(data, d.val.file, ec) ? d.val.chars_per_token() : d.train.chars_per_token();
+      }
+      const int64_t T = eval_seq > 0 ? eval_seq : m.model.config().block_size;
+      const EvalResult r = evaluate(m.model, m.params, {data}, T, eval_batch, chars_per_token);
+      std::printf("loss %.6f nats/token", r.loss_per_token);
+      if (chars_per_token > 0) std::printf(", %.6f nats/char", r.loss_per_char);
+      std::printf(" over %lld tokens\n", static_cast<long long>(r.tokens));
+    } else if (exp->parsed()) {
+      LoadedModel m(ckpt);
+      export_hf_gpt2(m.model, m.params, export_out);
+      std::printf("wrote %s/config.json and %s/model.safetensors\n", export_out.c_str(), export_out.c_str());
+    }
+  } catch (const Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
   return 0;
 }

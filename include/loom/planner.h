@@ -1,0 +1,36 @@
+// loom planner: what a training step costs in memory and FLOPs, computed from
+// shapes alone. The benchmarks and tests hold the allocator's measured
+// figures against these, and a run can be checked against its budgets
+// before anything is allocated.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom/nn.h"
+
+namespace loom {
+
+// Model FLOPs of one training step (forward + backward), Megatron-LM's count
+// (Narayanan et al. 2021) without recompute:
+//   72 B s L h^2 (1 + s/(6h) + V/(12 L h)).
+double training_flops_per_step(const GPTConfig& cfg, int64_t B, int64_t T);
+
+struct MemoryTerm {
+  std::string name;
+  double bytes;
+};
+
+// Peak device bytes of one fp32 single-rank training step, term by term:
+// model state (parameters, gradients, AdamW moments: 16 bytes/parameter) and
+// what loom's modules hold at the moment of the peak, which is either the
+// output head's backward (large vocabularies) or the last block's backward.
+struct StepMemoryEstimate {
+  std::string phase;  // where the peak occurs
+  std::vector<MemoryTerm> terms;
+  double total() const;
+};
+StepMemoryEstimate estimate_step_memory(const GPTConfig& cfg, int64_t B, int64_t T, bool checkpoint_activations);
+
+}  // namespace loom

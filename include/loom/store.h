@@ -1,0 +1,111 @@
+// loom stores: who owns the bytes of parameters, gradients and optimizer state.
+//
+// Modules never own parameter memory. A model declares its parameters in a
+// ParamLayout (name, shape, init, group); the stores allocate and place them.
+// Around each group's forward and backward the model calls acquire/release on
+// the ParamStore, and after a group's backward it tells the GradStore that the
+// group's gradients are complete. In the single-rank reference these calls are
+// cheap bookkeeping; they are the seams where data parallelism reduces
+// gradients, ZeRO gathers and frees parameter shards, and offload moves chunks.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "loom/core.h"
+
+namespace loom {
+
+// How a parameter's initial values are drawn. Every element's value is a pure
+// function of (seed, parameter name, element index), so any shard of any
+// layout initializes itself without materializing the whole tensor.
+struct ParamInit {
+  enum class Kind : uint8_t { normal, constant } kind = Kind::normal;
+  float mean = 0.0f;  // for normal; the value for constant
+  float std = 0.02f;
+
+  static ParamInit normal_(float std) { return {Kind::normal, 0.0f, std}; }
+  static ParamInit constant(float value) { return {Kind::constant, value, 0.0f}; }
+};
+
+struct ParamSpec {
+  std::string name;  // global name, e.g. "h.3.attn.c_attn.weight"
+  Shape shape;       // global shape
+  ParamInit init;
+  bool weight_decay = true;  // AdamW decays matrices and embeddings, not biases or norms
+  int group = 0;             // unit of acquisition (a module: embedding, one block, final norm)
+  int64_t offset = 0;        // first element in the flat parameter space
+  int64_t numel() const { return shape_numel(shape); }
+};
+
+// The flat parameter space of a model: every parameter in declaration order,
+// packed back to back. Groups are contiguous ranges of it.
+class ParamLayout {
+ public:
+  int add_group(std::string name);
+  int add(std::string name, Shape shape, ParamInit init, bool weight_decay, int group);
+
+  const std::vector<ParamSpec>& params() const { return params_; }
+  const ParamSpec& param(int id) const { return params_.at(static_cast<size_t>(id)); }
+  int find(std::string_view name) const;  // -1 if absent
+  int num_groups() const { return static_cast<int>(group_names_.size()); }
+  const std::string& group_name(int g) const { return group_names_.at(static_cast<size_t>(g)); }
+  // [begin, end) of group g in the flat space.
+  std::pair<int64_t, int64_t> group_range(int g) const;
+  int64_t numel() const { return numel_; }
+
+  // Writes the initial values of flat elements [first, first + n) into out.
+  void initialize(float* out, int64_t first, int64_t n, uint64_t seed) const;
+
+ private:
+  std::vector<ParamSpec> params_;
+  std::vector<std::string> group_names_;
+  std::vector<std::pair<int64_t, int64_t>> group_ranges_;
+  int64_t numel_ = 0;
+};
+
+// Parameters of one rank. The reference store keeps the whole flat space in
+// one buffer on the device tier.
+class ParamStore {
+ public:
+  ParamStore(const ParamLayout& layout, uint64_t seed);
+  virtual ~ParamStore() = default;
+
+  const ParamLayout& layout() const { return layout_; }
+
+  // The group's parameters are usable between acquire and release.
+  virtual void acquire(int group);
+  virtual void release(int group);
+  // The full parameter `id` (valid while its group is acquired).
+  Tensor param(int id) const;
+
+  // Everything this rank holds, as one flat tensor (the optimizer's view).
+  Tensor flat() const { return flat_; }
+
+ protected:
+  const ParamLayout& layout_;
+  Tensor flat_;
+};
+
+// Gradients of one rank. `group_ready` is called by the model when a group's
+// gradients for the current micro-batch are complete; the data-parallel
+// GradStore starts reducing there.
+class GradStore {
+ public:
+  explicit GradStore(const ParamLayout& layout);
+  virtual ~GradStore() = default;
+
+  Tensor grad(int id) const;
+  Tensor flat() const { return flat_; }
+  void zero();
+  virtual void group_ready(int group);
+  // Blocks until every reduction started by group_ready has finished.
+  virtual void finish() {}
+
+ protected:
+  const ParamLayout& layout_;
+  Tensor flat_;
+};
+
+}  // namespace loom

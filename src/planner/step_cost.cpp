@@ -1,0 +1,57 @@
+#include "loom/planner.h"
+
+namespace loom {
+
+double training_flops_per_step(const GPTConfig& cfg, int64_t B, int64_t T) {
+  const double s = static_cast<double>(T), h = static_cast<double>(cfg.n_embd);
+  const double L = static_cast<double>(cfg.n_layer), V = static_cast<double>(cfg.vocab_size);
+  return 72.0 * static_cast<double>(B) * s * L * h * h * (1.0 + s / (6.0 * h) + V / (12.0 * L * h));
+}
+
+double StepMemoryEstimate::total() const {
+  double sum = 0.0;
+  for (const MemoryTerm& t : terms) sum += t.bytes;
+  return sum;
+}
+
+StepMemoryEstimate estimate_step_memory(const GPTConfig& cfg, int64_t B, int64_t T, bool checkpoint_activations) {
+  const double f = 4.0;  // fp32
+  const double N = static_cast<double>(B * T), C = static_cast<double>(cfg.n_embd);
+  const double L = static_cast<double>(cfg.n_layer), V = static_cast<double>(cfg.vocab_size);
+  const double H = static_cast<double>(cfg.n_head);
+  const double P = static_cast<double>(cfg.num_params());
+  std::vector<MemoryTerm> state = {
+      {"parameters", f * P}, {"gradients", f * P}, {"adamw moments", 2.0 * f * P}};
+  // What one block keeps for backward: its input x, ln_1 out, qkv (3C),
+  // attention out, the residual r, ln_2 out, fc and GELU out (4C each) =
+  // 16 N C; the LayerNorms' mean and rstd (4 N); attention's log-sum-exp (H N).
+  const double full_block = 16.0 * N * C + 4.0 * N + H * N;
+  // With checkpointing a block keeps only its input until backward rebuilds it.
+  const double kept_block = checkpoint_activations ? N * C : full_block;
+
+  // Peak candidate 1, the head's backward: every block's activations, the
+  // last block's output and ln_f's (with mean and rstd), the logits (their
+  // gradient overwrites them in place) with log-sum-exp and loss weights, and
+  // the head's input gradient.
+  StepMemoryEstimate head;
+  head.phase = "output head backward";
+  head.terms = state;
+  head.terms.push_back({"block activations", f * L * kept_block});
+  head.terms.push_back({"final norm", f * (2.0 * N * C + 2.0 * N)});
+  head.terms.push_back({"logits", f * (N * V + 2.0 * N)});
+  head.terms.push_back({"head input gradient", f * N * C});
+
+  // Peak candidate 2, the last block's MLP backward: every block's
+  // activations (the last one rebuilt in full under checkpointing), the
+  // residual-stream gradient, the LayerNorm input gradient and the MLP's two
+  // [N, 4C] gradient buffers.
+  StepMemoryEstimate block;
+  block.phase = "last block backward";
+  block.terms = state;
+  block.terms.push_back({"block activations", f * ((L - 1.0) * kept_block + full_block)});
+  block.terms.push_back({"backward buffers", f * (N * C + N * C + 8.0 * N * C)});
+
+  return head.total() >= block.total() ? head : block;
+}
+
+}  // namespace loom

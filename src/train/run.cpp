@@ -1,0 +1,230 @@
+// `loom train`: the main job. Config -> validated plan -> dataset (prepared
+// on first use) -> training loop with progress, JSONL metrics, periodic
+// validation and checkpoints -> final validation and a sample.
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "loom/config.h"
+#include "loom/data.h"
+#include "loom/io.h"
+#include "loom/kernels.h"
+#include "loom/planner.h"
+#include "loom/train.h"
+
+namespace loom {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+double seconds_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string format_duration(double s) {
+  const int64_t t = static_cast<int64_t>(s + 0.5);
+  char buf[32];
+  if (t >= 3600)
+    std::snprintf(buf, sizeof buf, "%lldh%02lldm", static_cast<long long>(t / 3600),
+                  static_cast<long long>(t / 60 % 60));
+  else
+    std::snprintf(buf, sizeof buf, "%lldm%02llds", static_cast<long long>(t / 60), static_cast<long long>(t % 60));
+  return buf;
+}
+
+// The dataset a config names: data.dir if it holds a prepared dataset, else
+// data.text prepared into data.dir.
+DatasetInfo ensure_dataset(const Config& cfg, int64_t seq_len, bool quiet) {
+  const fs::path dir = cfg.get<std::string>("data.dir");
+  std::error_code ec;
+  if (fs::exists(dir / "dataset.json", ec)) return DatasetInfo::read(dir);
+  const std::string text = cfg.get<std::string>("data.text");
+  if (text.empty())
+    throw Error(str("data.dir '", dir.string(), "' holds no prepared dataset (dataset.json) and data.text is empty: "
+                    "run `loom prepare` or set data.text to a UTF-8 text file"));
+  if (!quiet) std::printf("preparing %s into %s ...\n", text.c_str(), dir.string().c_str());
+  PrepareOptions po;
+  po.inputs = {text};
+  po.out_dir = dir;
+  po.vocab_size = static_cast<int>(cfg.get<int64_t>("data.vocab_size"));
+  po.val_fraction = cfg.get<double>("data.val_fraction");
+  po.seq_len = static_cast<int>(seq_len);
+  return prepare_dataset(po);
+}
+
+class MetricsLog {
+ public:
+  explicit MetricsLog(const fs::path& path) : out_(path, std::ios::app) {
+    if (!out_) throw Error(str("cannot open metrics file '", path.string(), "' for appending"));
+  }
+  void write(const nlohmann::json& record) {
+    out_ << record.dump() << "\n";
+    out_.flush();
+  }
+
+ private:
+  std::ofstream out_;
+};
+
+}  // namespace
+
+EvalResult run_training(const Config& cfg, const RunOptions& run) {
+  const TrainPlan plan = plan_training(cfg);
+  const bool tty = isatty(STDOUT_FILENO) && !run.quiet;
+  auto say = [&](const std::string& line) {
+    if (!run.quiet) std::printf("%s\n", line.c_str());
+    std::fflush(stdout);
+  };
+
+  const DatasetInfo data = ensure_dataset(cfg, plan.seq_len, run.quiet);
+  if (data.vocab_size > plan.model.vocab_size)
+    throw Error(str("the dataset in '", data.dir.string(), "' was tokenized with a vocabulary of ", data.vocab_size,
+                    " but model.vocab_size = ", plan.model.vocab_size,
+                    ": set model.vocab_size >= ", data.vocab_size, " or prepare the data with a smaller vocabulary"));
+  const Tokenizer tokenizer = Tokenizer::load(data.tokenizer);
+
+  LoaderOptions lo;
+  lo.shards = {data.train.file};
+  lo.seq_len = static_cast<int>(plan.seq_len);
+  lo.micro_batch = static_cast<int>(plan.micro_batch);
+  lo.global_batch = static_cast<int>(plan.global_batch);
+  lo.seed = plan.options.seed;
+  TokenLoader loader(lo);
+  loader.check_vocab(static_cast<int>(plan.model.vocab_size));
+
+  Trainer trainer(plan.model, plan.options);
+  fs::create_directories(plan.out_dir);
+  if (run.resume) {
+    auto latest = read_latest(plan.out_dir);
+    if (!latest)
+      throw Error(str("--resume: no checkpoint in '", plan.out_dir.string(),
+                      "' (no 'latest' file); start without --resume"));
+    CheckpointInfo info = load_checkpoint(*latest, trainer);
+    loader.restore(info.fields.at("loader").get<LoaderState>());
+    say(str("resumed from ", latest->string(), " at step ", info.step));
+  }
+
+  const double sgemm_gflops = cpu::measure_sgemm_gflops(1024, 3);
+  const double flops_per_step = training_flops_per_step(plan.model, plan.global_batch, plan.seq_len);
+  const int64_t tokens_per_step = plan.global_batch * plan.seq_len;
+  say(str("model: ", plan.model.n_layer, " layers, width ", plan.model.n_embd, ", ", plan.model.n_head,
+          " heads, vocab ", plan.model.vocab_size, ", context ", plan.model.block_size, " = ",
+          static_cast<double>(plan.model.num_params()) / 1e6, "M parameters"));
+  say(str("data: ", data.train.tokens, " train / ", data.val.tokens, " val tokens (", data.val.chars_per_token(),
+          " chars/token); ", plan.global_batch, " x ", plan.seq_len, " tokens per step in ", plan.accumulation,
+          " micro-batches; ", plan.steps, " steps; threads ", cpu::num_threads()));
+
+  MetricsLog metrics(plan.out_dir / "metrics.jsonl");
+  nlohmann::json checkpoint_fields = {{"config", cfg.to_json()},
+                                      {"tokenizer", data.tokenizer.string()},
+                                      {"tokenizer_sha256", data.tokenizer_sha256},
+                                      {"dataset", data.dir.string()}};
+  const int64_t log_interval = cfg.get<int64_t>("train.log_interval");
+  const int64_t eval_interval = cfg.get<int64_t>("train.eval_interval");
+  const int64_t eval_batches = cfg.get<int64_t>("train.eval_batches");
+  const int64_t ckpt_interval = cfg.get<int64_t>("train.checkpoint_interval");
+  const int64_t keep_last = cfg.get<int64_t>("train.keep_last");
+  Allocator& device = MemoryContext::current().tier(Tier::device);
+
+  auto validate = [&](int64_t max_batches) {
+    return evaluate(trainer.model(), trainer.params(), {data.val.file}, plan.seq_len, plan.micro_batch,
+                    data.val.chars_per_token(), max_batches);
+  };
+  auto checkpoint = [&] {
+    checkpoint_fields["loader"] = loader.state();
+    const fs::path dir = save_checkpoint(plan.out_dir, trainer, checkpoint_fields, keep_last);
+    say(str("checkpoint ", dir.string()));
+  };
+
+  std::vector<int32_t> inputs(static_cast<size_t>(plan.global_batch * plan.seq_len)), targets(inputs.size());
+  std::vector<MicroBatch> micro(static_cast<size_t>(plan.accumulation));
+  const int64_t first_step = trainer.steps_done();
+  const double t_start = seconds_now();
+  double t_window = t_start;
+  int64_t window_steps = 0;
+  for (int64_t step = first_step; step < plan.steps; ++step) {
+    for (int64_t m = 0; m < plan.accumulation; ++m) {
+      const size_t off = static_cast<size_t>(m * plan.micro_batch * plan.seq_len);
+      const std::span<int32_t> in(inputs.data() + off, static_cast<size_t>(plan.micro_batch * plan.seq_len));
+      const std::span<int32_t> tg(targets.data() + off, in.size());
+      const int64_t first_sequence = loader.next(in, tg);
+      micro[static_cast<size_t>(m)] = {in.data(), tg.data(), {plan.micro_batch, plan.seq_len}, first_sequence};
+    }
+    const StepStats st = trainer.step(micro);
+    ++window_steps;
+    const int64_t done = step + 1;
+
+    if (done % log_interval == 0 || done == plan.steps || done == first_step + 1) {
+      const double now = seconds_now();
+      const double step_time = (now - t_window) / static_cast<double>(window_steps);
+      const double tok_s = static_cast<double>(tokens_per_step) / step_time;
+      const double mfu = flops_per_step / step_time / 1e9 / sgemm_gflops;
+      const double eta = step_time * static_cast<double>(plan.steps - done);
+      metrics.write({{"step", done},
+                     {"loss", st.loss},
+                     {"lr", st.lr},
+                     {"grad_norm", st.grad_norm},
+                     {"tokens_per_s", tok_s},
+                     {"mfu", mfu},
+                     {"device_peak_bytes", device.peak()},
+                     {"elapsed_s", now - t_start},
+                     {"eta_s", eta}});
+      const std::string line = str("step ", done, "/", plan.steps, "  loss ", st.loss, "  lr ", st.lr, "  ",
+                                   static_cast<int64_t>(tok_s), " tok/s  MFU ", static_cast<int>(mfu * 100 + 0.5),
+                                   "%  mem ", format_bytes(static_cast<double>(device.peak())), "  ETA ",
+                                   format_duration(eta));
+      if (tty) {
+        std::printf("\r\033[K%s", line.c_str());
+        std::fflush(stdout);
+      } else {
+        say(line);
+      }
+      t_window = now;
+      window_steps = 0;
+    }
+    if (eval_interval > 0 && done % eval_interval == 0 && done != plan.steps) {
+      const EvalResult ev = validate(eval_batches);
+      metrics.write({{"step", done}, {"val_loss", ev.loss_per_token}, {"val_loss_per_char", ev.loss_per_char}});
+      if (tty) std::printf("\n");
+      say(str("step ", done, "  val loss ", ev.loss_per_token, " per token, ", ev.loss_per_char, " per char"));
+    }
+    if ((ckpt_interval > 0 && done % ckpt_interval == 0) || done == plan.steps) {
+      if (tty) std::printf("\n");
+      checkpoint();
+    }
+    if (run.stop_after > 0 && done >= run.stop_after && done < plan.steps) {
+      if (tty) std::printf("\n");
+      if (ckpt_interval == 0 || done % ckpt_interval != 0) checkpoint();
+      say(str("stopped after step ", done, " (--stop-after)"));
+      return {};
+    }
+  }
+  if (tty) std::printf("\n");
+
+  const EvalResult final_eval = validate(0);
+  metrics.write({{"step", plan.steps},
+                 {"final_val_loss", final_eval.loss_per_token},
+                 {"final_val_loss_per_char", final_eval.loss_per_char},
+                 {"train_seconds", seconds_now() - t_start}});
+  say(str("final validation loss: ", final_eval.loss_per_token, " nats/token, ", final_eval.loss_per_char,
+          " nats/char over ", final_eval.tokens, " tokens; trained in ", format_duration(seconds_now() - t_start)));
+
+  const int64_t sample_tokens = cfg.get<int64_t>("train.sample_tokens");
+  if (sample_tokens > 0 && !run.quiet) {
+    const std::string prompt = cfg.get<std::string>("train.sample_prompt");
+    SampleOptions so;
+    so.seed = plan.options.seed;
+    std::printf("--- sample ---\n%s", prompt.c_str());
+    generate(trainer.model(), trainer.params(), tokenizer, prompt, sample_tokens, so, [](const std::string& piece) {
+      std::fputs(piece.c_str(), stdout);
+      std::fflush(stdout);
+    });
+    std::printf("\n--------------\n");
+  }
+  return final_eval;
+}
+
+}  // namespace loom

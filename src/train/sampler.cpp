@@ -1,0 +1,78 @@
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "loom/data.h"
+#include "loom/train.h"
+
+namespace loom {
+
+int32_t sample_token(const float* logits, int64_t V, const SampleOptions& opts, uint64_t draw) {
+  if (opts.temperature <= 0.0f) return static_cast<int32_t>(std::max_element(logits, logits + V) - logits);
+  // Candidates by descending logit (ties by id, so the order is total).
+  std::vector<int32_t> order(static_cast<size_t>(V));
+  std::iota(order.begin(), order.end(), 0);
+  int64_t keep = opts.top_k > 0 ? std::min(opts.top_k, V) : V;
+  auto by_logit = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  std::partial_sort(order.begin(), order.begin() + keep, order.end(), by_logit);
+  order.resize(static_cast<size_t>(keep));
+
+  std::vector<double> p(order.size());
+  const double max_logit = logits[order[0]];
+  double sum = 0.0;
+  for (size_t i = 0; i < order.size(); ++i) {
+    p[i] = std::exp((logits[order[i]] - max_logit) / opts.temperature);
+    sum += p[i];
+  }
+  // Nucleus: the smallest prefix whose probability reaches top_p.
+  size_t n = order.size();
+  if (opts.top_p < 1.0f) {
+    double acc = 0.0;
+    for (size_t i = 0; i < order.size(); ++i) {
+      acc += p[i] / sum;
+      if (acc >= opts.top_p) {
+        n = i + 1;
+        break;
+      }
+    }
+    sum = std::accumulate(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(n), 0.0);
+  }
+  const double u = static_cast<double>(philox_uniform(stream_key(opts.seed, "sample"), draw)) * sum;
+  double acc = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    acc += p[i];
+    if (u < acc) return order[i];
+  }
+  return order[n - 1];
+}
+
+std::string generate(GPT& model, ParamStore& params, const Tokenizer& tok, const std::string& prompt,
+                     int64_t max_tokens, const SampleOptions& opts,
+                     const std::function<void(const std::string&)>& on_text) {
+  const GPTConfig& cfg = model.config();
+  std::vector<int32_t> context = tok.encode(prompt);
+  if (context.empty()) context.push_back(tok.eos_id().value_or(0));
+  std::string out;
+  KVCache cache(cfg, 1);
+  // The context window slides by re-encoding the last half of the block when
+  // the cache is full, so arbitrarily long samples work with learned positions.
+  std::vector<int32_t> pending = context;
+  for (int64_t i = 0; i < max_tokens; ++i) {
+    if (cache.length() + static_cast<int64_t>(pending.size()) > cfg.block_size) {
+      cache.clear();
+      const size_t keep = static_cast<size_t>(cfg.block_size / 2);
+      pending.assign(context.end() - static_cast<std::ptrdiff_t>(std::min(keep, context.size())), context.end());
+    }
+    Tensor logits = model.forward_cached(params, cache, pending.data(), static_cast<int64_t>(pending.size()));
+    const int32_t next = sample_token(logits.data<float>(), cfg.vocab_size, opts, static_cast<uint64_t>(i));
+    context.push_back(next);
+    pending.assign(1, next);
+    std::string piece = tok.decode_piece(next);
+    out += piece;
+    if (on_text) on_text(piece);
+  }
+  return out;
+}
+
+}  // namespace loom
