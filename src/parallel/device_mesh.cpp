@@ -1,0 +1,85 @@
+#include "loom/parallel.h"
+
+namespace loom {
+
+const char* mesh_axis_name(MeshAxis axis) {
+  switch (axis) {
+    case MeshAxis::pp: return "pp";
+    case MeshAxis::dp: return "dp";
+    case MeshAxis::ep: return "ep";
+    case MeshAxis::sp: return "sp";
+    case MeshAxis::tp: return "tp";
+  }
+  LOOM_CHECK(false, "unknown mesh axis");
+}
+
+MeshAxis parse_mesh_axis(std::string_view name) {
+  for (MeshAxis axis : kMeshAxes)
+    if (name == mesh_axis_name(axis)) return axis;
+  throw Error(str("unknown mesh axis '", name, "': use dp, pp, tp, sp or ep"));
+}
+
+MeshShape MeshShape::from(const std::map<std::string, int>& sizes) {
+  MeshShape shape;
+  for (const auto& [name, size] : sizes) shape[parse_mesh_axis(name)] = size;
+  return shape;
+}
+
+int64_t MeshShape::ranks() const {
+  int64_t product = 1;
+  for (int size : sizes) product *= size;
+  return product;
+}
+
+std::string MeshShape::describe() const {
+  std::string out;
+  for (MeshAxis axis : kMeshAxes) {
+    if ((axis == MeshAxis::sp || axis == MeshAxis::ep) && (*this)[axis] == 1) continue;
+    out += str(out.empty() ? "" : " x ", mesh_axis_name(axis), "=", (*this)[axis]);
+  }
+  return out;
+}
+
+void MeshShape::validate(int world_size) const {
+  for (MeshAxis axis : kMeshAxes)
+    if ((*this)[axis] < 1)
+      throw Error(str("mesh axis ", mesh_axis_name(axis), " has size ", (*this)[axis],
+                      "; every axis needs a size of at least 1"));
+  if (ranks() != world_size)
+    throw Error(str("the mesh ", describe(), " has ", ranks(), " ranks but the world has ", world_size,
+                    "; choose sizes whose product is ", world_size));
+}
+
+MeshCoords MeshShape::coords_of(int rank) const {
+  LOOM_CHECK(rank >= 0 && rank < ranks(), "rank ", rank, " outside the mesh ", describe());
+  MeshCoords coords{};
+  for (int i = kNumMeshAxes - 1; i >= 0; --i) {
+    coords[static_cast<size_t>(i)] = rank % sizes[static_cast<size_t>(i)];
+    rank /= sizes[static_cast<size_t>(i)];
+  }
+  return coords;
+}
+
+int MeshShape::rank_of(const MeshCoords& coords) const {
+  int rank = 0;
+  for (size_t i = 0; i < kNumMeshAxes; ++i) {
+    LOOM_CHECK(coords[i] >= 0 && coords[i] < sizes[i], "coordinate ", coords[i], " on axis ",
+               mesh_axis_name(kMeshAxes[i]), " outside the mesh ", describe());
+    rank = rank * sizes[i] + coords[i];
+  }
+  return rank;
+}
+
+DeviceMesh::DeviceMesh(Communicator& world, const MeshShape& shape) : world_(world), shape_(shape) {
+  shape_.validate(world.size());
+  coords_ = shape_.coords_of(world.rank());
+  for (MeshAxis axis : kMeshAxes) {
+    // The ranks of one slice share every other coordinate: the rank with
+    // this coordinate at 0 names the slice.
+    MeshCoords first = coords_;
+    first[static_cast<size_t>(axis)] = 0;
+    groups_[static_cast<size_t>(axis)] = world.split(shape_.rank_of(first), coord(axis));
+  }
+}
+
+}  // namespace loom

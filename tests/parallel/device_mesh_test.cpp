@@ -1,0 +1,86 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+
+#include "loom/parallel.h"
+
+namespace loom {
+namespace {
+
+std::string message_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an Error";
+  return {};
+}
+
+TEST(MeshShape, TensorParallelIsInnermostThenSequenceExpertDataPipeline) {
+  const MeshShape shape = MeshShape::from({{"pp", 2}, {"dp", 3}, {"ep", 1}, {"sp", 2}, {"tp", 2}});
+  EXPECT_EQ(shape.ranks(), 24);
+  EXPECT_EQ(shape.coords_of(1), (MeshCoords{0, 0, 0, 0, 1}));  // pp, dp, ep, sp, tp
+  EXPECT_EQ(shape.coords_of(2), (MeshCoords{0, 0, 0, 1, 0}));
+  EXPECT_EQ(shape.coords_of(4), (MeshCoords{0, 1, 0, 0, 0}));
+  EXPECT_EQ(shape.coords_of(12), (MeshCoords{1, 0, 0, 0, 0}));
+  EXPECT_EQ(shape.coords_of(23), (MeshCoords{1, 2, 0, 1, 1}));
+  for (int rank = 0; rank < 24; ++rank) EXPECT_EQ(shape.rank_of(shape.coords_of(rank)), rank);
+  EXPECT_EQ(shape.describe(), "pp=2 x dp=3 x sp=2 x tp=2");
+}
+
+TEST(MeshShape, ValidationNamesTheProblem) {
+  MeshShape shape = MeshShape::from({{"dp", 2}, {"tp", 3}});
+  std::string m = message_of([&] { shape.validate(4); });
+  EXPECT_NE(m.find("pp=1 x dp=2 x tp=3 has 6 ranks but the world has 4"), std::string::npos) << m;
+  shape[MeshAxis::tp] = 0;
+  m = message_of([&] { shape.validate(0); });
+  EXPECT_NE(m.find("mesh axis tp has size 0"), std::string::npos) << m;
+  shape[MeshAxis::tp] = -2;
+  m = message_of([&] { shape.validate(4); });
+  EXPECT_NE(m.find("mesh axis tp has size -2"), std::string::npos) << m;
+  m = message_of([] { MeshShape::from({{"xp", 2}}); });
+  EXPECT_NE(m.find("unknown mesh axis 'xp'"), std::string::npos) << m;
+  EXPECT_EQ(parse_mesh_axis("sp"), MeshAxis::sp);
+}
+
+TEST(DeviceMesh, InvalidShapeFailsBeforeAnyGroupIsCreated) {
+  run_local(4, [](Communicator& world) {
+    MeshShape shape;
+    shape[MeshAxis::dp] = 3;
+    EXPECT_THROW(DeviceMesh(world, shape), Error);
+    EXPECT_EQ(world.collectives_issued(), 0u);
+  });
+}
+
+TEST(DeviceMesh, GroupsAreTheAxisSlices) {
+  std::atomic<int> checked{0};
+  run_local(8, [&](Communicator& world) {
+    DeviceMesh mesh(world, MeshShape::from({{"pp", 2}, {"dp", 2}, {"tp", 2}}));
+    const MeshShape& shape = mesh.shape();
+    EXPECT_EQ(mesh.coords(), shape.coords_of(world.rank()));
+    for (MeshAxis axis : kMeshAxes) {
+      Communicator& group = mesh.group(axis);
+      ASSERT_EQ(group.size(), mesh.size(axis)) << mesh_axis_name(axis);
+      EXPECT_EQ(group.rank(), mesh.coord(axis)) << mesh_axis_name(axis);
+      for (int k = 0; k < group.size(); ++k) {
+        MeshCoords member = mesh.coords();
+        member[static_cast<size_t>(axis)] = k;
+        EXPECT_EQ(group.world_ranks()[static_cast<size_t>(k)], shape.rank_of(member)) << mesh_axis_name(axis);
+      }
+    }
+    // Every axis group communicates on its own: sum world ranks along it.
+    for (MeshAxis axis : {MeshAxis::tp, MeshAxis::dp, MeshAxis::pp}) {
+      int64_t value = world.rank();
+      mesh.group(axis).all_reduce(&value, 1, DType::i64);
+      int64_t expected = 0;
+      for (int rank : mesh.group(axis).world_ranks()) expected += rank;
+      EXPECT_EQ(value, expected) << mesh_axis_name(axis);
+    }
+    checked++;
+  });
+  EXPECT_EQ(checked.load(), 8);
+}
+
+}  // namespace
+}  // namespace loom
