@@ -104,8 +104,10 @@ DatasetInfo prepare_dataset(const PrepareOptions& opts) {
   DatasetInfo info;
   info.dir = std::filesystem::absolute(opts.out_dir);
   info.tokenizer = info.dir / "tokenizer.model";
-  if (reused && !std::filesystem::equivalent(opts.tokenizer, info.tokenizer, ec))
-    write_file_atomic(info.tokenizer, reused_bytes);
+  // The directory's files are about to change: a previous description goes
+  // first, so a failure below never leaves one describing files it no longer matches.
+  std::filesystem::remove(info.dir / "dataset.json", ec);
+  if (ec) throw Error(str("prepare: cannot remove the previous ", info.dir / "dataset.json", ": ", ec.message()));
   Tokenizer tok =
       reused
           ? std::move(*reused)
@@ -128,6 +130,8 @@ DatasetInfo prepare_dataset(const PrepareOptions& opts) {
     }
   }
 
+  if (reused && !std::filesystem::equivalent(opts.tokenizer, info.tokenizer, ec))
+    write_file_atomic(info.tokenizer, reused_bytes);
   for (const auto& [start, path] : corpus.starts) info.sources.push_back(path.string());
   info.val_fraction = opts.val_fraction;
   info.vocab_size = tok.vocab_size();

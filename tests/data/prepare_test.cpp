@@ -130,15 +130,16 @@ TEST(Prepare, TooLittleTextIsAnErrorNamingTheCounts) {
   EXPECT_FALSE(std::filesystem::exists(dir / "out/tokenizer.model"));
 
   // Enough bytes but not enough tokens (BPE packs more than 1.25 bytes in a
-  // token): found after tokenizing, before any shard is written.
+  // token): found after tokenizing. Preparing over an existing dataset, the
+  // failure leaves no dataset.json describing the half-rewritten directory.
   opts.seq_len = 64;
   const int64_t val_bytes = prepare_dataset(opts).val.bytes;
-  opts.out_dir = dir / "short";
+  ASSERT_TRUE(std::filesystem::exists(dir / "out/dataset.json"));
   opts.seq_len = static_cast<int>(val_bytes * 4 / 5);
   expect_mentions(error_of([&] { prepare_dataset(opts); }),
                   {"val split holds", str("tokens, fewer than the seq_len + 1 = ", opts.seq_len + 1)});
-  EXPECT_FALSE(std::filesystem::exists(dir / "short/val.bin"));
-  EXPECT_FALSE(std::filesystem::exists(dir / "short/dataset.json"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "out/dataset.json"));
+  expect_mentions(error_of([&] { DatasetInfo::read(dir / "out"); }), {"dataset.json", "does not exist"});
 
   // One long line: no line starts after the cut, so val is cut mid-line.
   write_bytes(dir / "line.txt", std::string(2000, 'a') + "\n");
@@ -167,6 +168,7 @@ TEST(Prepare, RejectsATokenizerThatDoesNotReproduceTheText) {
             {.inputs = {dir / "corpus.txt"}, .out_dir = dir / "out", .tokenizer = dir / "lossy.model", .seq_len = 32});
       }),
       {"lossy.model", "does not reproduce", "corpus.txt"});
+  EXPECT_FALSE(std::filesystem::exists(dir / "out/tokenizer.model"));
 }
 
 TEST(DatasetInfo, MissingOrMalformedDescriptionsAreErrorsNamingTheFile) {
