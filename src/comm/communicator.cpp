@@ -141,7 +141,9 @@ Communicator::Communicator(std::unique_ptr<detail::Backend> backend, const CommO
       rank_(backend_->rank()),
       size_(static_cast<int>(backend_->world_ranks().size())),
       world_ranks_(backend_->world_ranks()),
-      queue_(std::make_unique<detail::CollectiveQueue>(*backend_)) {}
+      queue_(std::make_unique<detail::CollectiveQueue>(*backend_)) {
+  detail::check_options(options);
+}
 
 // The queue goes first: its progress thread may still be using the backend.
 Communicator::~Communicator() { queue_.reset(); }
