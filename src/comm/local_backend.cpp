@@ -88,7 +88,6 @@ constexpr int kPending = 0, kDone = 1, kFailed = 2;
 // A send or receive waiting in a mailbox for its match.
 struct Posted {
   int from;
-  int to;
   int tag;
   const void* send;
   void* recv;
@@ -120,6 +119,8 @@ class LocalGroup {
         slots(static_cast<size_t>(n)),
         mailboxes(static_cast<size_t>(n)) {}
 
+  // Call after changing what a waiter waits for. Taking the lock orders the
+  // notification after any waiter's check of its condition, so none is lost.
   void notify() {
     { std::lock_guard lock(mu); }
     cv.notify_all();
@@ -273,7 +274,7 @@ class LocalBackend : public Backend {
     auto it = std::find_if(box.recvs.begin(), box.recvs.end(),
                            [&](const Posted& p) { return p.from == rank_ && p.tag == tag; });
     if (it == box.recvs.end()) {
-      box.sends.push_back({rank_, dst, tag, buf, nullptr, bytes, op->what(), op->state()});
+      box.sends.push_back({rank_, tag, buf, nullptr, bytes, op->what(), op->state()});
       return op;
     }
     Posted match = std::move(*it);
@@ -294,7 +295,7 @@ class LocalBackend : public Backend {
     auto it = std::find_if(box.sends.begin(), box.sends.end(),
                            [&](const Posted& p) { return p.from == src && p.tag == tag; });
     if (it == box.sends.end()) {
-      box.recvs.push_back({src, rank_, tag, nullptr, buf, bytes, op->what(), op->state()});
+      box.recvs.push_back({src, tag, nullptr, buf, bytes, op->what(), op->state()});
       return op;
     }
     Posted match = std::move(*it);

@@ -18,7 +18,9 @@ struct JobResult {
 };
 
 JobResult run_job(const std::string& mode, int ranks) {
-  const std::string command = std::string(LOOM_MPIEXEC) + " --allow-run-as-root --oversubscribe -np " +
+  // `timeout` guarantees the test ends even if the job hangs.
+  const std::string command = "timeout --kill-after=5 60 " + std::string(LOOM_MPIEXEC) +
+                              " --allow-run-as-root --oversubscribe -np " +
                               std::to_string(ranks) + " " + LOOM_MPI_HELPER + " " + mode + " 2>&1";
   const auto start = std::chrono::steady_clock::now();
   FILE* pipe = popen(command.c_str(), "r");
