@@ -56,8 +56,10 @@ constexpr int kTagResult = 3;
 constexpr int kTagData = 4;
 // MPI counts are ints: longer messages are sent in pieces of this size.
 constexpr size_t kMaxMessage = size_t{1} << 30;
-// Bytes of a rank's slice exchanged per pipeline round of a reduction.
-constexpr size_t kSegmentBytes = size_t{1} << 20;
+// Bytes of a rank's slice exchanged per pipeline round of a reduction: large
+// enough that few rounds (each a point where ranks wait for each other) are
+// needed, small enough that the scratch of 2(n-1) segments stays modest.
+constexpr size_t kSegmentBytes = size_t{4} << 20;
 
 void check_mpi(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return;
