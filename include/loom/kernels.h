@@ -19,10 +19,11 @@ namespace loom::cpu {
 // Threads
 // ---------------------------------------------------------------------------
 
-// Threads the calling thread's parallel regions (OpenMP and BLAS) may use.
+// Threads the calling thread's parallel regions (every kernel here, GEMMs
+// included) may use.
 int num_threads();
-// Sets that budget for the calling thread (OpenMP ICVs are per thread, and the
-// OpenMP build of OpenBLAS follows them), so ranks-as-threads split the cores.
+// Sets that budget for the calling thread only (OpenMP ICVs are per thread),
+// so ranks-as-threads split the cores.
 void set_num_threads(int n);
 
 // ---------------------------------------------------------------------------
@@ -30,6 +31,9 @@ void set_num_threads(int n);
 // ---------------------------------------------------------------------------
 
 // C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, row-major, through CBLAS.
+// BLAS runs single-threaded on tiles of C fixed by the shape, the tiles in
+// parallel under the caller's budget: BLAS's own threading rounds differently
+// for different thread counts. Inside a parallel region it runs on the caller.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
           const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
@@ -126,7 +130,7 @@ void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64
 
 // ---------------------------------------------------------------------------
 // AdamW (decoupled weight decay, Loshchilov & Hutter), PyTorch semantics:
-//   p -= lr * wd * p;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
+//   p *= 1 - lr * wd;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
 //   p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
 // with g = grad * grad_scale (unscaling and clipping folded in). The bias
 // corrections bc1 = 1 - b1^t, bc2 = 1 - b2^t are computed once per step.

@@ -1,0 +1,133 @@
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <vector>
+
+#include "kernels/cpu/simd_exp.h"
+#include "loom/kernels.h"
+
+namespace loom::cpu {
+
+// Flash-style causal attention on the CPU. Queries are processed in tiles of
+// kQueryTile rows; a tile's scores against the keys it may see (a
+// kQueryTile x T block at most) live in a per-thread buffer and are never
+// stored, so saved activations are out and lse only. The products go through
+// GEMMs on strided views of qkv (leading dimension 3C), which run
+// single-threaded inside the parallel regions here.
+namespace {
+
+constexpr int64_t kQueryTile = 64;
+
+struct HeadLayout {
+  int64_t B, T, C, NH, hs, C3, tiles;
+  float scale;
+  HeadLayout(int64_t B_, int64_t T_, int64_t C_, int64_t NH_)
+      : B(B_),
+        T(T_),
+        C(C_),
+        NH(NH_),
+        hs(C_ / NH_),
+        C3(3 * C_),
+        tiles((T_ + kQueryTile - 1) / kQueryTile),
+        scale(1.0f / std::sqrt(static_cast<float>(C_ / NH_))) {}
+  // Head h of batch b: the first q, k or v element of token t.
+  int64_t q(int64_t b, int64_t h, int64_t t) const { return (b * T + t) * C3 + h * hs; }
+  int64_t k(int64_t b, int64_t h, int64_t t) const { return q(b, h, t) + C; }
+  int64_t v(int64_t b, int64_t h, int64_t t) const { return q(b, h, t) + 2 * C; }
+  int64_t o(int64_t b, int64_t h, int64_t t) const { return (b * T + t) * C + h * hs; }
+};
+
+}  // namespace
+
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t NH) {
+  const HeadLayout s(B, T, C, NH);
+#pragma omp parallel if (B * NH * s.tiles > 1)
+  {
+    std::vector<float> scores(static_cast<size_t>(kQueryTile * T));
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < B * NH * s.tiles; ++task) {
+      const int64_t b = task / (NH * s.tiles), h = task / s.tiles % NH, tile = task % s.tiles;
+      const int64_t t0 = tile * kQueryTile;
+      const int64_t rows = T - t0 < kQueryTile ? T - t0 : kQueryTile;
+      const int64_t keys = t0 + rows;  // causal: this tile sees keys [0, keys)
+      float* S = scores.data();        // rows x keys
+      gemm(false, true, rows, keys, s.hs, s.scale, qkv + s.q(b, h, t0), s.C3, qkv + s.k(b, h, 0), s.C3, 0.0f, S, keys);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* row = S + r * keys;
+        const int64_t visible = t0 + r + 1;
+        float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < visible; ++j) m = row[j] > m ? row[j] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < visible; ++j) {
+          row[j] = simd_exp(row[j] - m);
+          sum += row[j];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < visible; ++j) row[j] *= inv;
+        for (int64_t j = visible; j < keys; ++j) row[j] = 0.0f;
+        lse[(b * NH + h) * T + t0 + r] = m + std::log(sum);
+      }
+      gemm(false, false, rows, s.hs, keys, 1.0f, S, keys, qkv + s.v(b, h, 0), s.C3, 0.0f, out + s.o(b, h, t0), C);
+    }
+  }
+}
+
+void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv, int64_t B,
+                        int64_t T, int64_t C, int64_t NH) {
+  const HeadLayout s(B, T, C, NH);
+  // One (batch, head) per task: its dK and dV collect contributions from
+  // every query tile, in tile order, without sharing them with other threads.
+#pragma omp parallel if (B * NH > 1)
+  {
+    std::vector<float> probs(static_cast<size_t>(kQueryTile * T));
+    std::vector<float> dprobs(static_cast<size_t>(kQueryTile * T));
+#pragma omp for schedule(dynamic)
+    for (int64_t bh = 0; bh < B * NH; ++bh) {
+      const int64_t b = bh / NH, h = bh % NH;
+      const float* row_lse = lse + bh * T;
+      for (int64_t tile = 0; tile < s.tiles; ++tile) {
+        const int64_t t0 = tile * kQueryTile;
+        const int64_t rows = T - t0 < kQueryTile ? T - t0 : kQueryTile;
+        const int64_t keys = t0 + rows;
+        const float* q = qkv + s.q(b, h, t0);
+        const float* k = qkv + s.k(b, h, 0);
+        const float* v = qkv + s.v(b, h, 0);
+        const float* dO = dout + s.o(b, h, t0);
+        const float* O = out + s.o(b, h, t0);
+        float* P = probs.data();    // rows x keys
+        float* dS = dprobs.data();  // rows x keys: dP, then dS in place
+        gemm(false, true, rows, keys, s.hs, s.scale, q, s.C3, k, s.C3, 0.0f, P, keys);
+        gemm(false, true, rows, keys, s.hs, 1.0f, dO, C, v, s.C3, 0.0f, dS, keys);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* p = P + r * keys;
+          float* ds = dS + r * keys;
+          const int64_t visible = t0 + r + 1;
+          const float l = row_lse[t0 + r];
+          // D = rowsum(dP * P) = rowsum(dO * O), the cheaper form.
+          float D = 0.0f;
+          const float* dOr = dO + r * C;
+          const float* Or = O + r * C;
+#pragma omp simd reduction(+ : D)
+          for (int64_t d = 0; d < s.hs; ++d) D += dOr[d] * Or[d];
+#pragma omp simd
+          for (int64_t j = 0; j < visible; ++j) {
+            p[j] = simd_exp(p[j] - l);
+            ds[j] = p[j] * (ds[j] - D);
+          }
+          for (int64_t j = visible; j < keys; ++j) p[j] = ds[j] = 0.0f;
+        }
+        float* dq = dqkv + s.q(b, h, t0);
+        float* dk = dqkv + s.k(b, h, 0);
+        float* dv = dqkv + s.v(b, h, 0);
+        gemm(false, false, rows, s.hs, keys, s.scale, dS, keys, k, s.C3, 1.0f, dq, s.C3);
+        gemm(true, false, keys, s.hs, rows, s.scale, dS, keys, q, s.C3, 1.0f, dk, s.C3);
+        gemm(true, false, keys, s.hs, rows, 1.0f, P, keys, dO, C, 1.0f, dv, s.C3);
+      }
+    }
+  }
+}
+
+}  // namespace loom::cpu

@@ -1,0 +1,46 @@
+#include <cstddef>
+#include <vector>
+
+#include "kernels/cpu/partition.h"
+#include "loom/kernels.h"
+
+namespace loom::cpu {
+
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
+                    int64_t OC) {
+  if (bias != nullptr) {
+    // Seed every row with the bias and let the GEMM accumulate onto it
+    // (beta = 1): one pass over out instead of a second one afterwards.
+#pragma omp parallel for schedule(static) if (N * OC >= kMinParallelWork)
+    for (int64_t i = 0; i < N; ++i) {
+      float* o = out + i * OC;
+#pragma omp simd
+      for (int64_t j = 0; j < OC; ++j) o[j] = bias[j];
+    }
+  }
+  gemm(false, true, N, OC, C, 1.0f, inp, C, weight, C, bias != nullptr ? 1.0f : 0.0f, out, OC);
+}
+
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t N, int64_t C, int64_t OC) {
+  if (dinp != nullptr) gemm(false, false, N, C, OC, 1.0f, dout, OC, weight, C, 1.0f, dinp, C);
+  gemm(true, false, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C);
+  if (dbias != nullptr) {
+    const int64_t chunks = reduce_chunks(N);
+    std::vector<float> partials(static_cast<size_t>(chunks * OC));
+#pragma omp parallel for schedule(static) if (N * OC >= kMinParallelWork)
+    for (int64_t k = 0; k < chunks; ++k) {
+      float* p = partials.data() + k * OC;
+      const int64_t i1 = (k + 1) * kReduceRows < N ? (k + 1) * kReduceRows : N;
+      for (int64_t j = 0; j < OC; ++j) p[j] = 0.0f;
+      for (int64_t i = k * kReduceRows; i < i1; ++i) {
+        const float* g = dout + i * OC;
+#pragma omp simd
+        for (int64_t j = 0; j < OC; ++j) p[j] += g[j];
+      }
+    }
+    add_chunk_partials(dbias, partials.data(), chunks, OC);
+  }
+}
+
+}  // namespace loom::cpu

@@ -1,0 +1,99 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "kernel_test_util.h"
+
+namespace loom::cpu {
+namespace {
+
+using kernel_testing::random_vector;
+
+TEST(CrossEntropy, ForwardMatchesReferenceAndIgnoresMinusOne) {
+  const int64_t N = 6, V = 1001;
+  // Large logits: without subtracting the max, exp would overflow.
+  const auto logits = random_vector(N * V, 1, -100.0f, 100.0f);
+  const std::vector<int32_t> targets = {3, -1, 1000, 0, 517, -1};
+  std::vector<float> losses(N, 99.0f), lse(N);
+  cross_entropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
+  std::vector<double> ref_loss(N), ref_lse(N);
+  for (int64_t i = 0; i < N; ++i) {
+    double m = -INFINITY, s = 0.0;
+    for (int64_t j = 0; j < V; ++j) m = std::max(m, static_cast<double>(logits[i * V + j]));
+    for (int64_t j = 0; j < V; ++j) s += std::exp(logits[i * V + j] - m);
+    ref_lse[i] = m + std::log(s);
+    ref_loss[i] = targets[i] < 0 ? 0.0 : ref_lse[i] - logits[i * V + targets[i]];
+  }
+  kernel_testing::expect_close("lse", lse, ref_lse, 1e-7, 0.0);
+  kernel_testing::expect_close("loss", losses, ref_loss, 1e-6, 1e-5);
+  EXPECT_EQ(losses[1], 0.0f);
+  EXPECT_EQ(losses[5], 0.0f);
+}
+
+TEST(CrossEntropy, ForwardIsAccurateOverAGpt2Vocabulary) {
+  const int64_t N = 2, V = 50257;
+  const auto logits = random_vector(N * V, 1, -4.0f, 4.0f);
+  const std::vector<int32_t> targets = {12345, 50256};
+  std::vector<float> losses(N), lse(N);
+  cross_entropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
+  for (int64_t i = 0; i < N; ++i) {
+    double s = 0.0;
+    for (int64_t j = 0; j < V; ++j) s += std::exp(static_cast<double>(logits[i * V + j]));
+    const double ref = std::log(s) - logits[i * V + targets[i]];
+    EXPECT_NEAR(losses[i], ref, 1e-6 * ref) << "row " << i;
+  }
+}
+
+TEST(CrossEntropy, BackwardMatchesSoftmaxAndFiniteDifferences) {
+  const int64_t N = 5, V = 37;
+  auto logits = random_vector(N * V, 1, -3.0f, 3.0f);
+  const std::vector<int32_t> targets = {0, 36, -1, 17, 17};
+  const auto dloss = random_vector(N, 2);
+  std::vector<float> losses(N), lse(N);
+  cross_entropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
+  std::vector<float> dlogits(N * V, 123.0f);  // written, not accumulated
+  cross_entropy_backward(dlogits.data(), logits.data(), lse.data(), targets.data(), dloss.data(), N, V);
+  std::vector<double> ref(N * V);
+  for (int64_t i = 0; i < N; ++i) {
+    double s = 0.0;
+    for (int64_t j = 0; j < V; ++j) s += std::exp(static_cast<double>(logits[i * V + j]));
+    for (int64_t j = 0; j < V; ++j)
+      ref[i * V + j] = targets[i] < 0 ? 0.0 : dloss[i] * (std::exp(logits[i * V + j]) / s - (j == targets[i]));
+  }
+  kernel_testing::expect_close("dlogits", dlogits, ref, 1e-6, 1e-8);
+  std::vector<float> l2(N), lse2(N);
+  auto loss = [&] {
+    cross_entropy_forward(l2.data(), lse2.data(), logits.data(), targets.data(), N, V);
+    return kernel_testing::weighted_sum(l2, dloss);
+  };
+  kernel_testing::expect_gradient_matches("dlogits", logits, dlogits, loss);
+}
+
+TEST(CrossEntropy, BackwardMayOverwriteTheLogits) {
+  const int64_t N = 4, V = 300;
+  const auto logits = random_vector(N * V, 1, -5.0f, 5.0f);
+  const std::vector<int32_t> targets = {299, 0, -1, 150};
+  const auto dloss = random_vector(N, 2);
+  std::vector<float> losses(N), lse(N), separate(N * V);
+  cross_entropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
+  cross_entropy_backward(separate.data(), logits.data(), lse.data(), targets.data(), dloss.data(), N, V);
+  auto in_place = logits;
+  cross_entropy_backward(in_place.data(), in_place.data(), lse.data(), targets.data(), dloss.data(), N, V);
+  EXPECT_EQ(in_place, separate);
+}
+
+TEST(CrossEntropy, ResultsDoNotDependOnThreadCount) {
+  const int64_t N = 23, V = 3001;
+  const auto logits = random_vector(N * V, 1, -5.0f, 5.0f), dloss = random_vector(N, 2);
+  std::vector<int32_t> targets(N);
+  for (int64_t i = 0; i < N; ++i) targets[i] = i % 5 == 4 ? -1 : static_cast<int32_t>(i * 131 % V);
+  kernel_testing::expect_thread_invariant([&] {
+    std::vector<float> losses(N), lse(N), dlogits(N * V);
+    cross_entropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
+    cross_entropy_backward(dlogits.data(), logits.data(), lse.data(), targets.data(), dloss.data(), N, V);
+    return kernel_testing::concat({&losses, &lse, &dlogits});
+  });
+}
+
+}  // namespace
+}  // namespace loom::cpu

@@ -1,0 +1,42 @@
+#include <gtest/gtest.h>
+
+#include "kernel_test_util.h"
+
+namespace loom::cpu {
+namespace {
+
+using kernel_testing::random_vector;
+
+TEST(Elementwise, AddAccumulateScale) {
+  const int64_t n = 40001;  // large enough to run in parallel
+  const auto a = random_vector(n, 1), b = random_vector(n, 2);
+  std::vector<float> out(n);
+  add(out.data(), a.data(), b.data(), n);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(out[i], a[i] + b[i]);
+  auto y = a;
+  add(y.data(), y.data(), b.data(), n);  // out aliasing a
+  EXPECT_EQ(y, out);
+  y = a;
+  accumulate(y.data(), b.data(), n);
+  EXPECT_EQ(y, out);
+  scale(y.data(), n, -0.5f);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(y[i], out[i] * -0.5f);
+}
+
+TEST(Elementwise, SumSquaresIsAccurateAndThreadInvariant) {
+  const int64_t n = 100003;
+  const auto x = random_vector(n, 1);
+  double ref = 0.0;
+  for (float v : x) ref += static_cast<double>(v) * v;
+  EXPECT_NEAR(sum_squares(x.data(), n), ref, 1e-12 * ref);
+  EXPECT_EQ(sum_squares(x.data(), 0), 0.0);
+  const int saved = num_threads();
+  set_num_threads(1);
+  const double serial = sum_squares(x.data(), n);
+  set_num_threads(3);
+  EXPECT_EQ(sum_squares(x.data(), n), serial);
+  set_num_threads(saved);
+}
+
+}  // namespace
+}  // namespace loom::cpu

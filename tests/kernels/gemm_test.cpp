@@ -1,0 +1,61 @@
+#include <gtest/gtest.h>
+
+#include <array>
+
+#include "kernel_test_util.h"
+
+namespace loom::cpu {
+namespace {
+
+using kernel_testing::random_vector;
+
+// Every transpose combination on strided views (leading dimensions wider
+// than the rows) with alpha and beta, against a double-precision reference.
+// One tile, several tiles along the rows of C, several along its columns.
+TEST(Gemm, MatchesReferenceForAllTransposesOnStridedViews) {
+  for (const auto [M, N, K] : {std::array<int64_t, 3>{37, 29, 53}, {300, 21, 17}, {19, 290, 23}}) {
+    const int64_t pad = 7;
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        const int64_t lda = (ta ? M : K) + pad, ldb = (tb ? K : N) + pad, ldc = N + pad;
+        const auto A = random_vector((ta ? K : M) * lda, 1), B = random_vector((tb ? N : K) * ldb, 2);
+        auto C = random_vector(M * ldc, 3);
+        const auto ref =
+            kernel_testing::reference_gemm(ta, tb, M, N, K, 0.5f, A.data(), lda, B.data(), ldb, -1.5f, C.data(), ldc);
+        const auto before = C;
+        gemm(ta, tb, M, N, K, 0.5f, A.data(), lda, B.data(), ldb, -1.5f, C.data(), ldc);
+        std::vector<float> dense(M * N);
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t j = 0; j < N; ++j) dense[i * N + j] = C[i * ldc + j];
+        kernel_testing::expect_close(std::string("gemm ta=") + (ta ? "T" : "N") + " tb=" + (tb ? "T" : "N"), dense, ref,
+                                     1e-5, 1e-5);
+        for (int64_t i = 0; i < M; ++i)  // the padding columns are left alone
+          for (int64_t j = N; j < ldc; ++j) EXPECT_EQ(C[i * ldc + j], before[i * ldc + j]);
+      }
+  }
+}
+
+TEST(Gemm, EmptyInnerDimensionScalesC) {
+  std::vector<float> C = {1.0f, 2.0f, 3.0f, 4.0f};
+  const float unused = 0.0f;
+  gemm(false, false, 2, 2, 0, 1.0f, &unused, 1, &unused, 2, 3.0f, C.data(), 2);
+  EXPECT_EQ(C, (std::vector<float>{3.0f, 6.0f, 9.0f, 12.0f}));
+}
+
+TEST(Gemm, ResultDoesNotDependOnThreadCount) {
+  const int64_t M = 301, N = 257, K = 190;
+  const auto A = random_vector(M * K, 4), B = random_vector(N * K, 5);
+  kernel_testing::expect_thread_invariant([&] {
+    std::vector<float> C(M * N);
+    gemm(false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 0.0f, C.data(), N);
+    std::vector<float> D(K * N);
+    gemm(true, false, K, N, M, 1.0f, A.data(), K, C.data(), N, 0.0f, D.data(), N);
+    // A single tile with a long inner dimension, which BLAS would thread itself.
+    std::vector<float> E(150 * 70);
+    gemm(true, false, 150, 70, M, 1.0f, A.data(), K, B.data(), 70, 0.0f, E.data(), 70);
+    return kernel_testing::concat({&C, &D, &E});
+  });
+}
+
+}  // namespace
+}  // namespace loom::cpu

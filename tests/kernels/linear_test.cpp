@@ -1,0 +1,85 @@
+#include <gtest/gtest.h>
+
+#include "kernel_test_util.h"
+
+namespace loom::cpu {
+namespace {
+
+using kernel_testing::random_vector;
+
+std::vector<double> reference_linear(const std::vector<float>& inp, const std::vector<float>& w, const float* bias,
+                                     int64_t N, int64_t C, int64_t OC) {
+  std::vector<double> out(N * OC);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t o = 0; o < OC; ++o) {
+      double s = bias != nullptr ? bias[o] : 0.0;
+      for (int64_t c = 0; c < C; ++c) s += static_cast<double>(inp[i * C + c]) * w[o * C + c];
+      out[i * OC + o] = s;
+    }
+  return out;
+}
+
+TEST(Linear, ForwardMatchesReferenceWithAndWithoutBias) {
+  const int64_t N = 13, C = 37, OC = 21;
+  const auto inp = random_vector(N * C, 1), w = random_vector(OC * C, 2), b = random_vector(OC, 3);
+  std::vector<float> out(N * OC, 99.0f);
+  linear_forward(out.data(), inp.data(), w.data(), b.data(), N, C, OC);
+  kernel_testing::expect_close("out with bias", out, reference_linear(inp, w, b.data(), N, C, OC), 1e-5, 1e-5);
+  linear_forward(out.data(), inp.data(), w.data(), nullptr, N, C, OC);
+  kernel_testing::expect_close("out without bias", out, reference_linear(inp, w, nullptr, N, C, OC), 1e-5, 1e-5);
+}
+
+TEST(Linear, BackwardMatchesFiniteDifferences) {
+  const int64_t N = 11, C = 19, OC = 7;
+  auto inp = random_vector(N * C, 1), w = random_vector(OC * C, 2), b = random_vector(OC, 3);
+  const auto R = random_vector(N * OC, 4);
+  std::vector<float> dinp(N * C, 0.0f), dw(OC * C, 0.0f), db(OC, 0.0f);
+  linear_backward(dinp.data(), dw.data(), db.data(), R.data(), inp.data(), w.data(), N, C, OC);
+  std::vector<float> out(N * OC);
+  auto loss = [&] {
+    linear_forward(out.data(), inp.data(), w.data(), b.data(), N, C, OC);
+    return kernel_testing::weighted_sum(out, R);
+  };
+  // The loss is linear in each input, so a large step has no truncation error.
+  const kernel_testing::GradCheck opt{.step = 1e-2, .rtol = 1e-3, .atol = 1e-4, .norm_rtol = 1e-4};
+  kernel_testing::expect_gradient_matches("dinp", inp, dinp, loss, opt);
+  kernel_testing::expect_gradient_matches("dweight", w, dw, loss, opt);
+  kernel_testing::expect_gradient_matches("dbias", b, db, loss, opt);
+}
+
+TEST(Linear, BackwardAccumulatesAndSkipsNullGradients) {
+  const int64_t N = 70, C = 33, OC = 45;  // dbias spans several row chunks
+  const auto inp = random_vector(N * C, 1), w = random_vector(OC * C, 2), dout = random_vector(N * OC, 3);
+  std::vector<float> dinp(N * C, 0.0f), dw(OC * C, 0.0f), db(OC, 0.0f);
+  linear_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w.data(), N, C, OC);
+  auto dinp2 = random_vector(N * C, 5), dw2 = random_vector(OC * C, 6), db2 = random_vector(OC, 7);
+  const auto dinp0 = dinp2, dw0 = dw2, db0 = db2;
+  linear_backward(dinp2.data(), dw2.data(), db2.data(), dout.data(), inp.data(), w.data(), N, C, OC);
+  auto sum = [](const std::vector<float>& a, const std::vector<float>& b) {
+    std::vector<double> s(a.size());
+    for (size_t i = 0; i < a.size(); ++i) s[i] = static_cast<double>(a[i]) + b[i];
+    return s;
+  };
+  kernel_testing::expect_close("dinp", dinp2, sum(dinp0, dinp), 1e-5, 1e-5);
+  kernel_testing::expect_close("dweight", dw2, sum(dw0, dw), 1e-5, 1e-5);
+  kernel_testing::expect_close("dbias", db2, sum(db0, db), 1e-5, 1e-5);
+  // Null dinp and dbias are skipped; dweight still accumulates.
+  auto dw3 = dw0;
+  linear_backward(nullptr, dw3.data(), nullptr, dout.data(), inp.data(), w.data(), N, C, OC);
+  EXPECT_EQ(dw3, dw2);
+}
+
+TEST(Linear, ResultsDoNotDependOnThreadCount) {
+  const int64_t N = 257, C = 70, OC = 150;
+  const auto inp = random_vector(N * C, 1), w = random_vector(OC * C, 2), b = random_vector(OC, 3);
+  const auto dout = random_vector(N * OC, 4);
+  kernel_testing::expect_thread_invariant([&] {
+    std::vector<float> out(N * OC), dinp(N * C, 0.0f), dw(OC * C, 0.0f), db(OC, 0.0f);
+    linear_forward(out.data(), inp.data(), w.data(), b.data(), N, C, OC);
+    linear_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w.data(), N, C, OC);
+    return kernel_testing::concat({&out, &dinp, &dw, &db});
+  });
+}
+
+}  // namespace
+}  // namespace loom::cpu
