@@ -9,8 +9,10 @@
 //
 //   comm_bench [max MiB]                    local backend, 2, 4 and 8 ranks
 //   mpirun -np N comm_bench [max MiB]       mpi backend, N ranks; also prints
-//                                           the ratio to MPI_Allreduce, timed
-//                                           in alternation with loom's
+//                                           the bandwidth ratio to
+//                                           MPI_Allreduce, timed in alternation
+//                                           with loom's, on the median and on
+//                                           the best repetition of each
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -37,9 +39,14 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 // Enough repetitions to move about 512 MiB, at least 5, at most 40.
 int repetitions(int64_t bytes) { return static_cast<int>(std::clamp<int64_t>(512 * kMiB / bytes, 5, 40)); }
 
-double median(std::vector<double> v) {
+struct Times {
+  double median;
+  double best;
+};
+
+Times summarize(std::vector<double> v) {
   std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  return {v[v.size() / 2], v.front()};
 }
 
 // Single-thread memcpy bandwidth in bytes/s over `bytes`.
@@ -52,7 +59,7 @@ double memcpy_bandwidth(int64_t bytes) {
     std::memcpy(dst.data(), src.data(), src.size());
     times.push_back(now() - t0);
   }
-  return static_cast<double>(bytes) / median(times);
+  return static_cast<double>(bytes) / summarize(times).median;
 }
 
 enum class Op { all_reduce, reduce_scatter, all_gather };
@@ -60,9 +67,9 @@ const char* op_name(Op op) {
   return op == Op::all_reduce ? "all_reduce" : op == Op::reduce_scatter ? "reduce_scatter" : "all_gather";
 }
 
-// Median seconds per call of each of `calls`, timed in alternation: the
-// slowest rank's time for one call, every rank starting after a barrier.
-std::vector<double> median_times(Communicator& comm, int64_t bytes, const std::vector<std::function<void()>>& calls) {
+// Seconds per call of each of `calls`, timed in alternation: the slowest
+// rank's time for one call, every rank starting after a barrier.
+std::vector<Times> time_calls(Communicator& comm, int64_t bytes, const std::vector<std::function<void()>>& calls) {
   for (const auto& call : calls) call();  // warm-up: page faults, scratch buffers
   std::vector<std::vector<double>> times(calls.size());
   for (int r = 0; r < repetitions(bytes); ++r) {
@@ -75,14 +82,14 @@ std::vector<double> median_times(Communicator& comm, int64_t bytes, const std::v
       times[c].push_back(seconds);
     }
   }
-  std::vector<double> out;
-  for (auto& t : times) out.push_back(median(t));
+  std::vector<Times> out;
+  for (auto& t : times) out.push_back(summarize(t));
   return out;
 }
 
 // Times `op` on a buffer of `bytes` (S above); with `raw_mpi`, also
 // MPI_Allreduce on the same buffer.
-std::vector<double> time_collective(Communicator& comm, Op op, int64_t bytes, bool raw_mpi) {
+std::vector<Times> time_collective(Communicator& comm, Op op, int64_t bytes, bool raw_mpi) {
   const int n = comm.size();
   const int64_t count = bytes / 4;
   const int64_t block = count / n;
@@ -104,7 +111,7 @@ std::vector<double> time_collective(Communicator& comm, Op op, int64_t bytes, bo
 #else
   (void)raw_mpi;
 #endif
-  return median_times(comm, bytes, calls);
+  return time_calls(comm, bytes, calls);
 }
 
 void print_memcpy(const std::vector<int64_t>& sizes, const std::vector<double>& bandwidth) {
@@ -116,18 +123,20 @@ void print_memcpy(const std::vector<int64_t>& sizes, const std::vector<double>& 
 
 void print_header(bool with_mpi) {
   std::printf("%-8s %5s %-15s %8s %10s %11s %11s %13s%s\n", "backend", "ranks", "collective", "size", "time",
-              "algbw GB/s", "busbw GB/s", "busbw/memcpy", with_mpi ? "  vs MPI_Allreduce" : "");
+              "algbw GB/s", "busbw GB/s", "busbw/memcpy", with_mpi ? "  vs MPI_Allreduce (median, best)" : "");
 }
 
-void print_row(const char* backend, int n, Op op, int64_t bytes, const std::vector<double>& seconds,
+void print_row(const char* backend, int n, Op op, int64_t bytes, const std::vector<Times>& seconds,
                double memcpy_bw) {
-  const double algbw = static_cast<double>(bytes) / seconds[0];
+  const double algbw = static_cast<double>(bytes) / seconds[0].median;
   const double factor = op == Op::all_reduce ? 2.0 * (n - 1) / n : static_cast<double>(n - 1) / n;
   const double busbw = algbw * factor;
   std::printf("%-8s %5d %-15s %4lld MiB %8.2f ms %11.2f %11.2f %12.2fx", backend, n, op_name(op),
-              static_cast<long long>(bytes / kMiB), seconds[0] * 1e3, algbw / 1e9, busbw / 1e9, busbw / memcpy_bw);
+              static_cast<long long>(bytes / kMiB), seconds[0].median * 1e3, algbw / 1e9, busbw / 1e9,
+              busbw / memcpy_bw);
   // Bandwidth relative to MPI_Allreduce: its time over ours.
-  if (seconds.size() > 1) std::printf("  %15.2fx", seconds[1] / seconds[0]);
+  if (seconds.size() > 1)
+    std::printf("  %15.2fx %6.2fx", seconds[1].median / seconds[0].median, seconds[1].best / seconds[0].best);
   std::printf("\n");
   std::fflush(stdout);
 }
@@ -158,7 +167,7 @@ int main(int argc, char** argv) {
     world.barrier();
     for (Op op : kOps) {
       for (size_t i = 0; i < sizes.size(); ++i) {
-        const std::vector<double> seconds = time_collective(world, op, sizes[i], op == Op::all_reduce);
+        const std::vector<Times> seconds = time_collective(world, op, sizes[i], op == Op::all_reduce);
         if (world.rank() == 0) print_row("mpi", world.size(), op, sizes[i], seconds, memcpy_bw[i]);
       }
     }
@@ -174,7 +183,7 @@ int main(int argc, char** argv) {
     for (Op op : kOps) {
       for (size_t i = 0; i < sizes.size(); ++i) {
         loom::run_local(n, [&](Communicator& comm) {
-          const std::vector<double> seconds = time_collective(comm, op, sizes[i], false);
+          const std::vector<Times> seconds = time_collective(comm, op, sizes[i], false);
           if (comm.rank() == 0) print_row("local", n, op, sizes[i], seconds, memcpy_bw[i]);
         });
       }
