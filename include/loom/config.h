@@ -155,13 +155,5 @@ class ConfigError : public Error {
 // default main job, a small GPT on tinyshakespeare.
 const ConfigSchema& loom_schema();
 
-// Built-in model shapes for model.preset; "custom" takes the model.* keys as given.
-struct ModelPreset {
-  const char* name;
-  int64_t n_layer, n_head, n_embd, vocab_size, block_size;
-};
-const std::vector<ModelPreset>& model_presets();
-// Throws Error listing the presets for an unknown name.
-const ModelPreset& find_model_preset(std::string_view name);
 
 }  // namespace loom

@@ -1,4 +1,5 @@
 #include "loom/config.h"
+#include "loom/nn.h"
 
 namespace loom {
 
@@ -7,7 +8,9 @@ namespace {
 ConfigSchema build_loom_schema() {
   constexpr int64_t kMaxDim = int64_t(1) << 20;
   ConfigSchema s;
-  s.add_choice("model.preset", "custom", {"custom", "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"},
+  std::vector<std::string> presets = GPTConfig::preset_names();
+  presets.insert(presets.begin(), "custom");
+  s.add_choice("model.preset", "custom", presets,
                "model shape: 'custom' uses the model.* keys below, a preset name fixes them");
   s.add_int("model.n_layer", 4, "transformer blocks", 1, 1024);
   s.add_int("model.n_head", 4, "attention heads per block (must divide model.n_embd)", 1, 1024);
@@ -70,30 +73,6 @@ ConfigSchema build_loom_schema() {
 const ConfigSchema& loom_schema() {
   static const ConfigSchema schema = build_loom_schema();
   return schema;
-}
-
-const std::vector<ModelPreset>& model_presets() {
-  static const std::vector<ModelPreset> presets = {
-      {"tiny", 2, 2, 64, 512, 64},
-      {"gpt2", 12, 12, 768, 50257, 1024},
-      {"gpt2-medium", 24, 16, 1024, 50257, 1024},
-      {"gpt2-large", 36, 20, 1280, 50257, 1024},
-      {"gpt2-xl", 48, 25, 1600, 50257, 1024},
-  };
-  return presets;
-}
-
-const ModelPreset& find_model_preset(std::string_view name) {
-  std::vector<std::string> names;
-  for (const ModelPreset& p : model_presets()) {
-    if (p.name == name) return p;
-    names.push_back(p.name);
-  }
-  std::string list;
-  for (const std::string& n : names) list += (list.empty() ? "" : ", ") + n;
-  std::string hint;
-  if (auto m = did_you_mean(name, names)) hint = str(" (did you mean '", *m, "'?)");
-  throw Error(str("unknown model preset '", name, "'", hint, "; presets are ", list, ", or 'custom'"));
 }
 
 }  // namespace loom
