@@ -21,9 +21,9 @@
 //   posted at once and are not ordered with respect to collectives.
 // - Failures are loom::Error. A collective some member never joins fails after
 //   CommOptions::timeout naming the operation, its sequence number and the
-//   missing ranks; when a rank fails, the others' pending and next
-//   communication calls fail naming it. After a failed collective the
-//   communicator is unusable: later operations throw.
+//   missing ranks. When a rank fails, the launcher ends every rank naming it
+//   (run_local, run_mpi). After a failed collective the communicator is
+//   unusable: later operations throw.
 // - A communicator is used by one thread at a time (its own progress thread
 //   aside).
 #pragma once
