@@ -1,10 +1,10 @@
 #include "comm/buffer_ops.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+
+#include "loom/kernels.h"
 
 namespace loom::detail {
 
@@ -107,7 +107,7 @@ void reduce_into(const void* const* inputs, int num_inputs, void* const* outputs
 
 void copy_bytes(void* dst, const void* src, size_t bytes) {
   if (dst == src || bytes == 0) return;
-  const int threads = omp_get_max_threads();
+  const int threads = cpu::num_threads();
   if (bytes < kParallelBytes || threads == 1) {
     std::memcpy(dst, src, bytes);
     return;

@@ -1,6 +1,6 @@
 #include "comm/collective_queue.h"
 
-#include <omp.h>
+#include "loom/kernels.h"
 
 namespace loom::detail {
 
@@ -46,7 +46,7 @@ class QueuedCollective : public PendingOp {
 };
 
 CollectiveQueue::CollectiveQueue(Backend& backend)
-    : backend_(backend), rank_(current_rank()), memory_(&MemoryContext::current()), threads_(omp_get_max_threads()) {}
+    : backend_(backend), rank_(current_rank()), memory_(&MemoryContext::current()), threads_(cpu::num_threads()) {}
 
 CollectiveQueue::~CollectiveQueue() {
   {
@@ -95,7 +95,7 @@ std::shared_ptr<PendingOp> CollectiveQueue::enqueue(CollectiveCall call) {
 void CollectiveQueue::progress_loop() {
   set_current_rank(rank_);
   MemoryContext::Install install(*memory_);
-  omp_set_num_threads(threads_);
+  cpu::set_num_threads(threads_);
   std::unique_lock lock(mu_);
   while (true) {
     work_cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });

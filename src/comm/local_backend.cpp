@@ -17,8 +17,6 @@
 // (timeout, a failed rank, cancellation) withdraws its arrival with a
 // compare-and-swap that only succeeds while the count is short, so either the
 // collective runs on every rank or on none.
-#include <omp.h>
-
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
@@ -29,6 +27,7 @@
 
 #include "comm/backend.h"
 #include "comm/buffer_ops.h"
+#include "loom/kernels.h"
 
 namespace loom {
 namespace detail {
@@ -437,8 +436,8 @@ void run_local(int nproc, const RankFunction& fn, const CommOptions& options) {
   std::iota(ranks.begin(), ranks.end(), 0);
   auto group = world->create_group(ranks);
   // The caller's thread budget (by default the hardware threads) is divided
-  // among the ranks. This is what loom::cpu::set_num_threads does per thread.
-  const int threads_per_rank = std::max(1, omp_get_max_threads() / nproc);
+  // among the ranks.
+  const int threads_per_rank = std::max(1, cpu::num_threads() / nproc);
 
   std::vector<std::thread> threads;
   for (int r = 0; r < nproc; ++r) {
@@ -446,7 +445,7 @@ void run_local(int nproc, const RankFunction& fn, const CommOptions& options) {
       set_current_rank(r);
       MemoryContext memory;
       MemoryContext::Install install(memory);
-      omp_set_num_threads(threads_per_rank);
+      cpu::set_num_threads(threads_per_rank);
       Communicator comm(std::make_unique<detail::LocalBackend>(group, r), options);
       try {
         fn(comm);

@@ -16,8 +16,6 @@
 // 16-bit types travel as 16 bits because partial sums never leave the owner.
 // all_gather and broadcast send the data directly to every rank; barrier is
 // the arrival exchange alone.
-#include <omp.h>
-
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -26,6 +24,7 @@
 
 #include "comm/backend.h"
 #include "comm/buffer_ops.h"
+#include "loom/kernels.h"
 
 #ifdef LOOM_WITH_MPI
 #include <mpi.h>
@@ -489,7 +488,7 @@ MpiRuntime::MpiRuntime(const CommOptions& options) {
   MPI_Comm_size(host, &ranks_on_host);
   MPI_Comm_free(&host);
   const int share = static_cast<int>(std::thread::hardware_concurrency()) / ranks_on_host;
-  omp_set_num_threads(std::max(1, std::min(omp_get_max_threads(), share)));
+  cpu::set_num_threads(std::max(1, std::min(cpu::num_threads(), share)));
 
   MPI_Comm collectives, messages;
   detail::check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &collectives), "MPI_Comm_dup");

@@ -2,7 +2,6 @@
 // local backend can show in-process: failure propagation across ranks, the
 // per-rank memory contexts and thread budgets, and backend selection.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <atomic>
 #include <chrono>
@@ -10,6 +9,7 @@
 #include <thread>
 
 #include "comm/collective_suite.h"
+#include "loom/kernels.h"
 
 namespace loom {
 namespace {
@@ -156,11 +156,11 @@ TEST(LocalBackend, AbandonedAsyncCollectiveDuringAnExceptionDoesNotHang) {
 }
 
 TEST(LocalBackend, EachRankHasItsOwnMemoryContextAndShareOfThreads) {
-  const int threads = omp_get_max_threads();
+  const int threads = cpu::num_threads();
   std::atomic<int> checked{0};
   run_local(2, [&](Communicator& comm) {
     EXPECT_EQ(current_rank(), comm.rank());
-    EXPECT_EQ(omp_get_max_threads(), std::max(1, threads / 2));
+    EXPECT_EQ(cpu::num_threads(), std::max(1, threads / 2));
     Allocator& device = MemoryContext::current().tier(Tier::device);
     EXPECT_EQ(device.used(), 0u);
     Tensor t = Tensor::empty({(comm.rank() + 1) * 1024}, DType::f32, Tier::device);
