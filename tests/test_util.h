@@ -1,15 +1,72 @@
 // Helpers shared by loom's tests.
 #pragma once
 
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "loom/core.h"
 
+// Passes when `needle` occurs in `haystack`; on failure prints both.
+#define EXPECT_CONTAINS(haystack, needle) \
+  EXPECT_PRED_FORMAT2(::testing::IsSubstring, std::string(needle), std::string(haystack))
+
 namespace loom::testing {
+
+// The message of the loom::Error that `fn` throws; fails the test if it throws none.
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected loom::Error";
+  return "";
+}
+
+// A fresh directory under the system temp dir, removed with its contents at
+// the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    static std::atomic<int> counter{0};
+    path_ = std::filesystem::temp_directory_path() /
+            ("loom-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(std::string_view name) const { return path_ / name; }
+
+  // Writes `content` to <dir>/<name> and returns the path.
+  std::filesystem::path write(std::string_view name, std::string_view content) const {
+    std::filesystem::path p = path_ / name;
+    std::filesystem::create_directories(p.parent_path());
+    std::ofstream(p, std::ios::binary) << content;
+    return p;
+  }
+
+ private:
+  std::filesystem::path path_;
+};
+
 
 // Deterministic token ids in [0, vocab).
 inline std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {

@@ -2,7 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "io/test_helpers.h"
+#include "test_util.h"
 #include "loom/config.h"
 
 namespace loom {

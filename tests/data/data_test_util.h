@@ -13,29 +13,9 @@
 #include <string>
 
 #include "loom/data.h"
+#include "test_util.h"
 
 namespace loom::testing {
-
-// A fresh directory, removed with everything in it at scope exit.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "loom-data-test-XXXXXX").string();
-    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::filesystem::path& path() const { return path_; }
-  std::filesystem::path operator/(std::string_view name) const { return path_ / name; }
-
- private:
-  std::filesystem::path path_;
-};
 
 inline void write_bytes(const std::filesystem::path& path, std::string_view bytes) {
   std::ofstream out(path, std::ios::binary);
@@ -55,17 +35,6 @@ inline std::string shakespeare(size_t offset, size_t bytes) {
   static const std::string corpus = read_bytes(std::filesystem::path(LOOM_SOURCE_DIR) / "data/tinyshakespeare.txt");
   std::string slice = corpus.substr(offset, bytes);
   return slice.substr(0, slice.rfind('\n') + 1);
-}
-
-// The message of the loom::Error that `f` throws; a test failure if it throws none.
-inline std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a loom::Error";
-  return {};
 }
 
 inline void expect_mentions(const std::string& message, std::initializer_list<std::string> parts) {

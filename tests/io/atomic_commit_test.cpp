@@ -5,7 +5,7 @@
 #include <cstring>
 #include <fstream>
 
-#include "io/test_helpers.h"
+#include "test_util.h"
 #include "loom/io.h"
 
 namespace loom {

@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "io/test_helpers.h"
+#include "test_util.h"
 #include "loom/io.h"
 
 namespace loom {

@@ -5,7 +5,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "io/test_helpers.h"
+#include "test_util.h"
 #include "loom/config.h"
 #include "loom/data.h"
 #include "loom/io.h"
