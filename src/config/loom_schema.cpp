@@ -14,18 +14,18 @@ ConfigSchema build_loom_schema() {
                "model shape: 'custom' uses the model.* keys below, a preset name fixes them");
   s.add_int("model.n_layer", 4, "transformer blocks", 1, 1024);
   s.add_int("model.n_head", 4, "attention heads per block (must divide model.n_embd)", 1, 1024);
-  s.add_int("model.n_embd", 128, "hidden size", 1, kMaxDim);
-  s.add_int("model.vocab_size", 512, "embedding rows; at least data.vocab_size", 1, kMaxDim);
+  s.add_int("model.n_embd", 256, "hidden size", 1, kMaxDim);
+  s.add_int("model.vocab_size", 2048, "embedding rows; at least data.vocab_size", 1, kMaxDim);
   s.add_int("model.block_size", 128, "context length in tokens (longest train.seq_len)", 1, kMaxDim);
   s.add_float("model.dropout", 0.0, "dropout probability on attention and residual paths", 0.0, 1.0);
 
   s.add_int("train.batch_size", 32, "global batch in sequences per optimizer step", 1);
-  s.add_int("train.micro_batch_size", 8, "sequences per rank per forward/backward (gradient accumulation makes up the rest)", 1);
+  s.add_int("train.micro_batch_size", 16, "sequences per rank per forward/backward (gradient accumulation makes up the rest)", 1);
   s.add_int("train.seq_len", 128, "tokens per training sequence (at most model.block_size)", 1, kMaxDim);
-  s.add_int("train.steps", 1000, "optimizer steps", 1);
-  s.add_float("train.lr", 1e-3, "peak learning rate", 0.0);
-  s.add_float("train.min_lr", 1e-4, "learning rate at the end of the cosine decay", 0.0);
-  s.add_int("train.warmup_steps", 100, "linear warm-up steps", 0);
+  s.add_int("train.steps", 500, "optimizer steps", 1);
+  s.add_float("train.lr", 2e-3, "peak learning rate", 0.0);
+  s.add_float("train.min_lr", 2e-4, "learning rate at the end of the cosine decay", 0.0);
+  s.add_int("train.warmup_steps", 50, "linear warm-up steps", 0);
   s.add_float("train.weight_decay", 0.1, "AdamW decoupled weight decay (matrices only)", 0.0);
   s.add_float("train.beta1", 0.9, "AdamW first-moment decay", 0.0, 1.0);
   s.add_float("train.beta2", 0.95, "AdamW second-moment decay", 0.0, 1.0);
@@ -44,7 +44,7 @@ ConfigSchema build_loom_schema() {
 
   s.add_string("data.dir", "runs/data/shakespeare", "prepared dataset: tokenizer and token shards");
   s.add_string("data.text", "data/tinyshakespeare.txt", "raw text prepared into data.dir when it has no shards");
-  s.add_int("data.vocab_size", 512, "tokenizer vocabulary trained by prepare", 2, kMaxDim);
+  s.add_int("data.vocab_size", 2048, "tokenizer vocabulary trained by prepare", 2, kMaxDim);
   s.add_float("data.val_fraction", 0.1, "fraction of the text held out for validation", 0.0, 0.5);
 
   s.add_int("parallel.dp", 1, "data-parallel ranks", 1, 65536);

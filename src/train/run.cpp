@@ -40,7 +40,15 @@ std::string format_duration(double s) {
 DatasetInfo ensure_dataset(const Config& cfg, int64_t seq_len, bool quiet) {
   const fs::path dir = cfg.get<std::string>("data.dir");
   std::error_code ec;
-  if (fs::exists(dir / "dataset.json", ec)) return DatasetInfo::read(dir);
+  if (fs::exists(dir / "dataset.json", ec)) {
+    DatasetInfo info = DatasetInfo::read(dir);
+    const int64_t wanted = cfg.get<int64_t>("data.vocab_size");
+    if (info.vocab_size != wanted)
+      throw Error(str("the dataset in '", dir.string(), "' was prepared with a vocabulary of ", info.vocab_size,
+                      " but data.vocab_size = ", wanted, ": set data.vocab_size = ", info.vocab_size,
+                      ", or point data.dir at a new directory to prepare the data again"));
+    return info;
+  }
   const std::string text = cfg.get<std::string>("data.text");
   if (text.empty())
     throw Error(str("data.dir '", dir.string(), "' holds no prepared dataset (dataset.json) and data.text is empty: "
