@@ -1,4 +1,6 @@
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "loom/kernels.h"
 #include "loom/train.h"
@@ -16,9 +18,12 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
   StepStats stats;
   // The objective is the mean over every target token of the global batch, so
   // each position's loss weighs 1 / (target tokens in the whole batch).
+  std::vector<int64_t> mb_targets;
   int64_t targets = 0;
   for (const MicroBatch& mb : micro_batches) {
-    for (int64_t i = 0; i < mb.shape.N(); ++i) targets += mb.targets[i] != -1;
+    mb_targets.push_back(static_cast<int64_t>(std::count_if(mb.targets, mb.targets + mb.shape.N(),
+                                                            [](int32_t t) { return t != -1; })));
+    targets += mb_targets.back();
     stats.tokens += mb.shape.N();
   }
   if (targets == 0) throw Error("the batch has no target tokens (every target is -1)");
@@ -27,16 +32,15 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
   const uint64_t dropout_key = stream_key(stream_key(opts_.seed, "dropout"), static_cast<uint64_t>(steps_done()), 0);
   grads_->zero();
   double loss_sum = 0.0;
-  for (const MicroBatch& mb : micro_batches) {
+  for (size_t m = 0; m < micro_batches.size(); ++m) {
+    const MicroBatch& mb = micro_batches[m];
     ForwardOptions fo;
     fo.training = true;
     fo.checkpoint_activations = opts_.checkpoint_activations;
     fo.dropout_key = dropout_key;
     fo.first_sequence = mb.first_sequence;
-    int64_t mb_targets = 0;
-    for (int64_t i = 0; i < mb.shape.N(); ++i) mb_targets += mb.targets[i] != -1;
     const float loss = model_.forward(*params_, mb.tokens, mb.targets, mb.shape, fo);
-    loss_sum += static_cast<double>(loss) * static_cast<double>(mb_targets);
+    loss_sum += static_cast<double>(loss) * static_cast<double>(mb_targets[m]);
     model_.backward(*params_, *grads_, dloss);
   }
   grads_->finish();
