@@ -100,6 +100,14 @@ inline std::vector<double> reference_gemm(bool trans_a, bool trans_b, int64_t M,
 
 inline std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
 
+// a + b element by element in double: what an accumulating kernel must produce
+// from a buffer holding a and a fresh gradient b.
+inline std::vector<double> plus(const std::vector<float>& a, const std::vector<float>& b) {
+  std::vector<double> s(a.size());
+  for (size_t i = 0; i < a.size(); ++i) s[i] = static_cast<double>(a[i]) + b[i];
+  return s;
+}
+
 // Runs `run` (which returns every output and gradient it computed,
 // concatenated) under thread budgets 1, 2 and 3 and expects identical bytes.
 inline void expect_thread_invariant(const std::function<std::vector<float>()>& run) {

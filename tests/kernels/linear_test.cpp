@@ -55,14 +55,9 @@ TEST(Linear, BackwardAccumulatesAndSkipsNullGradients) {
   auto dinp2 = random_vector(N * C, 5), dw2 = random_vector(OC * C, 6), db2 = random_vector(OC, 7);
   const auto dinp0 = dinp2, dw0 = dw2, db0 = db2;
   linear_backward(dinp2.data(), dw2.data(), db2.data(), dout.data(), inp.data(), w.data(), N, C, OC);
-  auto sum = [](const std::vector<float>& a, const std::vector<float>& b) {
-    std::vector<double> s(a.size());
-    for (size_t i = 0; i < a.size(); ++i) s[i] = static_cast<double>(a[i]) + b[i];
-    return s;
-  };
-  kernel_testing::expect_close("dinp", dinp2, sum(dinp0, dinp), 1e-5, 1e-5);
-  kernel_testing::expect_close("dweight", dw2, sum(dw0, dw), 1e-5, 1e-5);
-  kernel_testing::expect_close("dbias", db2, sum(db0, db), 1e-5, 1e-5);
+  kernel_testing::expect_close("dinp", dinp2, kernel_testing::plus(dinp0, dinp), 1e-5, 1e-5);
+  kernel_testing::expect_close("dweight", dw2, kernel_testing::plus(dw0, dw), 1e-5, 1e-5);
+  kernel_testing::expect_close("dbias", db2, kernel_testing::plus(db0, db), 1e-5, 1e-5);
   // Null dinp and dbias are skipped; dweight still accumulates.
   auto dw3 = dw0;
   linear_backward(nullptr, dw3.data(), nullptr, dout.data(), inp.data(), w.data(), N, C, OC);
