@@ -182,7 +182,9 @@ class Communicator {
   // Validates a collective, numbers it and counts its volume.
   detail::CollectiveCall issue(detail::CollectiveKind kind, const void* send, void* recv, int64_t count, DType dtype,
                                ReduceOp op, int root);
-  void check_point_to_point(const char* what, const void* buf, size_t bytes, int peer, int tag) const;
+  // Validates a send or recv, counts its bytes and returns its call number.
+  uint64_t issue_point_to_point(const char* what, CommVolume CommStats::*volume, const void* buf, size_t bytes,
+                                int peer, int tag);
   // Exchanges (color, key, check) and builds this rank's group; `check` must
   // agree across ranks (new_group passes a digest of its rank list).
   std::unique_ptr<Communicator> split_checked(int color, int key, int64_t check, const char* what);

@@ -240,33 +240,25 @@ Work Communicator::barrier_async() {
   return Work(queue_->enqueue(issue(CollectiveKind::barrier, nullptr, nullptr, 0, DType::u8, ReduceOp::sum, 0)));
 }
 
-void Communicator::check_point_to_point(const char* what, const void* buf, size_t bytes, int peer, int tag) const {
+uint64_t Communicator::issue_point_to_point(const char* what, CommVolume CommStats::*volume, const void* buf,
+                                            size_t bytes, int peer, int tag) {
   if (peer < 0 || peer >= size_) throw Error(str(what, ": rank ", peer, " is not a rank of this group of ", size_));
   if (tag < 0 || tag > kMaxTag) throw Error(str(what, ": tag ", tag, " is outside [0, ", kMaxTag, "]"));
   LOOM_CHECK(bytes == 0 || buf != nullptr, what, " of ", bytes, " bytes with a null buffer");
+  std::lock_guard lock(stats_mu_);
+  CommVolume& v = stats_.*volume;
+  v.elements += static_cast<double>(bytes);
+  v.bytes += static_cast<double>(bytes);
+  return static_cast<uint64_t>(++v.calls);
 }
 
 Work Communicator::send_async(const void* buf, size_t bytes, int dst, int tag) {
-  check_point_to_point("send", buf, bytes, dst, tag);
-  uint64_t number;
-  {
-    std::lock_guard lock(stats_mu_);
-    number = static_cast<uint64_t>(++stats_.send.calls);
-    stats_.send.elements += static_cast<double>(bytes);
-    stats_.send.bytes += static_cast<double>(bytes);
-  }
+  const uint64_t number = issue_point_to_point("send", &CommStats::send, buf, bytes, dst, tag);
   return Work(backend_->post_send(buf, bytes, dst, tag, number, options_.timeout));
 }
 
 Work Communicator::recv_async(void* buf, size_t bytes, int src, int tag) {
-  check_point_to_point("recv", buf, bytes, src, tag);
-  uint64_t number;
-  {
-    std::lock_guard lock(stats_mu_);
-    number = static_cast<uint64_t>(++stats_.recv.calls);
-    stats_.recv.elements += static_cast<double>(bytes);
-    stats_.recv.bytes += static_cast<double>(bytes);
-  }
+  const uint64_t number = issue_point_to_point("recv", &CommStats::recv, buf, bytes, src, tag);
   return Work(backend_->post_recv(buf, bytes, src, tag, number, options_.timeout));
 }
 
