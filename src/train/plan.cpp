@@ -18,10 +18,6 @@ GPTConfig model_config_from(const Config& cfg) {
     m = GPTConfig::preset(preset);
   }
   m.dropout = static_cast<float>(cfg.get<double>("model.dropout"));
-  if (m.n_embd % m.n_head != 0)
-    throw ConfigError(cfg, "model.n_embd", str("must be divisible by model.n_head = ", m.n_head),
-                      str("use n_embd = ", (m.n_embd / m.n_head + 1) * m.n_head, " or a head count dividing ",
-                          m.n_embd));
   m.validate();
   return m;
 }
