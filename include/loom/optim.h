@@ -4,7 +4,10 @@
 
 #include <cstdint>
 
+#include <vector>
+
 #include "loom/core.h"
+#include "loom/kernels.h"
 #include "loom/store.h"
 
 namespace loom {
@@ -28,37 +31,88 @@ struct LRSchedule {
   float at(int64_t step) const;
 };
 
-// AdamW whose moment estimates (the OptimStore) cover the flat elements
-// [begin, end) of a layout: the whole model for the reference path, one
-// shard under ZeRO. Weight decay follows each parameter's spec.
+// AdamW whose moment estimates cover a list of ranges of a layout's flat
+// space, concatenated in the given order: the whole model for the reference
+// path, the blocks a rank owns under ZeRO. Weight decay follows each
+// parameter's spec.
 class AdamW {
  public:
-  AdamW(const ParamLayout& layout, const AdamWConfig& cfg, int64_t begin, int64_t end);
-  AdamW(const ParamLayout& layout, const AdamWConfig& cfg) : AdamW(layout, cfg, 0, layout.numel()) {}
+  AdamW(const ParamLayout& layout, const AdamWConfig& cfg, std::vector<FlatRange> ranges);
+  AdamW(const ParamLayout& layout, const AdamWConfig& cfg) : AdamW(layout, cfg, {{0, layout.numel()}}) {}
 
-  // One update of params[begin, end) from grads[begin, end), both given as
-  // pointers to flat element `begin`. grad_scale multiplies every gradient
-  // (clipping and loss-scale unscaling folded in).
+  // One update of the whole model from its flat gradients (a single range
+  // starting at element 0). grad_scale multiplies every gradient (clipping
+  // and loss-scale unscaling folded in).
   void step(float* params, const float* grads, float lr, float grad_scale);
+  // The same, range by range: begin_step advances the step count, then
+  // update(i, ...) updates range i from pointers to its first element.
+  void begin_step(float lr, float grad_scale);
+  void update(size_t range, float* params, const float* grads);
 
   int64_t steps() const { return t_; }
   void set_steps(int64_t t) { t_ = t; }
+  const std::vector<FlatRange>& ranges() const { return ranges_; }
+  // Moments of all ranges, concatenated.
   Tensor exp_avg() const { return m_; }
   Tensor exp_avg_sq() const { return v_; }
+  // Where range i starts in the moments.
+  int64_t offset(size_t range) const { return offsets_.at(range); }
   const AdamWConfig& config() const { return cfg_; }
-  int64_t begin() const { return begin_; }
-  int64_t end() const { return end_; }
 
  private:
   const ParamLayout& layout_;
   AdamWConfig cfg_;
-  int64_t begin_, end_;
+  std::vector<FlatRange> ranges_;
+  std::vector<int64_t> offsets_;
   int64_t t_ = 0;
+  cpu::AdamWStep decay_, no_decay_;
   Tensor m_, v_;
 };
 
 // The factor that scales gradients of global norm `norm` down to max_norm
 // (1 when clipping is off, max_norm <= 0).
 float clip_scale(double norm, float max_norm);
+
+// Dynamic loss scaling for fp16 (Micikevicius et al. 2018, with Megatron's
+// hysteresis). The loss is multiplied by scale() before backward so small
+// gradients survive fp16; a step whose gradients overflowed is skipped. After
+// `growth_interval` clean steps in a row the scale grows by `growth_factor`
+// (and the hysteresis budget refills); each overflow spends one unit of the
+// budget, and once it is spent every overflow multiplies the scale by
+// `backoff_factor`. A scale that would fall below `min_scale` is an Error:
+// the model produces non-finite gradients at any scale.
+struct LossScaleOptions {
+  float initial_scale = 65536.0f;  // 2^16
+  float growth_factor = 2.0f;
+  float backoff_factor = 0.5f;
+  int64_t growth_interval = 1000;
+  int hysteresis = 2;
+  float min_scale = 1.0f;
+};
+// Throws Error naming the field of an option out of range.
+void validate(const LossScaleOptions& opts);
+
+class LossScaler {
+ public:
+  explicit LossScaler(const LossScaleOptions& opts = {});
+  float scale() const { return scale_; }
+  // Records one step; `overflow` means its gradients were not all finite.
+  void update(bool overflow);
+
+  // The whole state, for checkpoints.
+  struct State {
+    float scale = 0.0f;
+    int64_t clean_steps = 0;
+    int hysteresis_left = 0;
+  };
+  State state() const { return {scale_, clean_steps_, hysteresis_left_}; }
+  void restore(const State& s);
+
+ private:
+  LossScaleOptions opts_;
+  float scale_;
+  int64_t clean_steps_ = 0;
+  int hysteresis_left_;
+};
 
 }  // namespace loom

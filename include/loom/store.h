@@ -29,6 +29,12 @@ struct ParamInit {
   static ParamInit constant(float value) { return {Kind::constant, value, 0.0f}; }
 };
 
+// Elements [begin, end) of the flat parameter space.
+struct FlatRange {
+  int64_t begin = 0, end = 0;
+  int64_t numel() const { return end - begin; }
+};
+
 struct ParamSpec {
   std::string name;  // global name, e.g. "h.3.attn.c_attn.weight"
   Shape shape;       // global shape
@@ -66,24 +72,34 @@ class ParamLayout {
 };
 
 // Parameters of one rank. The reference store keeps the whole flat space in
-// one buffer on the device tier.
+// one fp32 buffer on the device tier; ZeroParamStore (zero.h) shards it.
 class ParamStore {
  public:
   ParamStore(const ParamLayout& layout, uint64_t seed);
   virtual ~ParamStore() = default;
+  ParamStore(const ParamStore&) = delete;
+  ParamStore& operator=(const ParamStore&) = delete;
 
   const ParamLayout& layout() const { return layout_; }
 
   // The group's parameters are usable between acquire and release.
   virtual void acquire(int group);
   virtual void release(int group);
-  // The full parameter `id` (valid while its group is acquired).
-  Tensor param(int id) const;
+  // The full parameter `id` in fp32 (valid while its group is acquired).
+  virtual Tensor param(int id) const;
+  // Bracket one training step's forwards and backwards (stores that
+  // prefetch learn the acquisition order from them).
+  virtual void begin_step() {}
+  virtual void end_step() {}
 
-  // Everything this rank holds, as one flat tensor (the optimizer's view).
+  // The reference store's whole flat space (undefined for other stores).
   Tensor flat() const { return flat_; }
 
  protected:
+  // For derived stores that allocate their own memory.
+  explicit ParamStore(const ParamLayout& layout) : layout_(layout) {}
+  void check_group(int group) const;
+
   const ParamLayout& layout_;
   Tensor flat_;
 };
@@ -95,15 +111,29 @@ class GradStore {
  public:
   explicit GradStore(const ParamLayout& layout);
   virtual ~GradStore() = default;
+  GradStore(const GradStore&) = delete;
+  GradStore& operator=(const GradStore&) = delete;
 
-  Tensor grad(int id) const;
+  // fp32 gradient of parameter `id` for the current micro-batch; backward
+  // kernels accumulate into it.
+  virtual Tensor grad(int id) const;
+  // The reference store's whole flat space (undefined for other stores).
   Tensor flat() const { return flat_; }
-  void zero();
+  // Starts a step: every gradient becomes zero.
+  virtual void zero();
+  // Whether the coming micro-batch's group_ready calls communicate (false for
+  // all but the last micro-batch of a gradient accumulation).
+  virtual void set_reduce(bool) {}
   virtual void group_ready(int group);
   // Blocks until every reduction started by group_ready has finished.
   virtual void finish() {}
 
  protected:
+  // For derived stores that allocate their own memory.
+  struct NoStorage {};
+  GradStore(const ParamLayout& layout, NoStorage) : layout_(layout) {}
+  void check_group(int group) const;
+
   const ParamLayout& layout_;
   Tensor flat_;
 };

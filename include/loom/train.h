@@ -13,6 +13,7 @@
 #include "loom/nn.h"
 #include "loom/optim.h"
 #include "loom/store.h"
+#include "loom/zero.h"
 
 namespace loom {
 
@@ -22,6 +23,13 @@ struct TrainOptions {
   float grad_clip = 1.0f;  // global-norm clipping; 0 turns it off
   bool checkpoint_activations = false;
   uint64_t seed = 1337;  // initialization and dropout
+  // Data parallelism and precision; anything but stage 0 in fp32 needs a
+  // data-parallel communicator (a group of one will do).
+  ZeroOptions zero;
+  LossScaleOptions loss_scale;  // fp16 only
+  // Called on every rank once the step's gradients are reduced, before they
+  // are checked and applied (tests inject faults here).
+  std::function<void(GradStore&)> on_gradients;
 };
 
 // One micro-batch of the global batch, B sequences of T tokens.
@@ -34,36 +42,66 @@ struct MicroBatch {
 
 struct StepStats {
   float loss = 0.0f;       // mean over the global batch's target tokens
-  double grad_norm = 0.0;  // before clipping
+  double grad_norm = 0.0;  // before clipping (unscaled); not finite when skipped
   float lr = 0.0f;
-  int64_t tokens = 0;
+  int64_t tokens = 0;      // of the global batch
+  bool skipped = false;    // fp16 overflow: no update, loss scale lowered
+  float loss_scale = 1.0f;  // the scale the step ran with
 };
 
-// Single-rank training: the reference path every parallel layout and memory
-// strategy is tested against.
+// The training step. Without a communicator it is the single-rank fp32
+// reference every parallel layout and memory strategy is tested against
+// (ParamStore, GradStore and AdamW over the whole model). With one, the
+// ZeRO stores of zero.h hold the state and every rank of `dp` runs the step on
+// its own micro-batches of the same global batch.
 class Trainer {
  public:
-  Trainer(const GPTConfig& model, const TrainOptions& opts);
+  Trainer(const GPTConfig& model, const TrainOptions& opts, Communicator* dp = nullptr);
   // The stores refer to the model's layout: a Trainer stays where it is built.
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
-  // Forward and backward over every micro-batch (gradients accumulate), then
-  // clipping and one AdamW update.
+  ~Trainer();
+
+  // Forward and backward over this rank's micro-batches (gradients
+  // accumulate), then clipping and one AdamW update. Collective under dp.
   StepStats step(std::span<const MicroBatch> micro_batches);
 
   GPT& model() { return model_; }
   ParamStore& params() { return *params_; }
   GradStore& grads() { return *grads_; }
-  AdamW& optimizer() { return *optim_; }
-  int64_t steps_done() const { return optim_->steps(); }
+  AdamW& optimizer();
+  const TrainOptions& options() const { return opts_; }
+  Communicator* data_parallel() const { return dp_; }
+  // Steps run (skipped ones included); the optimizer counts applied updates.
+  int64_t steps_done() const { return steps_; }
+  const LossScaler* loss_scaler() const { return scaler_.get(); }
+
+  // The whole model state in the layout's flat order, fp32: the weights (the
+  // master weights under mixed precision) and the AdamW moments.
+  struct State {
+    Tensor params, exp_avg, exp_avg_sq;
+    int64_t steps = 0, optimizer_steps = 0;
+    LossScaler::State loss_scale;  // fp16 only
+  };
+  // Collective under dp: every rank gets the whole state.
+  State gather_state();
+  // Collective under dp: every rank takes its part of `state`.
+  void load_state(const State& state);
 
  private:
+  StepStats apply_update(StepStats stats);
+
   TrainOptions opts_;
+  Communicator* dp_;
   GPT model_;
+  std::unique_ptr<ZeroPartition> partition_;
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<GradStore> grads_;
-  std::unique_ptr<AdamW> optim_;
+  std::unique_ptr<AdamW> reference_optim_;
+  std::unique_ptr<ZeroOptimizer> zero_optim_;
+  std::unique_ptr<LossScaler> scaler_;
+  int64_t steps_ = 0;
 };
 
 }  // namespace loom
@@ -90,8 +128,14 @@ struct TrainPlan {
   int64_t global_batch = 0;  // sequences per step
   int64_t micro_batch = 0;
   int64_t seq_len = 0;
-  int64_t accumulation = 1;  // micro-batches per step
+  int64_t accumulation = 1;  // micro-batches per step and rank: global_batch / (dp * micro_batch)
   std::filesystem::path out_dir;
+  int64_t dp = 1;                 // data-parallel ranks
+  std::string backend = "local";  // parallel.backend
+  int nproc = 1;                  // ranks to launch: dp * tp * pp
+  // Whether the run is the single-rank fp32 reference (a Trainer without a
+  // communicator); anything else runs every rank with one.
+  bool reference() const { return dp == 1 && options.zero.stage == 0 && options.zero.precision == DType::f32; }
 };
 // Throws ConfigError naming the field, its origin, the rule and the fix.
 TrainPlan plan_training(const Config& cfg);
@@ -121,9 +165,15 @@ struct CheckpointInfo {
   int64_t step = 0;
   nlohmann::json fields;  // the manifest's fields (config, loader, ...)
 };
+// The files hold the whole state under global names and shapes in fp32 (the
+// master weights under mixed precision), whatever the layout that saved it, so
+// any layout loads any checkpoint. Under dp both calls are collective: every
+// rank gathers the state, rank 0 writes it and the ranks meet in a barrier;
+// every rank verifies and reads the files and takes its part.
 std::filesystem::path save_checkpoint(const std::filesystem::path& root, Trainer& trainer,
                                       const nlohmann::json& fields, int64_t keep_last);
-// Verifies every file's checksum, then loads weights and optimizer state.
+// Verifies every file's checksum, then loads weights, optimizer state, the
+// step counters and (fp16) the loss scaler's state.
 CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Trainer& trainer);
 // Weights only (generate, eval, export): verifies the checkpoint and returns
 // its info; `load_weights` fills a ParamStore of the model it describes.
@@ -143,16 +193,22 @@ struct EvalResult {
   double loss_per_char = 0.0;
   int64_t tokens = 0;
 };
-// Mean loss over every window of the shards (chars_per_token converts).
+// Mean loss over every window of the shards (chars_per_token converts);
+// max_batches > 0 stops after that many micro-batches (per rank under dp).
+// With a data-parallel communicator it is collective: each rank evaluates its
+// slice of the windows (EvalLoader) and every rank gets the whole result.
 EvalResult evaluate(GPT& model, ParamStore& params, const std::vector<std::filesystem::path>& shards,
-                    int64_t seq_len, int64_t micro_batch, double chars_per_token, int64_t max_batches = 0);
+                    int64_t seq_len, int64_t micro_batch, double chars_per_token, int64_t max_batches = 0,
+                    Communicator* dp = nullptr);
 
 struct RunOptions {
   bool resume = false;
   int64_t stop_after = 0;  // stop after this step as if interrupted (tests); 0 = run to the end
   bool quiet = false;
 };
-// `loom train`. Returns the final validation result.
+// `loom train`: the reference run on this thread, or plan.nproc ranks through
+// launch() (comm.h) of which rank 0 prints, logs and samples. Returns the
+// final validation result (of the whole validation split).
 EvalResult run_training(const Config& cfg, const RunOptions& run);
 
 }  // namespace loom

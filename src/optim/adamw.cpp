@@ -5,28 +5,43 @@
 
 namespace loom {
 
-AdamW::AdamW(const ParamLayout& layout, const AdamWConfig& cfg, int64_t begin, int64_t end)
-    : layout_(layout), cfg_(cfg), begin_(begin), end_(end) {
-  LOOM_CHECK(0 <= begin && begin <= end && end <= layout.numel(), "optimizer range [", begin, ", ", end,
-             ") outside the ", layout.numel(), "-element parameter space");
-  m_ = Tensor::zeros({end - begin});
-  v_ = Tensor::zeros({end - begin});
+AdamW::AdamW(const ParamLayout& layout, const AdamWConfig& cfg, std::vector<FlatRange> ranges)
+    : layout_(layout), cfg_(cfg), ranges_(std::move(ranges)) {
+  int64_t total = 0;
+  for (const FlatRange& r : ranges_) {
+    LOOM_CHECK(0 <= r.begin && r.begin <= r.end && r.end <= layout.numel(), "optimizer range [", r.begin, ", ",
+               r.end, ") outside the ", layout.numel(), "-element parameter space");
+    offsets_.push_back(total);
+    total += r.numel();
+  }
+  m_ = Tensor::zeros({total});
+  v_ = Tensor::zeros({total});
 }
 
 void AdamW::step(float* params, const float* grads, float lr, float grad_scale) {
+  LOOM_CHECK(ranges_.size() == 1 && ranges_[0].begin == 0, "AdamW::step(params, grads) needs one range from 0");
+  begin_step(lr, grad_scale);
+  update(0, params, grads);
+}
+
+void AdamW::begin_step(float lr, float grad_scale) {
   ++t_;
-  cpu::AdamWStep decay = cpu::AdamWStep::at(t_, lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay);
-  decay.grad_scale = grad_scale;
-  cpu::AdamWStep no_decay = decay;
-  no_decay.weight_decay = 0.0f;
-  float* m = m_.data<float>();
-  float* v = v_.data<float>();
-  // Walk the parameters overlapping [begin, end): each is decayed or not.
+  decay_ = cpu::AdamWStep::at(t_, lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay);
+  decay_.grad_scale = grad_scale;
+  no_decay_ = decay_;
+  no_decay_.weight_decay = 0.0f;
+}
+
+void AdamW::update(size_t range, float* params, const float* grads) {
+  const FlatRange r = ranges_.at(range);
+  float* m = m_.data<float>() + offsets_[range];
+  float* v = v_.data<float>() + offsets_[range];
+  // Walk the parameters overlapping the range: each is decayed or not.
   for (const ParamSpec& p : layout_.params()) {
-    const int64_t lo = std::max(begin_, p.offset), hi = std::min(end_, p.offset + p.numel());
+    const int64_t lo = std::max(r.begin, p.offset), hi = std::min(r.end, p.offset + p.numel());
     if (lo >= hi) continue;
-    const int64_t i = lo - begin_;
-    cpu::adamw_update(params + i, grads + i, m + i, v + i, hi - lo, p.weight_decay ? decay : no_decay);
+    const int64_t i = lo - r.begin;
+    cpu::adamw_update(params + i, grads + i, m + i, v + i, hi - lo, p.weight_decay ? decay_ : no_decay_);
   }
 }
 

@@ -53,8 +53,11 @@ ParamStore::ParamStore(const ParamLayout& layout, uint64_t seed) : layout_(layou
   layout.initialize(flat_.data<float>(), 0, layout.numel(), seed);
 }
 
-void ParamStore::acquire(int group) { LOOM_CHECK(group >= 0 && group < layout_.num_groups(), "bad group ", group); }
-void ParamStore::release(int group) { LOOM_CHECK(group >= 0 && group < layout_.num_groups(), "bad group ", group); }
+void ParamStore::check_group(int group) const {
+  LOOM_CHECK(group >= 0 && group < layout_.num_groups(), "bad group ", group);
+}
+void ParamStore::acquire(int group) { check_group(group); }
+void ParamStore::release(int group) { check_group(group); }
 
 Tensor ParamStore::param(int id) const {
   const ParamSpec& p = layout_.param(id);
@@ -70,8 +73,9 @@ Tensor GradStore::grad(int id) const {
 
 void GradStore::zero() { flat_.zero_(); }
 
-void GradStore::group_ready(int group) {
+void GradStore::check_group(int group) const {
   LOOM_CHECK(group >= 0 && group < layout_.num_groups(), "bad group ", group);
 }
+void GradStore::group_ready(int group) { check_group(group); }
 
 }  // namespace loom

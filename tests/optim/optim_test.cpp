@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "loom/optim.h"
+#include "test_util.h"
 
 namespace loom {
 namespace {
@@ -50,13 +51,73 @@ TEST(AdamW, AShardUpdatesLikeTheWhole) {
   for (int i = 0; i < 11; ++i) grad[i] = 0.1f * static_cast<float>(i - 5);
   std::vector<float> shard_p = p;
   AdamW whole(l, {});
-  AdamW lo(l, {}, 0, 4), hi(l, {}, 4, 11);
+  // Ranges in any order, crossing the parameter boundary (decay on, then off).
+  AdamW ends(l, {}, {{7, 11}, {0, 4}}), middle(l, {}, {{4, 7}});
   for (int s = 0; s < 3; ++s) {
     whole.step(p.data(), grad.data(), 1e-2f, 0.5f);
-    lo.step(shard_p.data(), grad.data(), 1e-2f, 0.5f);
-    hi.step(shard_p.data() + 4, grad.data() + 4, 1e-2f, 0.5f);
+    ends.begin_step(1e-2f, 0.5f);
+    ends.update(0, shard_p.data() + 7, grad.data() + 7);
+    ends.update(1, shard_p.data(), grad.data());
+    middle.begin_step(1e-2f, 0.5f);
+    middle.update(0, shard_p.data() + 4, grad.data() + 4);
   }
   for (int i = 0; i < 11; ++i) EXPECT_EQ(p[i], shard_p[i]);
+  EXPECT_EQ(ends.offset(1), 4);
+  EXPECT_EQ(ends.exp_avg().data<float>()[4], whole.exp_avg().data<float>()[0]);
+}
+
+TEST(LossScaler, GrowsAfterCleanStepsAndBacksOffAfterTheHysteresis) {
+  LossScaleOptions o;
+  o.growth_interval = 3;
+  LossScaler s(o);
+  EXPECT_EQ(s.scale(), 65536.0f);
+  s.update(false);
+  s.update(false);
+  EXPECT_EQ(s.scale(), 65536.0f);
+  s.update(false);
+  EXPECT_EQ(s.scale(), 131072.0f);
+  s.update(true);  // the first overflow spends the hysteresis
+  EXPECT_EQ(s.scale(), 131072.0f);
+  s.update(true);
+  EXPECT_EQ(s.scale(), 65536.0f);
+  s.update(true);  // the budget stays spent until the scale grows again
+  EXPECT_EQ(s.scale(), 32768.0f);
+  s.update(false);
+  s.update(false);
+  s.update(true);  // an overflow restarts the count of clean steps
+  s.update(false);
+  s.update(false);
+  EXPECT_EQ(s.scale(), 16384.0f);
+  s.update(false);
+  EXPECT_EQ(s.scale(), 32768.0f);
+  s.update(true);
+  EXPECT_EQ(s.scale(), 32768.0f);
+}
+
+TEST(LossScaler, FallingBelowTheMinimumIsAnError) {
+  LossScaleOptions o;
+  o.initial_scale = 4.0f;
+  o.min_scale = 2.0f;
+  o.hysteresis = 1;
+  LossScaler s(o);
+  s.update(true);
+  EXPECT_EQ(s.scale(), 2.0f);
+  EXPECT_CONTAINS(testing::error_of([&] { s.update(true); }), "min_scale");
+}
+
+TEST(LossScaler, StateRoundTripsAndInvalidOptionsAreErrors) {
+  LossScaler a;
+  a.update(true);
+  LossScaler b;
+  b.restore(a.state());
+  b.update(true);
+  EXPECT_EQ(b.scale(), 32768.0f);
+  LossScaleOptions bad;
+  bad.hysteresis = 0;
+  EXPECT_CONTAINS(testing::error_of([&] { LossScaler s(bad); }), "hysteresis");
+  bad = {};
+  bad.backoff_factor = 1.0f;
+  EXPECT_CONTAINS(testing::error_of([&] { LossScaler s(bad); }), "backoff_factor");
 }
 
 }  // namespace

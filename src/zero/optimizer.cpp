@@ -1,0 +1,134 @@
+#include <algorithm>
+
+#include "loom/zero.h"
+#include "working_precision.h"
+
+namespace loom {
+
+using zero_detail::at;
+
+ZeroOptimizer::ZeroOptimizer(const ParamLayout& layout, const ZeroPartition& partition, Communicator& dp,
+                             const ZeroOptions& opts, const AdamWConfig& cfg, uint64_t seed, ZeroParamStore& params,
+                             ZeroGradStore& grads)
+    : layout_(layout), partition_(partition), dp_(dp), opts_(opts), params_(params), grads_(grads) {
+  // Stage 0 updates every element on every rank (the replicas stay equal
+  // because their reduced gradients are bit-identical); stages 1-3 update
+  // only the rank's own blocks.
+  for (const ZeroBucket& b : partition.buckets()) {
+    const FlatRange r = opts.stage == 0 ? FlatRange{b.begin, b.end} : partition.owned(b);
+    if (r.numel() > 0) ranges_.push_back(r);
+  }
+  int64_t total = 0;
+  for (const FlatRange& r : ranges_) {
+    master_offset_.push_back(total);
+    total += r.numel();
+  }
+  if (opts.precision != DType::f32) {
+    master_ = Tensor::empty({total});
+    for (size_t i = 0; i < ranges_.size(); ++i)
+      layout.initialize(master(i), ranges_[i].begin, ranges_[i].numel(), seed);
+  }
+  adamw_ = std::make_unique<AdamW>(layout, cfg, ranges_);
+}
+
+ZeroOptimizer::~ZeroOptimizer() = default;
+
+float* ZeroOptimizer::master(size_t range) const {
+  // In fp32 the working parameters are the master weights.
+  if (opts_.precision == DType::f32) return static_cast<float*>(params_.working(ranges_.at(range).begin));
+  return master_.data<float>() + master_offset_.at(range);
+}
+
+GradientCheck ZeroOptimizer::check_gradients() {
+  GradientCheck local;
+  // Stage 0 replicas check everything they would apply; the sum of squares
+  // counts each element once, on its owner.
+  if (opts_.stage == 0)
+    local.non_finite = zero_detail::count_non_finite(grads_.storage().raw(), opts_.precision, grads_.storage().numel());
+  for (const ZeroBucket& b : partition_.buckets()) {
+    const FlatRange r = partition_.owned(b);
+    if (r.numel() == 0) continue;
+    const Tensor g = grads_.owned(r);
+    if (opts_.stage > 0) local.non_finite += zero_detail::count_non_finite(g.raw(), opts_.precision, r.numel());
+    local.sum_squares += zero_detail::sum_squares(g.raw(), opts_.precision, r.numel());
+  }
+  // Every rank decides from the same reduced figures, so all skip or all
+  // step together.
+  float both[2] = {static_cast<float>(local.sum_squares), static_cast<float>(local.non_finite)};
+  dp_.all_reduce(both, 2, DType::f32, ReduceOp::sum);
+  return {static_cast<double>(both[0]), static_cast<int64_t>(both[1])};
+}
+
+void ZeroOptimizer::step(float lr, float grad_scale) {
+  adamw_->begin_step(lr, grad_scale);
+  Tensor converted;
+  for (size_t i = 0; i < ranges_.size(); ++i) {
+    const FlatRange r = ranges_[i];
+    const Tensor g = grads_.owned(r);
+    const float* grad = nullptr;
+    if (opts_.precision == DType::f32) {
+      grad = g.data<float>();
+    } else {
+      if (!converted.defined() || converted.numel() < r.numel()) converted = Tensor::empty({r.numel()});
+      convert(g.raw(), opts_.precision, converted.raw(), DType::f32, r.numel());
+      grad = converted.data<float>();
+    }
+    adamw_->update(i, master(i), grad);
+    params_.assign(r, master(i));
+  }
+  converted = Tensor();
+  params_.publish();
+}
+
+void ZeroOptimizer::gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_avg_sq) {
+  const int64_t n = layout_.numel();
+  const float* m = adamw_->exp_avg().data<float>();
+  const float* v = adamw_->exp_avg_sq().data<float>();
+  Tensor* outs[3] = {&params, &exp_avg, &exp_avg_sq};
+  for (Tensor* t : outs) *t = Tensor::zeros({n});
+  if (opts_.stage == 0) {
+    for (size_t i = 0; i < ranges_.size(); ++i) {
+      const FlatRange r = ranges_[i];
+      std::copy_n(master(i), r.numel(), params.data<float>() + r.begin);
+      std::copy_n(m + adamw_->offset(i), r.numel(), exp_avg.data<float>() + r.begin);
+      std::copy_n(v + adamw_->offset(i), r.numel(), exp_avg_sq.data<float>() + r.begin);
+    }
+    return;
+  }
+  // Each bucket: every rank's block (padding included) gathered, then the
+  // real elements copied into layout order.
+  size_t i = 0;
+  for (const ZeroBucket& b : partition_.buckets()) {
+    const FlatRange own = partition_.owned(b);
+    const bool has = own.numel() > 0;
+    const float* sources[3] = {has ? master(i) : nullptr, has ? m + adamw_->offset(i) : nullptr,
+                               has ? v + adamw_->offset(i) : nullptr};
+    Tensor block = Tensor::zeros({b.shard});
+    Tensor whole = Tensor::empty({b.shard * partition_.ranks()});
+    for (int k = 0; k < 3; ++k) {
+      block.zero_();
+      if (has) std::copy_n(sources[k], own.numel(), block.data<float>());
+      dp_.all_gather(block.raw(), whole.raw(), b.shard, DType::f32);
+      std::copy_n(whole.data<float>(), b.numel(), outs[k]->data<float>() + b.begin);
+    }
+    if (has) ++i;
+  }
+}
+
+void ZeroOptimizer::load_state(const Tensor& params, const Tensor& exp_avg, const Tensor& exp_avg_sq) {
+  const int64_t n = layout_.numel();
+  LOOM_CHECK(params.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n, "state of ", params.numel(),
+             " elements for a model of ", n);
+  float* m = adamw_->exp_avg().data<float>();
+  float* v = adamw_->exp_avg_sq().data<float>();
+  for (size_t i = 0; i < ranges_.size(); ++i) {
+    const FlatRange r = ranges_[i];
+    std::copy_n(params.data<float>() + r.begin, r.numel(), master(i));
+    std::copy_n(exp_avg.data<float>() + r.begin, r.numel(), m + adamw_->offset(i));
+    std::copy_n(exp_avg_sq.data<float>() + r.begin, r.numel(), v + adamw_->offset(i));
+    params_.assign(r, master(i));
+  }
+  params_.publish();
+}
+
+}  // namespace loom

@@ -1,0 +1,158 @@
+// Runs a small GPT under a data-parallel layout and under the single-rank
+// reference, on the same global batches, for the zero suites.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include "loom/comm.h"
+#include "loom/train.h"
+#include "test_util.h"
+
+namespace loom::testing {
+
+struct DataParallelRun {
+  int dp = 1;             // ranks; 0 = the single-rank reference (no communicator)
+  int stage = 0;
+  DType precision = DType::f32;
+  int accumulation = 1;   // micro-batches per rank per step
+  float dropout = 0.0f;
+  int steps = 20;
+  std::function<void(int step, GradStore&)> on_gradients;  // on every rank
+};
+
+struct RunResult {
+  std::vector<StepStats> stats;  // rank 0's, per step
+  std::vector<float> params;     // the final weights (master weights), layout order
+  std::vector<float> exp_avg, exp_avg_sq;
+};
+
+inline DataParallelRun layout(int dp, int stage, DType precision = DType::f32, int accumulation = 1) {
+  DataParallelRun r;
+  r.dp = dp;
+  r.stage = stage;
+  r.precision = precision;
+  r.accumulation = accumulation;
+  return r;
+}
+
+inline GPTConfig small_gpt(float dropout) {
+  GPTConfig c;
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.n_embd = 32;
+  c.vocab_size = 61;  // odd sizes make every bucket need padding
+  c.block_size = 16;
+  c.dropout = dropout;
+  return c;
+}
+
+inline TrainOptions small_options(const DataParallelRun& r) {
+  TrainOptions o;
+  o.schedule = {1e-2f, 1e-3f, 3, r.steps};
+  o.zero.stage = r.stage;
+  o.zero.precision = r.precision;
+  o.zero.bucket_bytes = 8192;  // several buckets even in this small model
+  return o;
+}
+
+// The global batch of every step: kGlobal sequences of kT tokens, the same
+// whatever the layout. Rank r's m-th micro-batch holds the sequences
+// [(m * dp + r) * micro, ... + micro).
+constexpr int64_t kGlobal = 8, kT = 16;
+
+inline std::vector<int32_t> step_tokens(int step, int64_t vocab) {
+  return random_tokens(kGlobal * kT + 1, vocab, 1000 + static_cast<uint64_t>(step));
+}
+
+inline std::vector<MicroBatch> rank_micro_batches(const std::vector<int32_t>& data, int dp, int rank, int accumulation) {
+  const int64_t micro = kGlobal / (dp * accumulation);
+  std::vector<MicroBatch> mbs;
+  for (int m = 0; m < accumulation; ++m) {
+    const int64_t first = (m * dp + rank) * micro;
+    mbs.push_back({data.data() + first * kT, data.data() + first * kT + 1, {micro, kT}, first});
+  }
+  return mbs;
+}
+
+inline std::vector<float> to_vector(const Tensor& t) {
+  return std::vector<float>(t.data<float>(), t.data<float>() + t.numel());
+}
+
+inline RunResult run_layout(const DataParallelRun& r) {
+  const GPTConfig cfg = small_gpt(r.dropout);
+  RunResult result;
+  auto train = [&](Communicator* comm) {
+    TrainOptions opts = small_options(r);
+    int step = 0;
+    if (r.on_gradients) opts.on_gradients = [&](GradStore& g) { r.on_gradients(step, g); };
+    Trainer trainer(cfg, opts, comm);
+    const int dp = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
+    std::vector<StepStats> stats;
+    for (step = 0; step < r.steps; ++step) {
+      const std::vector<int32_t> data = step_tokens(step, cfg.vocab_size);
+      stats.push_back(trainer.step(rank_micro_batches(data, dp, rank, r.accumulation)));
+    }
+    Trainer::State s = trainer.gather_state();
+    if (rank == 0) {
+      result.stats = stats;
+      result.params = to_vector(s.params);
+      result.exp_avg = to_vector(s.exp_avg);
+      result.exp_avg_sq = to_vector(s.exp_avg_sq);
+    }
+  };
+  if (r.dp == 0)
+    train(nullptr);
+  else
+    run_local(r.dp, [&](Communicator& world) { train(&world); });
+  return result;
+}
+
+// Largest relative difference of the losses, step by step.
+inline double max_loss_rel_diff(const RunResult& a, const RunResult& ref) {
+  double worst = 0.0;
+  for (size_t s = 0; s < ref.stats.size(); ++s)
+    worst = std::max(worst, std::fabs(static_cast<double>(a.stats[s].loss) - ref.stats[s].loss) /
+                                std::fabs(static_cast<double>(ref.stats[s].loss)));
+  return worst;
+}
+
+// Whether flat element i is in the key third of an attention's c_attn.bias.
+// That bias does not change the model's function (softmax ignores a shift
+// shared by all keys), so its gradient is analytically zero and in floating
+// point it is rounding noise of ~1e-12, which Adam scales to updates of about
+// lr * 1e-4 whose sign depends on the summation order: its values are not
+// comparable between layouts, only bounded (key_bias_max_abs_diff).
+inline bool is_key_bias(const ParamLayout& layout, int64_t i) {
+  for (const ParamSpec& p : layout.params()) {
+    if (i < p.offset || i >= p.offset + p.numel()) continue;
+    const int64_t C = p.numel() / 3;
+    return p.name.ends_with("attn.c_attn.bias") && i - p.offset >= C && i - p.offset < 2 * C;
+  }
+  return false;
+}
+
+// Parameters compared as one whole-model vector: |a - ref| / |ref| in the L2
+// norm, over every element but the key biases.
+inline double param_rel_diff(const RunResult& a, const RunResult& ref) {
+  GPT model(small_gpt(0.0f));
+  double diff = 0.0, norm = 0.0;
+  for (size_t i = 0; i < ref.params.size(); ++i) {
+    if (is_key_bias(model.layout(), static_cast<int64_t>(i))) continue;
+    const double d = static_cast<double>(a.params[i]) - ref.params[i];
+    diff += d * d;
+    norm += static_cast<double>(ref.params[i]) * ref.params[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+inline double key_bias_max_abs_diff(const RunResult& a, const RunResult& ref) {
+  GPT model(small_gpt(0.0f));
+  double worst = 0.0;
+  for (size_t i = 0; i < ref.params.size(); ++i)
+    if (is_key_bias(model.layout(), static_cast<int64_t>(i)))
+      worst = std::max(worst, std::fabs(static_cast<double>(a.params[i]) - ref.params[i]));
+  return worst;
+}
+
+}  // namespace loom::testing
