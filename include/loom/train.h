@@ -76,6 +76,8 @@ class Trainer {
   // Steps run (skipped ones included); the optimizer counts applied updates.
   int64_t steps_done() const { return steps_; }
   const LossScaler* loss_scaler() const { return scaler_.get(); }
+  // How the model state is cut over the dp ranks (nullptr for the reference).
+  const ZeroPartition* partition() const { return partition_.get(); }
 
   // The whole model state in the layout's flat order, fp32: the weights (the
   // master weights under mixed precision) and the AdamW moments.

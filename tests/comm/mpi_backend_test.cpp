@@ -3,9 +3,8 @@
 // report; the other ranks print only their failures, prefixed by their rank.
 #include <gtest/gtest.h>
 
-#include <cstdio>
-
 #include "comm/collective_suite.h"
+#include "mpi_test_main.h"
 
 namespace loom {
 namespace {
@@ -40,35 +39,7 @@ TEST(MpiBackend, LaunchedByMpirunDefaultsToMpi) {
   EXPECT_STREQ(g_world->backend(), "mpi");
 }
 
-// Failures of the non-zero ranks, which would otherwise go unseen.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& result) override {
-    if (!result.failed()) return;
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::fprintf(stderr, "[rank %d] %s.%s failed at %s:%d\n%s\n", rank_, test ? test->test_suite_name() : "?",
-                 test ? test->name() : "?", result.file_name() ? result.file_name() : "?", result.line_number(),
-                 result.message());
-  }
-
- private:
-  int rank_;
-};
-
 }  // namespace
 }  // namespace loom
 
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  // A broken test should fail within a minute rather than wait out the
-  // default timeout.
-  loom::MpiRuntime mpi(loom::CommOptions{std::chrono::seconds(60)});
-  loom::g_world = &mpi.world();
-  if (loom::g_world->rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new loom::RankFailurePrinter(loom::g_world->rank()));
-  }
-  return RUN_ALL_TESTS();
-}
+int main(int argc, char** argv) { return loom::testing::run_mpi_tests(argc, argv, loom::g_world); }

@@ -79,32 +79,35 @@ inline std::vector<float> to_vector(const Tensor& t) {
   return std::vector<float>(t.data<float>(), t.data<float>() + t.numel());
 }
 
-inline RunResult run_layout(const DataParallelRun& r) {
+// Trains on `comm` (nullptr: the reference); rank 0's figures land in `result`.
+inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& result) {
   const GPTConfig cfg = small_gpt(r.dropout);
+  TrainOptions opts = small_options(r);
+  int step = 0;
+  if (r.on_gradients) opts.on_gradients = [&](GradStore& g) { r.on_gradients(step, g); };
+  Trainer trainer(cfg, opts, comm);
+  const int dp = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
+  std::vector<StepStats> stats;
+  for (step = 0; step < r.steps; ++step) {
+    const std::vector<int32_t> data = step_tokens(step, cfg.vocab_size);
+    stats.push_back(trainer.step(rank_micro_batches(data, dp, rank, r.accumulation)));
+  }
+  Trainer::State s = trainer.gather_state();
+  if (rank == 0) {
+    result.stats = stats;
+    result.params = to_vector(s.params);
+    result.exp_avg = to_vector(s.exp_avg);
+    result.exp_avg_sq = to_vector(s.exp_avg_sq);
+  }
+}
+
+// The run on r.dp ranks of the local backend, or the reference for dp 0.
+inline RunResult run_layout(const DataParallelRun& r) {
   RunResult result;
-  auto train = [&](Communicator* comm) {
-    TrainOptions opts = small_options(r);
-    int step = 0;
-    if (r.on_gradients) opts.on_gradients = [&](GradStore& g) { r.on_gradients(step, g); };
-    Trainer trainer(cfg, opts, comm);
-    const int dp = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
-    std::vector<StepStats> stats;
-    for (step = 0; step < r.steps; ++step) {
-      const std::vector<int32_t> data = step_tokens(step, cfg.vocab_size);
-      stats.push_back(trainer.step(rank_micro_batches(data, dp, rank, r.accumulation)));
-    }
-    Trainer::State s = trainer.gather_state();
-    if (rank == 0) {
-      result.stats = stats;
-      result.params = to_vector(s.params);
-      result.exp_avg = to_vector(s.exp_avg);
-      result.exp_avg_sq = to_vector(s.exp_avg_sq);
-    }
-  };
   if (r.dp == 0)
-    train(nullptr);
+    train_on(nullptr, r, result);
   else
-    run_local(r.dp, [&](Communicator& world) { train(&world); });
+    run_local(r.dp, [&](Communicator& world) { train_on(&world, r, result); });
   return result;
 }
 
