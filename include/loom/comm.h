@@ -202,6 +202,11 @@ class Communicator {
   std::unique_ptr<detail::CollectiveQueue> queue_;
 };
 
+// Seconds the calling thread has spent blocked on communication since it
+// started: in synchronous operations and in Work::wait. The difference across
+// a training step is the communication time that compute did not hide.
+double blocked_seconds();
+
 // ---------------------------------------------------------------------------
 // Launching ranks
 // ---------------------------------------------------------------------------

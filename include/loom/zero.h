@@ -109,9 +109,13 @@ class ZeroParamStore final : public ParamStore {
   // Writes the master values of the elements `range` (owned by this rank)
   // into the working copy, rounding to the working precision.
   void assign(FlatRange range, const float* master);
-  // After each rank has assigned its blocks: stages 1-2 all-gather every
-  // bucket; stage 3 drops every gathered group (they are stale).
+  // After each rank has assigned its blocks: stages 1-2 start all-gathering
+  // every bucket, in bucket order, and the first acquire of a group waits for
+  // its bucket only, so the gathers overlap the next forward; stage 3 drops
+  // every gathered group (they are stale).
   void publish();
+  // Waits for every all-gather publish() started.
+  void synchronize();
 
  private:
   struct Resident;
@@ -126,6 +130,7 @@ class ZeroParamStore final : public ParamStore {
   ZeroOptions opts_;
   Tensor storage_;
   std::vector<Resident> resident_;
+  std::vector<Work> publishing_;  // stages 1-2: per bucket, the all-gather of publish()
   // Stage 3 prefetching: the acquisition order of the last complete step and
   // the position in it; `recording_` while that order is being learned.
   std::vector<int> order_;

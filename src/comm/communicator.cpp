@@ -123,9 +123,30 @@ Work::~Work() {
   if (op_ && !op_->test()) op_->abandon();
 }
 
+namespace {
+thread_local double t_blocked_seconds = 0.0;
+
+// Adds the lifetime of the scope to the calling thread's blocked time.
+class BlockedTimer {
+ public:
+  BlockedTimer() : start_(std::chrono::steady_clock::now()) {}
+  ~BlockedTimer() {
+    t_blocked_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+  BlockedTimer(const BlockedTimer&) = delete;
+  BlockedTimer& operator=(const BlockedTimer&) = delete;
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+};
+}  // namespace
+
+double blocked_seconds() { return t_blocked_seconds; }
+
 void Work::wait() {
   if (!op_) return;
   std::shared_ptr<detail::PendingOp> op = std::move(op_);
+  BlockedTimer timer;
   op->wait();
 }
 
@@ -201,23 +222,33 @@ CollectiveCall Communicator::issue(CollectiveKind kind, const void* send, void* 
 }
 
 void Communicator::all_reduce(void* buf, int64_t count, DType dtype, ReduceOp op) {
-  queue_->run_now(issue(CollectiveKind::all_reduce, buf, buf, count, dtype, op, 0));
+  CollectiveCall call = issue(CollectiveKind::all_reduce, buf, buf, count, dtype, op, 0);
+  BlockedTimer timer;
+  queue_->run_now(std::move(call));
 }
 
 void Communicator::reduce_scatter(const void* send, void* recv, int64_t recv_count, DType dtype, ReduceOp op) {
-  queue_->run_now(issue(CollectiveKind::reduce_scatter, send, recv, recv_count, dtype, op, 0));
+  CollectiveCall call = issue(CollectiveKind::reduce_scatter, send, recv, recv_count, dtype, op, 0);
+  BlockedTimer timer;
+  queue_->run_now(std::move(call));
 }
 
 void Communicator::all_gather(const void* send, void* recv, int64_t send_count, DType dtype) {
-  queue_->run_now(issue(CollectiveKind::all_gather, send, recv, send_count, dtype, ReduceOp::sum, 0));
+  CollectiveCall call = issue(CollectiveKind::all_gather, send, recv, send_count, dtype, ReduceOp::sum, 0);
+  BlockedTimer timer;
+  queue_->run_now(std::move(call));
 }
 
 void Communicator::broadcast(void* buf, int64_t count, DType dtype, int root) {
-  queue_->run_now(issue(CollectiveKind::broadcast, buf, buf, count, dtype, ReduceOp::sum, root));
+  CollectiveCall call = issue(CollectiveKind::broadcast, buf, buf, count, dtype, ReduceOp::sum, root);
+  BlockedTimer timer;
+  queue_->run_now(std::move(call));
 }
 
 void Communicator::barrier() {
-  queue_->run_now(issue(CollectiveKind::barrier, nullptr, nullptr, 0, DType::u8, ReduceOp::sum, 0));
+  CollectiveCall call = issue(CollectiveKind::barrier, nullptr, nullptr, 0, DType::u8, ReduceOp::sum, 0);
+  BlockedTimer timer;
+  queue_->run_now(std::move(call));
 }
 
 Work Communicator::all_reduce_async(void* buf, int64_t count, DType dtype, ReduceOp op) {

@@ -81,6 +81,7 @@ void ZeroOptimizer::step(float lr, float grad_scale) {
 }
 
 void ZeroOptimizer::gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_avg_sq) {
+  params_.synchronize();
   const int64_t n = layout_.numel();
   const float* m = adamw_->exp_avg().data<float>();
   const float* v = adamw_->exp_avg_sq().data<float>();

@@ -30,7 +30,17 @@ ZeroParamStore::ZeroParamStore(const ParamLayout& layout, const ZeroPartition& p
   }
 }
 
-ZeroParamStore::~ZeroParamStore() = default;
+ZeroParamStore::~ZeroParamStore() {
+  // The all-gathers write into storage_, so they must end before it is
+  // freed. A failed one has already failed the communicator, and the error
+  // reached the caller through the step or the launcher: nothing to report.
+  for (Work& w : publishing_) {
+    try {
+      w.wait();
+    } catch (const Error&) {
+    }
+  }
+}
 
 void* ZeroParamStore::working(int64_t flat) const {
   const ZeroBucket& b = partition_.bucket_containing(flat);
@@ -55,6 +65,7 @@ void ZeroParamStore::gather(int group) {
 
 void ZeroParamStore::acquire(int group) {
   check_group(group);
+  if (!publishing_.empty()) publishing_[static_cast<size_t>(partition_.bucket_index(group))].wait();
   if (in_step_) {
     if (recording_) {
       recorded_.push_back(group);
@@ -130,6 +141,7 @@ void ZeroParamStore::end_step() {
 }
 
 void ZeroParamStore::assign(FlatRange range, const float* master) {
+  synchronize();
   if (range.numel() == 0) return;
   void* dst = working(range.begin);
   if (dst != master) convert(master, DType::f32, dst, opts_.precision, range.numel());
@@ -144,15 +156,17 @@ void ZeroParamStore::publish() {
     }
   }
   if (opts_.stage != 1 && opts_.stage != 2) return;
-  // Every rank updated its own block of each bucket; the all-gathers run
-  // together and are waited for at the end.
-  std::vector<Work> works;
+  synchronize();
   for (const ZeroBucket& b : partition_.buckets()) {
     void* bucket = at(storage_.raw(), opts_.precision, b.padded_begin);
-    works.push_back(dp_.all_gather_async(at(bucket, opts_.precision, partition_.rank() * b.shard), bucket, b.shard,
-                                         opts_.precision));
+    publishing_.push_back(dp_.all_gather_async(at(bucket, opts_.precision, partition_.rank() * b.shard), bucket,
+                                               b.shard, opts_.precision));
   }
-  for (Work& w : works) w.wait();
+}
+
+void ZeroParamStore::synchronize() {
+  for (Work& w : publishing_) w.wait();
+  publishing_.clear();
 }
 
 }  // namespace loom
