@@ -205,5 +205,24 @@ TEST(Launch, PicksTheBackendByName) {
   }
 }
 
+TEST(BlockedSeconds, CountWaitingInSynchronousCollectivesAndInWait) {
+  run_local(2, [](Communicator& comm) {
+    float x = 1.0f;
+    const double before = blocked_seconds();
+    if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(60));
+    comm.all_reduce(&x, 1, DType::f32);
+    const double synchronous = blocked_seconds() - before;
+    // Rank 1 arrived last and hardly waited; blocked time is per thread.
+    EXPECT_TRUE(comm.rank() == 0 ? synchronous >= 0.05 : synchronous < 0.05) << "rank " << comm.rank();
+    if (comm.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(60));
+    Work w = comm.all_reduce_async(&x, 1, DType::f32);
+    const double issued = blocked_seconds();
+    w.wait();
+    if (comm.rank() == 1) {
+      EXPECT_GE(blocked_seconds() - issued, 0.05);
+    }
+  });
+}
+
 }  // namespace
 }  // namespace loom
