@@ -56,7 +56,20 @@ ConfigSchema build_loom_schema() {
   s.add_int("zero.stage", 0, "ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded", 0, 3);
   s.add_int("zero.bucket_mb", 25, "gradient bucket size in MiB for all-reduce / reduce-scatter", 1, 1 << 16);
 
-  s.add_choice("precision", "fp32", {"fp32", "bf16", "fp16"}, "compute dtype; fp32 master weights are kept for bf16/fp16");
+  s.add_choice("precision", "fp32", {"fp32", "bf16", "fp16"},
+               "working dtype of parameters and gradients; bf16/fp16 keep fp32 master weights");
+
+  // fp16's dynamic loss scaling (include/loom/optim.h, LossScaler). Scales
+  // below fp16's smallest subnormal, 2^-24, cannot keep any gradient alive;
+  // 2^64 is far past any useful scale and well inside fp32.
+  constexpr double kSmallestScale = 0x1p-24, kLargestScale = 0x1p64;
+  s.add_float("loss_scale.initial", 65536.0, "fp16: loss scale of the first step", kSmallestScale, kLargestScale);
+  s.add_int("loss_scale.growth_interval", 1000, "fp16: clean steps in a row before the scale doubles", 1);
+  s.add_int("loss_scale.hysteresis", 2,
+            "fp16: the n-th overflow since the scale last grew, and each later one, halve it (earlier ones only skip)",
+            1, 1 << 20);
+  s.add_float("loss_scale.min", 1.0, "fp16: smallest scale; an overflow that would halve it below this stops the run",
+              kSmallestScale, kLargestScale);
 
   s.add_bytes("memory.device_budget", "unlimited", "device-tier bytes per rank, e.g. \"2GiB\"");
   s.add_bytes("memory.host_budget", "unlimited", "host-tier bytes per rank, e.g. \"16GiB\"");

@@ -3,6 +3,7 @@
 // data position and the SHA-256 of every file; committed atomically.
 #include <nlohmann/json.hpp>
 
+#include "loom/comm.h"
 #include "loom/io.h"
 #include "loom/train.h"
 
@@ -36,39 +37,62 @@ void read_params(const SafetensorsReader& r, const ParamLayout& layout, Tensor& 
     r.read(name, flat.flat(p.offset, p.numel()).raw(), static_cast<size_t>(p.numel()) * 4);
   }
 }
+
+// An integer field of `object` (the manifest or a part of it).
+int64_t manifest_int(const CheckpointInfo& info, const nlohmann::json& object, const char* key) {
+  if (!object.contains(key) || !object.at(key).is_number_integer())
+    throw Error(str("manifest of checkpoint '", info.dir.string(), "' lacks the integer '", key,
+                    "': the checkpoint is corrupt or not loom's"));
+  return object.at(key).get<int64_t>();
+}
 }  // namespace
 
 fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json& fields, int64_t keep_last) {
-  const int64_t step = t.steps_done();
-  const std::string name = checkpoint_dir_name(step);
-  fs::create_directories(root);
-  AtomicDirWriter dir(root / name);
-  const ParamLayout& layout = t.model().layout();
-  write_params(dir.path(kModelFile), layout, t.params().flat(), "");
-  {
-    std::vector<SafetensorsSpec> specs;
-    for (const ParamSpec& p : layout.params()) {
-      specs.push_back({"exp_avg." + p.name, DType::f32, p.shape});
-      specs.push_back({"exp_avg_sq." + p.name, DType::f32, p.shape});
+  Communicator* dp = t.data_parallel();
+  // The reference trainer's own tensors are its whole state already; under
+  // dp every rank gathers it (collective) and rank 0 writes it.
+  const Trainer::State state =
+      dp ? t.gather_state()
+         : Trainer::State{t.params().flat(), t.optimizer().exp_avg(), t.optimizer().exp_avg_sq(), t.steps_done(),
+                          t.optimizer().steps(), {}};
+  const std::string name = checkpoint_dir_name(state.steps);
+  if (!dp || dp->rank() == 0) {
+    fs::create_directories(root);
+    AtomicDirWriter dir(root / name);
+    const ParamLayout& layout = t.model().layout();
+    write_params(dir.path(kModelFile), layout, state.params, "");
+    {
+      std::vector<SafetensorsSpec> specs;
+      for (const ParamSpec& p : layout.params()) {
+        specs.push_back({"exp_avg." + p.name, DType::f32, p.shape});
+        specs.push_back({"exp_avg_sq." + p.name, DType::f32, p.shape});
+      }
+      SafetensorsWriter w(dir.path(kOptimizerFile), specs, {{"format", "loom"}});
+      for (const ParamSpec& p : layout.params()) {
+        w.write("exp_avg." + p.name, state.exp_avg.flat(p.offset, p.numel()).raw());
+        w.write("exp_avg_sq." + p.name, state.exp_avg_sq.flat(p.offset, p.numel()).raw());
+      }
+      w.finish();
     }
-    SafetensorsWriter w(dir.path(kOptimizerFile), specs, {{"format", "loom"}});
-    const Tensor m = t.optimizer().exp_avg(), v = t.optimizer().exp_avg_sq();
-    for (const ParamSpec& p : layout.params()) {
-      w.write("exp_avg." + p.name, m.flat(p.offset, p.numel()).raw());
-      w.write("exp_avg_sq." + p.name, v.flat(p.offset, p.numel()).raw());
-    }
-    w.finish();
+    nlohmann::json f = fields;
+    f["step"] = state.steps;
+    f["optimizer_steps"] = state.optimizer_steps;
+    const ZeroOptions& zero = t.options().zero;
+    f["layout"] = {{"dp", dp ? dp->size() : 1}, {"zero_stage", zero.stage}, {"precision", dtype_name(zero.precision)}};
+    if (t.loss_scaler())
+      f["loss_scale"] = {{"scale", state.loss_scale.scale},
+                         {"clean_steps", state.loss_scale.clean_steps},
+                         {"hysteresis_left", state.loss_scale.hysteresis_left}};
+    const GPTConfig& mc = t.model().config();
+    f["model"] = {{"n_layer", mc.n_layer},       {"n_head", mc.n_head},         {"n_embd", mc.n_embd},
+                  {"vocab_size", mc.vocab_size}, {"block_size", mc.block_size}, {"dropout", mc.dropout}};
+    write_manifest(dir.temp_dir(), f);
+    dir.commit();
+    write_latest(root, name);
+    apply_retention(root, keep_last);
   }
-  nlohmann::json f = fields;
-  f["step"] = step;
-  f["optimizer_steps"] = t.optimizer().steps();
-  const GPTConfig& mc = t.model().config();
-  f["model"] = {{"n_layer", mc.n_layer},       {"n_head", mc.n_head},         {"n_embd", mc.n_embd},
-                {"vocab_size", mc.vocab_size}, {"block_size", mc.block_size}, {"dropout", mc.dropout}};
-  write_manifest(dir.temp_dir(), f);
-  dir.commit();
-  write_latest(root, name);
-  apply_retention(root, keep_last);
+  // No rank goes on (and possibly reads `latest`) before the files exist.
+  if (dp) dp->barrier();
   return root / name;
 }
 
@@ -115,12 +139,31 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
                     saved.n_embd, ", vocab ", saved.vocab_size, ", context ", saved.block_size,
                     "; the config asks for ", mc.n_layer, ", ", mc.n_embd, ", ", mc.vocab_size, ", ",
                     mc.block_size, ": resume with the config the run was started with"));
-  load_weights(info, trainer.model(), trainer.params());
-  SafetensorsReader r(dir / kOptimizerFile);
-  Tensor m = trainer.optimizer().exp_avg(), v = trainer.optimizer().exp_avg_sq();
-  read_params(r, trainer.model().layout(), m, "exp_avg.");
-  read_params(r, trainer.model().layout(), v, "exp_avg_sq.");
-  trainer.optimizer().set_steps(info.fields.at("optimizer_steps").get<int64_t>());
+  const ParamLayout& layout = trainer.model().layout();
+  // Staged on the host tier: the device high-water mark stays the training's.
+  Trainer::State state;
+  state.params = Tensor::empty({layout.numel()}, DType::f32, Tier::host);
+  state.exp_avg = Tensor::empty({layout.numel()}, DType::f32, Tier::host);
+  state.exp_avg_sq = Tensor::empty({layout.numel()}, DType::f32, Tier::host);
+  read_params(SafetensorsReader(dir / kModelFile), layout, state.params, "");
+  {
+    SafetensorsReader r(dir / kOptimizerFile);
+    read_params(r, layout, state.exp_avg, "exp_avg.");
+    read_params(r, layout, state.exp_avg_sq, "exp_avg_sq.");
+  }
+  state.steps = info.step;
+  state.optimizer_steps = manifest_int(info, info.fields, "optimizer_steps");
+  // Saved without fp16, a checkpoint has no scaler state (scale 0 in the
+  // State): an fp16 trainer's scaler then starts afresh.
+  if (info.fields.contains("loss_scale")) {
+    const nlohmann::json& ls = info.fields.at("loss_scale");
+    if (!ls.is_object() || !ls.contains("scale") || !ls.at("scale").is_number())
+      throw Error(str("manifest of checkpoint '", dir.string(), "' has a malformed 'loss_scale': ", ls.dump()));
+    state.loss_scale.scale = ls.at("scale").get<float>();
+    state.loss_scale.clean_steps = manifest_int(info, ls, "clean_steps");
+    state.loss_scale.hysteresis_left = static_cast<int>(manifest_int(info, ls, "hysteresis_left"));
+  }
+  trainer.load_state(state);
   return info;
 }
 

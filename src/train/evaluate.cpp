@@ -1,28 +1,48 @@
 #include <vector>
 
+#include "loom/comm.h"
 #include "loom/data.h"
 #include "loom/train.h"
 
 namespace loom {
 
 EvalResult evaluate(GPT& model, ParamStore& params, const std::vector<std::filesystem::path>& shards,
-                    int64_t seq_len, int64_t micro_batch, double chars_per_token, int64_t max_batches) {
-  EvalLoader loader(shards, static_cast<int>(seq_len), static_cast<int>(micro_batch));
+                    int64_t seq_len, int64_t micro_batch, double chars_per_token, int64_t max_batches,
+                    Communicator* dp) {
+  EvalLoader loader(shards, static_cast<int>(seq_len), static_cast<int>(micro_batch), dp ? dp->rank() : 0,
+                    dp ? dp->size() : 1);
   loader.check_vocab(static_cast<int>(model.config().vocab_size));
   std::vector<int32_t> inputs(static_cast<size_t>(micro_batch * seq_len)), targets(inputs.size());
   ForwardOptions fo;
   fo.training = false;
-  double sum = 0.0;
-  int64_t tokens = 0, batches = 0;
-  while (auto rows = loader.next(inputs, targets)) {
-    if (*rows > 0) {
-      int64_t n = 0;
-      for (int32_t t : targets) n += t != -1;
-      const float loss = model.forward(params, inputs.data(), targets.data(), {micro_batch, seq_len}, fo);
-      sum += static_cast<double>(loss) * static_cast<double>(n);
-      tokens += n;
-    }
+  // Per rank: the loss summed over target tokens, and their count.
+  struct Partial {
+    double sum = 0.0;
+    int64_t tokens = 0;
+  } mine;
+  int64_t batches = 0;
+  // A batch without real rows (a rank whose slice ran out) still runs its
+  // forward: under ZeRO-3 the forward's all-gathers are collective.
+  while (loader.next(inputs, targets)) {
+    int64_t n = 0;
+    for (int32_t t : targets) n += t != -1;
+    const float loss = model.forward(params, inputs.data(), targets.data(), {micro_batch, seq_len}, fo);
+    mine.sum += static_cast<double>(loss) * static_cast<double>(n);
+    mine.tokens += n;
     if (max_batches > 0 && ++batches >= max_batches) break;
+  }
+  // The communicator reduces in fp32 at most, so the ranks' double sums are
+  // gathered as bytes and added here in rank order (the same on every rank).
+  std::vector<Partial> partials{mine};
+  if (dp) {
+    partials.resize(static_cast<size_t>(dp->size()));
+    dp->all_gather(&mine, partials.data(), sizeof(Partial), DType::u8);
+  }
+  double sum = 0.0;
+  int64_t tokens = 0;
+  for (const Partial& p : partials) {
+    sum += p.sum;
+    tokens += p.tokens;
   }
   if (tokens == 0) throw Error("evaluation found no complete window: the validation split is shorter than seq_len + 1");
   EvalResult r;

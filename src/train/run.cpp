@@ -6,7 +6,9 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
+#include "loom/comm.h"
 #include "loom/config.h"
 #include "loom/data.h"
 #include "loom/io.h"
@@ -77,17 +79,24 @@ class MetricsLog {
   std::ofstream out_;
 };
 
-}  // namespace
-
-EvalResult run_training(const Config& cfg, const RunOptions& run) {
-  const TrainPlan plan = plan_training(cfg);
-  const bool tty = isatty(STDOUT_FILENO) && !run.quiet;
+// One rank of a run: `dp` is the data-parallel communicator, or nullptr for
+// the single-rank reference. Rank 0 prints, writes metrics.jsonl and the
+// sample; every rank takes part in every collective (steps, validation,
+// checkpoints, the sample's forwards).
+EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions& run, Communicator* dp) {
+  const bool root = !dp || dp->rank() == 0;
+  const bool quiet = run.quiet || !root;
+  const bool tty = isatty(STDOUT_FILENO) && !quiet;
   auto say = [&](const std::string& line) {
-    if (!run.quiet) std::printf("%s\n", line.c_str());
+    if (!quiet) std::printf("%s\n", line.c_str());
     std::fflush(stdout);
   };
 
-  const DatasetInfo data = ensure_dataset(cfg, plan.seq_len, run.quiet);
+  // Rank 0 prepares the dataset on first use; the others read it once it exists.
+  DatasetInfo data;
+  if (root) data = ensure_dataset(cfg, plan.seq_len, quiet);
+  if (dp) dp->barrier();
+  if (!root) data = ensure_dataset(cfg, plan.seq_len, true);
   if (data.vocab_size > plan.model.vocab_size)
     throw Error(str("the dataset in '", data.dir.string(), "' was tokenized with a vocabulary of ", data.vocab_size,
                     " but model.vocab_size = ", plan.model.vocab_size,
@@ -99,12 +108,14 @@ EvalResult run_training(const Config& cfg, const RunOptions& run) {
   lo.seq_len = static_cast<int>(plan.seq_len);
   lo.micro_batch = static_cast<int>(plan.micro_batch);
   lo.global_batch = static_cast<int>(plan.global_batch);
+  lo.dp_rank = dp ? dp->rank() : 0;
+  lo.dp_size = static_cast<int>(plan.dp);
   lo.seed = plan.options.seed;
   TokenLoader loader(lo);
   loader.check_vocab(static_cast<int>(plan.model.vocab_size));
 
-  Trainer trainer(plan.model, plan.options);
-  fs::create_directories(plan.out_dir);
+  Trainer trainer(plan.model, plan.options, dp);
+  if (root) fs::create_directories(plan.out_dir);
   if (run.resume) {
     auto latest = read_latest(plan.out_dir);
     if (!latest)
@@ -115,7 +126,14 @@ EvalResult run_training(const Config& cfg, const RunOptions& run) {
     say(str("resumed from ", latest->string(), " at step ", info.step));
   }
 
-  const double sgemm_gflops = cpu::measure_sgemm_gflops(1024, 3);
+  // MFU is against the whole job's peak: each rank measures its own share of
+  // the cores at the same time, and the shares add up.
+  double sgemm_gflops = cpu::measure_sgemm_gflops(1024, 3);
+  if (dp) {
+    float share = static_cast<float>(sgemm_gflops);
+    dp->all_reduce(&share, 1, DType::f32, ReduceOp::sum);
+    sgemm_gflops = share;
+  }
   const double flops_per_step = training_flops_per_step(plan.model, plan.global_batch, plan.seq_len);
   const int64_t tokens_per_step = plan.global_batch * plan.seq_len;
   say(str("model: ", plan.model.n_layer, " layers, width ", plan.model.n_embd, ", ", plan.model.n_head,
@@ -123,23 +141,32 @@ EvalResult run_training(const Config& cfg, const RunOptions& run) {
           static_cast<double>(plan.model.num_params()) / 1e6, "M parameters"));
   say(str("data: ", data.train.tokens, " train / ", data.val.tokens, " val tokens (", data.val.chars_per_token(),
           " chars/token); ", plan.global_batch, " x ", plan.seq_len, " tokens per step in ", plan.accumulation,
-          " micro-batches; ", plan.steps, " steps; threads ", cpu::num_threads()));
+          " micro-batches", dp ? " per rank" : "", "; ", plan.steps, " steps; threads ", cpu::num_threads(),
+          dp ? " per rank" : ""));
+  if (dp)
+    say(str("parallel: ", plan.dp, " data-parallel ranks (", dp->backend(), " backend), ZeRO stage ",
+            plan.options.zero.stage, ", precision ", cfg.get<std::string>("precision"),
+            "; memory figures are rank 0's"));
 
-  MetricsLog metrics(plan.out_dir / "metrics.jsonl");
+  std::optional<MetricsLog> metrics;
+  if (root) metrics.emplace(plan.out_dir / "metrics.jsonl");
   nlohmann::json checkpoint_fields = {{"config", cfg.to_json()},
                                       {"tokenizer", data.tokenizer.string()},
                                       {"tokenizer_sha256", data.tokenizer_sha256},
                                       {"dataset", data.dir.string()}};
   const int64_t log_interval = cfg.get<int64_t>("train.log_interval");
   const int64_t eval_interval = cfg.get<int64_t>("train.eval_interval");
-  const int64_t eval_batches = cfg.get<int64_t>("train.eval_batches");
+  // Periodic validation runs train.eval_batches micro-batches in all, spread
+  // over the ranks' slices of the split; the final one covers all of it.
+  const int64_t eval_batches = (cfg.get<int64_t>("train.eval_batches") + plan.dp - 1) / plan.dp;
   const int64_t ckpt_interval = cfg.get<int64_t>("train.checkpoint_interval");
   const int64_t keep_last = cfg.get<int64_t>("train.keep_last");
+  const bool fp16 = plan.options.zero.precision == DType::f16;
   Allocator& device = MemoryContext::current().tier(Tier::device);
 
   auto validate = [&](int64_t max_batches) {
     return evaluate(trainer.model(), trainer.params(), {data.val.file}, plan.seq_len, plan.micro_batch,
-                    data.val.chars_per_token(), max_batches);
+                    data.val.chars_per_token(), max_batches, dp);
   };
   auto checkpoint = [&] {
     checkpoint_fields["loader"] = loader.state();
@@ -147,7 +174,8 @@ EvalResult run_training(const Config& cfg, const RunOptions& run) {
     say(str("checkpoint ", dir.string()));
   };
 
-  std::vector<int32_t> inputs(static_cast<size_t>(plan.global_batch * plan.seq_len)), targets(inputs.size());
+  std::vector<int32_t> inputs(static_cast<size_t>(plan.accumulation * plan.micro_batch * plan.seq_len)),
+      targets(inputs.size());
   std::vector<MicroBatch> micro(static_cast<size_t>(plan.accumulation));
   const int64_t first_step = trainer.steps_done();
   const double t_start = seconds_now();
@@ -158,32 +186,42 @@ EvalResult run_training(const Config& cfg, const RunOptions& run) {
       const size_t off = static_cast<size_t>(m * plan.micro_batch * plan.seq_len);
       const std::span<int32_t> in(inputs.data() + off, static_cast<size_t>(plan.micro_batch * plan.seq_len));
       const std::span<int32_t> tg(targets.data() + off, in.size());
-      const int64_t first_sequence = loader.next(in, tg);
+      const int64_t first_sequence = loader.next(in, tg);  // within the global batch, so dropout is layout-free
       micro[static_cast<size_t>(m)] = {in.data(), tg.data(), {plan.micro_batch, plan.seq_len}, first_sequence};
     }
     const StepStats st = trainer.step(micro);
     ++window_steps;
     const int64_t done = step + 1;
 
-    if (done % log_interval == 0 || done == plan.steps || done == first_step + 1) {
+    if (root && (done % log_interval == 0 || done == plan.steps || done == first_step + 1)) {
       const double now = seconds_now();
       const double step_time = (now - t_window) / static_cast<double>(window_steps);
       const double tok_s = static_cast<double>(tokens_per_step) / step_time;
       const double mfu = flops_per_step / step_time / 1e9 / sgemm_gflops;
       const double eta = step_time * static_cast<double>(plan.steps - done);
-      metrics.write({{"step", done},
-                     {"loss", st.loss},
-                     {"lr", st.lr},
-                     {"grad_norm", st.grad_norm},
-                     {"tokens_per_s", tok_s},
-                     {"mfu", mfu},
-                     {"device_peak_bytes", device.peak()},
-                     {"elapsed_s", now - t_start},
-                     {"eta_s", eta}});
-      const std::string line = str("step ", done, "/", plan.steps, "  loss ", st.loss, "  lr ", st.lr, "  ",
-                                   static_cast<int64_t>(tok_s), " tok/s  MFU ", static_cast<int>(mfu * 100 + 0.5),
-                                   "%  mem ", format_bytes(static_cast<double>(device.peak())), "  ETA ",
-                                   format_duration(eta));
+      nlohmann::json record = {{"step", done},
+                               {"loss", st.loss},
+                               {"lr", st.lr},
+                               {"grad_norm", st.grad_norm},
+                               {"tokens_per_s", tok_s},
+                               {"mfu", mfu},
+                               {"device_peak_bytes", device.peak()},
+                               {"elapsed_s", now - t_start},
+                               {"eta_s", eta}};
+      std::string line = str("step ", done, "/", plan.steps, "  loss ", st.loss);
+      if (fp16) {
+        // Skipped steps ran but applied no update; the counters say how many.
+        const int64_t skipped = trainer.steps_done() - trainer.optimizer().steps();
+        record["loss_scale"] = st.loss_scale;
+        record["skipped"] = skipped;
+        char scale[32];  // powers of two, printed whole up to 2^33
+        std::snprintf(scale, sizeof scale, "%.10g", static_cast<double>(st.loss_scale));
+        line += str("  scale ", scale, "  skipped ", skipped);
+      }
+      metrics->write(record);
+      line += str("  lr ", st.lr, "  ", static_cast<int64_t>(tok_s), " tok/s  MFU ",
+                  static_cast<int>(mfu * 100 + 0.5), "%  mem ", format_bytes(static_cast<double>(device.peak())),
+                  "  ETA ", format_duration(eta));
       if (tty) {
         std::printf("\r\033[K%s", line.c_str());
         std::fflush(stdout);
@@ -195,7 +233,8 @@ EvalResult run_training(const Config& cfg, const RunOptions& run) {
     }
     if (eval_interval > 0 && done % eval_interval == 0 && done != plan.steps) {
       const EvalResult ev = validate(eval_batches);
-      metrics.write({{"step", done}, {"val_loss", ev.loss_per_token}, {"val_loss_per_char", ev.loss_per_char}});
+      if (root)
+        metrics->write({{"step", done}, {"val_loss", ev.loss_per_token}, {"val_loss_per_char", ev.loss_per_char}});
       if (tty) std::printf("\n");
       say(str("step ", done, "  val loss ", ev.loss_per_token, " per token, ", ev.loss_per_char, " per char"));
     }
@@ -213,10 +252,11 @@ EvalResult run_training(const Config& cfg, const RunOptions& run) {
   if (tty) std::printf("\n");
 
   const EvalResult final_eval = validate(0);
-  metrics.write({{"step", plan.steps},
-                 {"final_val_loss", final_eval.loss_per_token},
-                 {"final_val_loss_per_char", final_eval.loss_per_char},
-                 {"train_seconds", seconds_now() - t_start}});
+  if (root)
+    metrics->write({{"step", plan.steps},
+                    {"final_val_loss", final_eval.loss_per_token},
+                    {"final_val_loss_per_char", final_eval.loss_per_char},
+                    {"train_seconds", seconds_now() - t_start}});
   say(str("final validation loss: ", final_eval.loss_per_token, " nats/token, ", final_eval.loss_per_char,
           " nats/char over ", final_eval.tokens, " tokens; trained in ", format_duration(seconds_now() - t_start)));
 
@@ -225,14 +265,33 @@ EvalResult run_training(const Config& cfg, const RunOptions& run) {
     const std::string prompt = cfg.get<std::string>("train.sample_prompt");
     SampleOptions so;
     so.seed = plan.options.seed;
-    std::printf("--- sample ---\n%s", prompt.c_str());
-    generate(trainer.model(), trainer.params(), tokenizer, prompt, sample_tokens, so, [](const std::string& piece) {
-      std::fputs(piece.c_str(), stdout);
-      std::fflush(stdout);
-    });
-    std::printf("\n--------------\n");
+    // Every rank generates in lockstep (under ZeRO-3 each forward gathers the
+    // parameters collectively); the draws agree, so rank 0 alone prints.
+    std::function<void(const std::string&)> print_piece;
+    if (root)
+      print_piece = [](const std::string& piece) {
+        std::fputs(piece.c_str(), stdout);
+        std::fflush(stdout);
+      };
+    if (root) std::printf("--- sample ---\n%s", prompt.c_str());
+    generate(trainer.model(), trainer.params(), tokenizer, prompt, sample_tokens, so, print_piece);
+    if (root) std::printf("\n--------------\n");
   }
   return final_eval;
+}
+
+}  // namespace
+
+EvalResult run_training(const Config& cfg, const RunOptions& run) {
+  const TrainPlan plan = plan_training(cfg);
+  // The reference run stays on this thread, exactly as without parallelism.
+  if (plan.reference() && plan.backend == "local") return train_rank(cfg, plan, run, nullptr);
+  EvalResult result;
+  launch(plan.backend, plan.nproc, [&](Communicator& world) {
+    const EvalResult r = train_rank(cfg, plan, run, plan.reference() ? nullptr : &world);
+    if (world.rank() == 0) result = r;
+  });
+  return result;
 }
 
 }  // namespace loom

@@ -21,7 +21,8 @@ TEST(LoomSchema, HasTheKeysTheTrainerReads) {
         "train.checkpoint_interval", "train.keep_last", "train.out_dir", "train.activation_checkpointing",
         "train.sample_tokens", "train.sample_prompt", "data.dir", "data.text", "data.vocab_size",
         "data.val_fraction", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.backend", "parallel.nproc",
-        "zero.stage", "zero.bucket_mb", "precision", "memory.device_budget", "memory.host_budget",
+        "zero.stage", "zero.bucket_mb", "precision", "loss_scale.initial", "loss_scale.growth_interval",
+        "loss_scale.hysteresis", "loss_scale.min", "memory.device_budget", "memory.host_budget",
         "memory.nvme_dir", "memory.policy", "memory.offload_param_frac", "memory.offload_optim_frac"}) {
     EXPECT_NE(s.find(name), nullptr) << name;
   }

@@ -1,7 +1,10 @@
-// The main job end to end on a small slice of the corpus: resume, checkpoint
-// corruption, bad data and config, export, generation and evaluation.
+// The main job end to end on a small slice of the corpus: resume, data
+// parallelism with ZeRO and mixed precision against the single-rank run,
+// checkpoints across layouts, checkpoint corruption, bad data and config,
+// export, generation and evaluation.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -50,14 +53,27 @@ class MainJob : public ::testing::Test {
     return c;
   }
 
-  static std::vector<double> losses(const fs::path& metrics) {
-    std::vector<double> out;
+  // The metrics.jsonl records of training steps (those with a "loss").
+  static std::vector<nlohmann::json> step_records(const fs::path& metrics) {
+    std::vector<nlohmann::json> out;
     std::ifstream in(metrics);
     for (std::string line; std::getline(in, line);) {
       nlohmann::json j = nlohmann::json::parse(line);
-      if (j.contains("loss")) out.push_back(j.at("loss").get<double>());
+      if (j.contains("loss")) out.push_back(j);
     }
     return out;
+  }
+
+  static std::vector<double> losses(const fs::path& metrics) {
+    std::vector<double> out;
+    for (const nlohmann::json& j : step_records(metrics)) out.push_back(j.at("loss").get<double>());
+    return out;
+  }
+
+  // Losses of `a` and `b` agree step by step within `tolerance` (absolute).
+  static void expect_losses_near(const std::vector<double>& a, const std::vector<double>& b, double tolerance) {
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], tolerance) << "step " << i + 1;
   }
 
   RunOptions quiet() const {
@@ -90,6 +106,122 @@ TEST_F(MainJob, ResumedRunIsBitIdenticalToAnUninterruptedOne) {
   ASSERT_EQ(kept.size(), 2u);
   EXPECT_EQ(kept.back().step, 20);
   EXPECT_EQ(read_latest(*dir_ / "whole")->filename(), "step_00000020");
+}
+
+TEST_F(MainJob, DataParallelZero1ReproducesTheSingleRankLosses) {
+  // With dropout, so the masks must follow each sequence's place in the
+  // global batch, not in a rank's slice.
+  Config single = config("dp1");
+  single.set_override("train.steps=10");
+  single.set_override("model.dropout=0.1");
+  const EvalResult reference = run_training(single, quiet());
+  Config dp = config("dp2-zero1");
+  dp.set_override("train.steps=10");
+  dp.set_override("model.dropout=0.1");
+  dp.set_override("parallel.dp=2");
+  dp.set_override("zero.stage=1");
+  const EvalResult sharded = run_training(dp, quiet());
+
+  const std::vector<double> want = losses(*dir_ / "dp1" / "metrics.jsonl");
+  ASSERT_EQ(want.size(), 10u);
+  expect_losses_near(losses(*dir_ / "dp2-zero1" / "metrics.jsonl"), want, 1e-5);
+  // The final validation covers the whole split on either layout.
+  EXPECT_EQ(sharded.tokens, reference.tokens);
+  EXPECT_NEAR(sharded.loss_per_token, reference.loss_per_token, 1e-5);
+  // Rank 0 alone writes the checkpoints, in the single-rank format.
+  const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(*dir_ / "dp2-zero1"));
+  EXPECT_EQ(info.step, 10);
+  EXPECT_EQ(info.fields.at("layout").at("dp"), 2);
+  EXPECT_EQ(info.fields.at("layout").at("zero_stage"), 1);
+}
+
+TEST_F(MainJob, Zero3Bf16ResumesBitIdentically) {
+  Config c = config("z3-whole");
+  c.set_override("parallel.dp=2");
+  c.set_override("zero.stage=3");
+  c.set_override("precision=bf16");
+  c.set_override("train.steps=12");
+  c.set_override("train.checkpoint_interval=0");
+  run_training(c, quiet());
+  c.set_override("train.out_dir=" + (*dir_ / "z3-resumed").string());
+  RunOptions stop = quiet();
+  stop.stop_after = 6;
+  run_training(c, stop);
+  RunOptions resume = quiet();
+  resume.resume = true;
+  run_training(c, resume);
+
+  const std::vector<double> whole = losses(*dir_ / "z3-whole" / "metrics.jsonl");
+  const std::vector<double> resumed = losses(*dir_ / "z3-resumed" / "metrics.jsonl");
+  ASSERT_EQ(whole.size(), 12u);
+  ASSERT_EQ(resumed.size(), 12u);
+  for (size_t i = 0; i < whole.size(); ++i) EXPECT_EQ(whole[i], resumed[i]) << "step " << i + 1;
+  EXPECT_LT(whole.back(), whole.front());
+  const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(*dir_ / "z3-resumed"));
+  EXPECT_EQ(info.fields.at("layout").at("precision"), "bf16");
+}
+
+TEST_F(MainJob, CheckpointOfZero2LoadsIntoTheSingleRankReference) {
+  Config single = config("z2-reference");
+  single.set_override("train.steps=12");
+  run_training(single, quiet());
+  Config sharded = config("z2-to-dp1");
+  sharded.set_override("train.steps=12");
+  sharded.set_override("parallel.dp=2");
+  sharded.set_override("zero.stage=2");
+  RunOptions stop = quiet();
+  stop.stop_after = 6;
+  run_training(sharded, stop);
+  Config resumed = config("z2-to-dp1");
+  resumed.set_override("train.steps=12");
+  RunOptions resume = quiet();
+  resume.resume = true;
+  run_training(resumed, resume);
+
+  const std::vector<double> want = losses(*dir_ / "z2-reference" / "metrics.jsonl");
+  ASSERT_EQ(want.size(), 12u);
+  expect_losses_near(losses(*dir_ / "z2-to-dp1" / "metrics.jsonl"), want, 1e-5);
+}
+
+TEST_F(MainJob, Fp16LogsItsLossScaleAndSkippedSteps) {
+  // A reference checkpoint resumed under dp = 2, ZeRO-3, fp16 with a scale so
+  // large (2^21) that the first steps overflow: each overflow halves it
+  // (hysteresis 1) and skips the update, until the gradients fit in fp16.
+  Config c = config("fp16");
+  c.set_override("train.steps=12");
+  RunOptions stop = quiet();
+  stop.stop_after = 4;
+  run_training(c, stop);
+  Config reference = config("fp16-reference");
+  reference.set_override("train.steps=12");
+  stop.stop_after = 5;
+  run_training(reference, stop);
+  for (const char* o : {"parallel.dp=2", "zero.stage=3", "precision=fp16", "loss_scale.initial=2097152",
+                        "loss_scale.hysteresis=1"})
+    c.set_override(o);
+  RunOptions resume = quiet();
+  resume.resume = true;
+  run_training(c, resume);
+
+  const std::vector<nlohmann::json> records = step_records(*dir_ / "fp16" / "metrics.jsonl");
+  ASSERT_EQ(records.size(), 12u);
+  EXPECT_FALSE(records[3].contains("loss_scale"));  // step 4 ran in fp32
+  const nlohmann::json& first = records[4];
+  // Step 5 starts from the loaded weights, rounded to fp16.
+  EXPECT_NEAR(first.at("loss").get<double>(), losses(*dir_ / "fp16-reference" / "metrics.jsonl").at(4), 1e-2);
+  const nlohmann::json& last = records.back();
+  EXPECT_EQ(first.at("loss_scale").get<double>(), 2097152.0);
+  EXPECT_EQ(first.at("skipped").get<int64_t>(), 1);
+  const int64_t skipped = last.at("skipped").get<int64_t>();
+  EXPECT_GT(skipped, 1);
+  EXPECT_LT(skipped, 8) << "every fp16 step overflowed";
+  EXPECT_EQ(last.at("loss_scale").get<double>(), std::ldexp(2097152.0, -static_cast<int>(skipped)));
+  // The manifest keeps the two counters apart and the scaler's state.
+  const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(*dir_ / "fp16"));
+  EXPECT_EQ(info.step, 12);
+  EXPECT_EQ(info.fields.at("optimizer_steps").get<int64_t>(), 12 - skipped);
+  EXPECT_EQ(info.fields.at("loss_scale").at("scale").get<double>(), last.at("loss_scale").get<double>());
+  EXPECT_EQ(info.fields.at("layout").at("precision"), "f16");
 }
 
 TEST_F(MainJob, CorruptOrIncompleteCheckpointsAreRefusedByName) {

@@ -56,13 +56,15 @@ int main(int argc, char** argv) {
   prepare->add_option("--seq-len", prep_seq, "training context, to check each split is long enough");
 
   // train
-  auto* train = app.add_subcommand("train", "train a model from a TOML config");
+  auto* train = app.add_subcommand(
+      "train", "train a model from a TOML config (data parallel, ZeRO and precision: docs/training.md)");
   std::string config_path = "configs/shakespeare.toml";
   std::vector<std::string> overrides;
   bool resume = false;
   int64_t stop_after = 0;
   train->add_option("--config", config_path, "TOML config")->capture_default_str();
-  train->add_option("--set", overrides, "override a key: --set model.n_layer=6 (repeatable)");
+  train->add_option("--set", overrides,
+                    "override keys: --set model.n_layer=6 parallel.dp=2 zero.stage=1 precision=bf16 (repeatable)");
   train->add_flag("--resume", resume, "continue from the latest checkpoint in train.out_dir");
   train->add_option("--stop-after", stop_after, "stop after this step as if interrupted (checkpoints first)");
 
