@@ -26,8 +26,11 @@ TEST_P(DataParallelFp32, MatchesTheReferenceAndIsBitIdenticalRunToRun) {
   ASSERT_EQ(a.stats.size(), 20u);
   EXPECT_LE(testing::max_loss_rel_diff(a, reference()), 1e-5);
   EXPECT_LE(testing::param_rel_diff(a, reference()), 1e-5);
+  std::printf("max loss rel diff %.3g, params rel diff %.3g, key bias max abs diff %.3g\n",
+              testing::max_loss_rel_diff(a, reference()), testing::param_rel_diff(a, reference()),
+              testing::key_bias_max_abs_diff(a, reference()));
   // Noise-driven, so only bounded: 20 steps of at most lr * 1e-3.
-  EXPECT_LE(testing::key_bias_max_abs_diff(a, reference()), 20 * 1e-2 * 1e-3);
+  EXPECT_LE(testing::key_bias_max_abs_diff(a, reference()), 20 * 1e-3 * 1e-3);
   const RunResult b = testing::run_layout(testing::layout(l.dp, l.stage));
   for (size_t s = 0; s < a.stats.size(); ++s) EXPECT_EQ(a.stats[s].loss, b.stats[s].loss) << "step " << s;
   EXPECT_EQ(a.params, b.params);

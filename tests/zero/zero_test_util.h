@@ -49,7 +49,7 @@ inline GPTConfig small_gpt(float dropout) {
 
 inline TrainOptions small_options(const DataParallelRun& r) {
   TrainOptions o;
-  o.schedule = {1e-2f, 1e-3f, 3, r.steps};
+  o.schedule = {1e-3f, 1e-4f, 3, r.steps};
   o.zero.stage = r.stage;
   o.zero.precision = r.precision;
   o.zero.bucket_bytes = 8192;  // several buckets even in this small model
