@@ -86,7 +86,7 @@ class Trainer {
     int64_t steps = 0, optimizer_steps = 0;
     LossScaler::State loss_scale;  // fp16 only
   };
-  // Collective under dp: every rank gets the whole state.
+  // Collective under dp: every rank gets the whole state, on the host tier.
   State gather_state();
   // Collective under dp: every rank takes its part of `state`.
   void load_state(const State& state);

@@ -124,9 +124,9 @@ Trainer::State Trainer::gather_state() {
   s.optimizer_steps = optimizer().steps();
   if (scaler_) s.loss_scale = scaler_->state();
   if (reference_optim_) {
-    s.params = params_->flat().clone(Tier::device);
-    s.exp_avg = reference_optim_->exp_avg().clone(Tier::device);
-    s.exp_avg_sq = reference_optim_->exp_avg_sq().clone(Tier::device);
+    s.params = params_->flat().clone(Tier::host);
+    s.exp_avg = reference_optim_->exp_avg().clone(Tier::host);
+    s.exp_avg_sq = reference_optim_->exp_avg_sq().clone(Tier::host);
   } else {
     zero_optim_->gather_state(s.params, s.exp_avg, s.exp_avg_sq);
   }

@@ -86,7 +86,9 @@ void ZeroOptimizer::gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_av
   const float* m = adamw_->exp_avg().data<float>();
   const float* v = adamw_->exp_avg_sq().data<float>();
   Tensor* outs[3] = {&params, &exp_avg, &exp_avg_sq};
-  for (Tensor* t : outs) *t = Tensor::zeros({n});
+  // Staged on the host tier: a checkpoint must not need a device budget
+  // for a whole model that only fits sharded.
+  for (Tensor* t : outs) *t = Tensor::zeros({n}, DType::f32, Tier::host);
   if (opts_.stage == 0) {
     for (size_t i = 0; i < ranges_.size(); ++i) {
       const FlatRange r = ranges_[i];
@@ -104,8 +106,8 @@ void ZeroOptimizer::gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_av
     const bool has = own.numel() > 0;
     const float* sources[3] = {has ? master(i) : nullptr, has ? m + adamw_->offset(i) : nullptr,
                                has ? v + adamw_->offset(i) : nullptr};
-    Tensor block = Tensor::zeros({b.shard});
-    Tensor whole = Tensor::empty({b.shard * partition_.ranks()});
+    Tensor block = Tensor::zeros({b.shard}, DType::f32, Tier::host);
+    Tensor whole = Tensor::empty({b.shard * partition_.ranks()}, DType::f32, Tier::host);
     for (int k = 0; k < 3; ++k) {
       block.zero_();
       if (has) std::copy_n(sources[k], own.numel(), block.data<float>());
