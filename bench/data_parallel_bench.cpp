@@ -22,6 +22,7 @@
 
 #include "bench_common.h"
 #include "loom/comm.h"
+#include "loom/planner.h"
 #include "loom/train.h"
 
 using namespace loom;
@@ -59,16 +60,6 @@ double time_collectives_alone(Communicator& dp, const ZeroPartition& part, int s
   }
   dp.barrier();
   return bench::now_seconds() - t0;
-}
-
-double zero_formula(int stage, DType precision, double psi, double n) {
-  const bool fp32 = precision == DType::f32;
-  switch (stage) {
-    case 0: return 16 * psi;
-    case 1: return fp32 ? 8 * psi + 8 * psi / n : 4 * psi + 12 * psi / n;
-    case 2: return fp32 ? 4 * psi + 12 * psi / n : 2 * psi + 14 * psi / n;
-    default: return 16 * psi / n;
-  }
 }
 
 }  // namespace
@@ -151,7 +142,7 @@ int main(int argc, char** argv) {
       const std::string name = str("stage ", s.stage, " ", dtype_name(s.precision));
       std::printf("%-12s %9.1f %9.0f %12s %8.3f %9.1f %11.1f %10.1f %9.3f %10.3f\n", name.c_str(), m.step_s * 1e3,
                   static_cast<double>(ranks * B * T) / m.step_s, format_bytes(m.state_bytes).c_str(),
-                  m.state_bytes / zero_formula(s.stage, s.precision, psi, ranks), m.alone_s * 1e3, blocked_mean * 1e3,
+                  m.state_bytes / zero_model_state_bytes(s.stage, s.precision, psi, ranks), m.alone_s * 1e3, blocked_mean * 1e3,
                   exposed * 1e3, exposed / m.step_s, exposed / m.alone_s);
     }
     std::printf("target: exp/comm < 0.5 for stages 0 and 1 with 2 ranks\n");

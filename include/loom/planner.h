@@ -33,4 +33,12 @@ struct StepMemoryEstimate {
 };
 StepMemoryEstimate estimate_step_memory(const GPTConfig& cfg, int64_t B, int64_t T, bool checkpoint_activations);
 
+// Model-state bytes per rank for `params` parameters on `ranks` data-parallel
+// ranks under ZeRO `stage` (Rajbhandari et al. 2020). fp32 training keeps
+// parameters, gradients and both AdamW moments at 4 bytes: 16, 8+8/N,
+// 4+12/N, 16/N bytes per parameter for stages 0-3. bf16/f16 keep 2-byte
+// parameters and gradients plus 12 bytes of fp32 master weights and moments:
+// 16, 4+12/N, 2+14/N, 16/N.
+double zero_model_state_bytes(int stage, DType precision, double params, int ranks);
+
 }  // namespace loom

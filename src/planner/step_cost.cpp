@@ -54,4 +54,16 @@ StepMemoryEstimate estimate_step_memory(const GPTConfig& cfg, int64_t B, int64_t
   return head.total() >= block.total() ? head : block;
 }
 
+double zero_model_state_bytes(int stage, DType precision, double params, int ranks) {
+  LOOM_CHECK(stage >= 0 && stage <= 3 && ranks >= 1, "ZeRO stage ", stage, " on ", ranks, " ranks");
+  const double psi = params, n = ranks;
+  const bool fp32 = precision == DType::f32;
+  switch (stage) {
+    case 0: return 16 * psi;
+    case 1: return fp32 ? 8 * psi + 8 * psi / n : 4 * psi + 12 * psi / n;
+    case 2: return fp32 ? 4 * psi + 12 * psi / n : 2 * psi + 14 * psi / n;
+    default: return 16 * psi / n;
+  }
+}
+
 }  // namespace loom

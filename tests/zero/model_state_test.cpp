@@ -2,6 +2,7 @@
 // ZeRO paper's formulas, for a model of about 10.6M parameters.
 #include <gtest/gtest.h>
 
+#include "loom/planner.h"
 #include "zero_test_util.h"
 
 namespace loom {
@@ -17,27 +18,6 @@ GPTConfig ten_million() {
   c.vocab_size = 2048;
   c.block_size = 32;
   return c;
-}
-
-// Bytes per rank for psi parameters on n ranks (Rajbhandari et al. 2020):
-// fp32 keeps parameters, gradients and both moments at 4 bytes; mixed
-// precision keeps 2-byte parameters and gradients plus 12 bytes of optimizer
-// state (fp32 master weights and moments).
-double zero_formula(int stage, DType precision, double psi, double n) {
-  if (precision == DType::f32) {
-    switch (stage) {
-      case 0: return 16 * psi;
-      case 1: return 8 * psi + 8 * psi / n;
-      case 2: return 4 * psi + 12 * psi / n;
-      default: return 16 * psi / n;
-    }
-  }
-  switch (stage) {
-    case 0: return 16 * psi;
-    case 1: return 4 * psi + 12 * psi / n;
-    case 2: return 2 * psi + 14 * psi / n;
-    default: return 16 * psi / n;
-  }
 }
 
 struct Measured {
@@ -88,7 +68,7 @@ TEST_P(ModelState, BytesPerRankFollowTheZeroFormulaAndVolumeTheRingModel) {
   const double psi = static_cast<double>(ten_million().num_params());
   ASSERT_GE(psi, 10e6);
   const Measured m = measure(c.ranks, c.stage, c.precision);
-  const double expected = zero_formula(c.stage, c.precision, psi, c.ranks);
+  const double expected = zero_model_state_bytes(c.stage, c.precision, psi, c.ranks);
   // Per step each rank sends (n-1)/n of each reduce-scatter and all-gather
   // (ring model), an all-reduce being both: about 2 psi (n-1)/n elements for
   // stages 0-2 and 3 psi (n-1)/n for stage 3, whose parameters are gathered
