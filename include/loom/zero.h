@@ -76,6 +76,8 @@ class ZeroPartition {
   // The real (unpadded) elements rank `r` owns in bucket b: flat [begin, end).
   FlatRange owned(const ZeroBucket& b, int r) const;
   FlatRange owned(const ZeroBucket& b) const { return owned(b, rank_); }
+  // Position in this rank's shard of flat element `flat`, which it must own.
+  int64_t shard_position(int64_t flat) const;
 
  private:
   int ranks_, rank_;

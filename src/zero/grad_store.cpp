@@ -129,7 +129,7 @@ Tensor ZeroGradStore::owned(FlatRange range) const {
   const FlatRange own = partition_.owned(b);
   LOOM_CHECK(opts_.stage == 0 || (own.begin <= range.begin && range.end <= own.end), "range [", range.begin, ", ",
              range.end, ") is not owned by rank ", partition_.rank());
-  const int64_t pos = opts_.stage >= 2 ? b.shard_begin + (range.begin - own.begin) : partition_.padded(b, range.begin);
+  const int64_t pos = opts_.stage >= 2 ? partition_.shard_position(range.begin) : partition_.padded(b, range.begin);
   return Tensor::borrow(at(storage_.raw(), opts_.precision, pos), {range.numel()}, opts_.precision, storage_.tier());
 }
 

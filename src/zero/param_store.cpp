@@ -43,12 +43,9 @@ ZeroParamStore::~ZeroParamStore() {
 }
 
 void* ZeroParamStore::working(int64_t flat) const {
-  const ZeroBucket& b = partition_.bucket_containing(flat);
-  if (opts_.stage < 3) return at(storage_.raw(), opts_.precision, partition_.padded(b, flat));
-  const FlatRange own = partition_.owned(b);
-  LOOM_CHECK(own.begin <= flat && flat < own.end, "flat element ", flat, " is not in rank ", partition_.rank(),
-             "'s shard");
-  return at(storage_.raw(), opts_.precision, b.shard_begin + (flat - own.begin));
+  const int64_t pos = opts_.stage < 3 ? partition_.padded(partition_.bucket_containing(flat), flat)
+                                      : partition_.shard_position(flat);
+  return at(storage_.raw(), opts_.precision, pos);
 }
 
 bool ZeroParamStore::expected_next(int group) const {

@@ -59,4 +59,11 @@ FlatRange ZeroPartition::owned(const ZeroBucket& b, int r) const {
   return {lo, std::min(b.end, lo + b.shard)};
 }
 
+int64_t ZeroPartition::shard_position(int64_t flat) const {
+  const ZeroBucket& b = bucket_containing(flat);
+  const FlatRange own = owned(b);
+  LOOM_CHECK(own.begin <= flat && flat < own.end, "flat element ", flat, " is not in rank ", rank_, "'s shard");
+  return b.shard_begin + (flat - own.begin);
+}
+
 }  // namespace loom

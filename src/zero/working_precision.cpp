@@ -30,13 +30,11 @@ void add_rounded(void* dst, const void* src, DType dt, int64_t n) {
     cpu::accumulate(static_cast<float*>(dst), static_cast<const float*>(src), n);
     return;
   }
-  float a[kBlock], b[kBlock];
+  float tmp[kBlock];
   for (int64_t i = 0; i < n; i += kBlock) {
     const int64_t m = std::min(kBlock, n - i);
-    convert(at(dst, dt, i), dt, a, DType::f32, m);
-    convert(at(src, dt, i), dt, b, DType::f32, m);
-    cpu::accumulate(a, b, m);
-    convert(a, DType::f32, at(dst, dt, i), dt, m);
+    convert(at(src, dt, i), dt, tmp, DType::f32, m);
+    add_rounded(at(dst, dt, i), dt, tmp, m);
   }
 }
 
