@@ -81,6 +81,13 @@ inline bool bit_equal(const Tensor& a, const Tensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
 }
 
+// memcmp-equal: bit for bit, where == would call -0 and +0 (or two NaNs) equal
+// or not.
+template <typename T>
+bool bit_equal(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
 // max |a - b| / max(|b|, floor) over the elements.
 inline double max_rel_diff(const float* a, const float* b, int64_t n, double floor = 1e-30) {
   double worst = 0.0;

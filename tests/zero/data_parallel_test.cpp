@@ -33,8 +33,8 @@ TEST_P(DataParallelFp32, MatchesTheReferenceAndIsBitIdenticalRunToRun) {
   EXPECT_LE(testing::key_bias_max_abs_diff(a, reference()), 20 * 1e-3 * 1e-3);
   const RunResult b = testing::run_layout(testing::layout(l.dp, l.stage));
   for (size_t s = 0; s < a.stats.size(); ++s) EXPECT_EQ(a.stats[s].loss, b.stats[s].loss) << "step " << s;
-  EXPECT_EQ(a.params, b.params);
-  EXPECT_EQ(a.exp_avg_sq, b.exp_avg_sq);
+  EXPECT_TRUE(testing::bit_equal(a.params, b.params));
+  EXPECT_TRUE(testing::bit_equal(a.exp_avg_sq, b.exp_avg_sq));
 }
 
 std::vector<Layout> all_layouts() {
@@ -83,7 +83,7 @@ TEST_P(DataParallelMixedPrecision, StaysWithinOnePercentOfTheFp32Reference) {
   for (const StepStats& s : a.stats) EXPECT_FALSE(s.skipped);
   const RunResult b = testing::run_layout(testing::layout(l.dp, l.stage, l.precision));
   for (size_t s = 0; s < a.stats.size(); ++s) EXPECT_EQ(a.stats[s].loss, b.stats[s].loss) << "step " << s;
-  EXPECT_EQ(a.params, b.params);
+  EXPECT_TRUE(testing::bit_equal(a.params, b.params));
 }
 
 std::vector<MixedLayout> mixed_layouts() {

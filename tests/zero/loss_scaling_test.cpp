@@ -56,16 +56,12 @@ Observed run_with_overflow(int stage, int hysteresis, const std::vector<int>& ba
 }
 
 void expect_unchanged(const Observed& o, int before, int after) {
-  // memcmp-equal: bit for bit, where == would call -0 and +0 equal.
   const Snapshot& a = o.states[static_cast<size_t>(before)];
   const Snapshot& b = o.states[static_cast<size_t>(after)];
-  const auto same_bits = [](const auto& x, const auto& y) {
-    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
-  };
-  EXPECT_TRUE(same_bits(a.params, b.params)) << "steps " << before << " and " << after;
-  EXPECT_TRUE(same_bits(a.exp_avg, b.exp_avg));
-  EXPECT_TRUE(same_bits(a.exp_avg_sq, b.exp_avg_sq));
-  EXPECT_TRUE(same_bits(a.working, b.working));
+  EXPECT_TRUE(testing::bit_equal(a.params, b.params)) << "steps " << before << " and " << after;
+  EXPECT_TRUE(testing::bit_equal(a.exp_avg, b.exp_avg));
+  EXPECT_TRUE(testing::bit_equal(a.exp_avg_sq, b.exp_avg_sq));
+  EXPECT_TRUE(testing::bit_equal(a.working, b.working));
   EXPECT_EQ(a.optimizer_steps, b.optimizer_steps);
 }
 
