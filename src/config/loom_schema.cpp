@@ -48,8 +48,15 @@ ConfigSchema build_loom_schema() {
   s.add_float("data.val_fraction", 0.1, "fraction of the text held out for validation", 0.0, 0.5);
 
   s.add_int("parallel.dp", 1, "data-parallel ranks", 1, 65536);
-  s.add_int("parallel.tp", 1, "tensor-parallel ranks", 1, 1024);
+  s.add_int("parallel.tp", 1, "tensor-parallel ranks (must divide model.n_head)", 1, 1024);
   s.add_int("parallel.pp", 1, "pipeline stages", 1, 1024);
+  s.add_bool("parallel.sequence_parallel", false,
+             "split the activations between tensor-parallel regions by token (needs parallel.tp > 1)");
+  s.add_choice("parallel.schedule", "1f1b", {"gpipe", "1f1b", "interleaved_1f1b"},
+               "pipeline schedule; interleaved_1f1b runs parallel.virtual_stages model chunks per rank");
+  s.add_int("parallel.virtual_stages", 1, "model chunks per pipeline rank; > 1 only with interleaved_1f1b", 1, 1024);
+  s.add_string("parallel.stage_layers", "",
+               "layers per virtual stage in order, e.g. \"3,3,2\"; empty = balanced by estimated cost");
   s.add_choice("parallel.backend", "local", {"local", "mpi"}, "communicator: ranks as threads (local) or processes (mpi)");
   s.add_int("parallel.nproc", 0, "ranks to run; 0 = parallel.dp * parallel.tp * parallel.pp", 0, 1 << 20);
 

@@ -1,5 +1,7 @@
 // A run's config turned into a validated plan: every cross-field rule is
 // checked here, before a byte is allocated or a file is read.
+#include <algorithm>
+#include <charconv>
 #include <cstdlib>
 
 #include "loom/comm.h"
@@ -10,9 +12,50 @@ namespace loom {
 
 namespace {
 
+// The valid values nearest to `x` in [lo, hi], one below and one above where
+// they exist, for the "fix:" part of a message.
+template <typename Valid>
+std::vector<int64_t> nearest_valid(int64_t x, int64_t lo, int64_t hi, Valid valid) {
+  std::vector<int64_t> found;
+  for (int64_t v = std::min(x - 1, hi); v >= lo; --v)
+    if (valid(v)) {
+      found.push_back(v);
+      break;
+    }
+  for (int64_t v = std::max(x + 1, lo); v <= hi; ++v)
+    if (valid(v)) {
+      found.push_back(v);
+      break;
+    }
+  return found;
+}
+
+// "<key> = a or b", or nothing when no value was found.
+std::string assign_one_of(std::string_view key, const std::vector<int64_t>& values) {
+  if (values.empty()) return "";
+  std::string text = str(key, " = ", values[0]);
+  for (size_t i = 1; i < values.size(); ++i) text += str(" or ", values[i]);
+  return text;
+}
+
+// "set a, or b, or c" of the alternatives that are not empty.
+std::string set_one_of(std::initializer_list<std::string> alternatives) {
+  std::string text;
+  for (const std::string& a : alternatives)
+    if (!a.empty()) text += str(text.empty() ? "set " : ", or ", a);
+  return text;
+}
+
+// "3,3,2": n_layer layers over `parts` virtual stages as evenly as they go.
+std::string even_stage_layers(int64_t n_layer, int64_t parts) {
+  std::string text;
+  for (int64_t i = 0; i < parts; ++i) text += str(i ? "," : "", n_layer / parts + (i < n_layer % parts ? 1 : 0));
+  return text;
+}
+
 // The launcher parallel.backend names must be able to start `ranks` ranks from
 // how this process was started.
-void check_launcher(const Config& cfg, const std::string& backend, int64_t ranks) {
+void check_launcher(const Config& cfg, const std::string& backend, int64_t ranks, int64_t model_ranks) {
   const int64_t started = launched_by_mpirun() ? std::atoll(std::getenv("OMPI_COMM_WORLD_SIZE")) : 1;
   if (backend == "local") {
     if (started > 1)
@@ -31,9 +74,184 @@ void check_launcher(const Config& cfg, const std::string& backend, int64_t ranks
                       str("start it with `mpirun -np ", ranks, " loom train ...`, or set parallel.backend = \"local\""));
   if (started != ranks)
     throw ConfigError(cfg, "parallel.dp",
-                      str("mpirun started ", started, " processes, but the layout has parallel.dp * parallel.tp * "
-                          "parallel.pp = ", ranks, " ranks"),
-                      str("run `mpirun -np ", ranks, "`, or set parallel.dp = ", started));
+                      str("mpirun started ", started,
+                          " processes, but the layout has parallel.dp * parallel.tp * "
+                          "parallel.pp = ",
+                          ranks, " ranks"),
+                      str("run `mpirun -np ", ranks, "`",
+                          started % model_ranks == 0 ? str(", or set parallel.dp = ", started / model_ranks) : ""));
+}
+
+// parallel.stage_layers: comma-separated layer counts, one per virtual stage,
+// held to pipeline_stage_layers' rules (planner.h) so that a bad override is
+// reported against its key rather than as the planner's Error.
+std::vector<int> parse_stage_layers(const Config& cfg, int64_t n_layer, int64_t virtual_stages, bool balanced_ok) {
+  const std::string text = cfg.get<std::string>("parallel.stage_layers");
+  const std::string fix = str("set parallel.stage_layers = \"", even_stage_layers(n_layer, virtual_stages), "\"",
+                              balanced_ok ? ", or \"\" to balance the stages by cost" : "");
+  std::vector<int> layers;
+  for (size_t begin = 0; begin <= text.size();) {
+    const size_t end = std::min(text.find(',', begin), text.size());
+    std::string_view entry = std::string_view(text).substr(begin, end - begin);
+    while (!entry.empty() && entry.front() == ' ') entry.remove_prefix(1);
+    while (!entry.empty() && entry.back() == ' ') entry.remove_suffix(1);
+    int count = 0;
+    const auto [ptr, ec] = std::from_chars(entry.data(), entry.data() + entry.size(), count);
+    if (entry.empty() || ec != std::errc() || ptr != entry.data() + entry.size())
+      throw ConfigError(
+          cfg, "parallel.stage_layers",
+          str("must be comma-separated layer counts, one per virtual stage, and '", entry, "' is not a whole number"),
+          fix);
+    layers.push_back(count);
+    begin = end + 1;
+  }
+  if (static_cast<int64_t>(layers.size()) != virtual_stages)
+    throw ConfigError(cfg, "parallel.stage_layers",
+                      str("has ", layers.size(), " entries, and parallel.pp * parallel.virtual_stages = ",
+                          virtual_stages, " virtual stages need one each"),
+                      fix);
+  int64_t sum = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i] < 1)
+      throw ConfigError(cfg, "parallel.stage_layers",
+                        str("gives virtual stage ", i, " ", layers[i], " layers, and every stage needs at least one"),
+                        fix);
+    sum += layers[i];
+  }
+  if (sum != n_layer)
+    throw ConfigError(cfg, "parallel.stage_layers", str("sums to ", sum, " layers, and model.n_layer = ", n_layer),
+                      fix);
+  return layers;
+}
+
+// The tensor-, sequence- and pipeline-parallel rules. `p` holds the model,
+// the batch and the dp x tp x pp layout.
+ModelParallelOptions plan_model_parallel(const Config& cfg, const TrainPlan& p) {
+  const GPTConfig& m = p.model;
+  // model.* only take effect for a custom model; a preset fixes them.
+  const bool custom = cfg.get<std::string>("model.preset") == "custom";
+  ModelParallelOptions mp;
+
+  // Attention splits by head, the MLP's 4C columns and the embedding's C by
+  // the same factor; heads suffice since validate() holds n_embd % n_head == 0.
+  if (m.n_head % p.tp != 0)
+    throw ConfigError(
+        cfg, "parallel.tp",
+        str("must divide model.n_head = ", m.n_head,
+            ", since each tensor-parallel rank computes whole attention heads"),
+        set_one_of({assign_one_of("parallel.tp",
+                                  nearest_valid(p.tp, 1, m.n_head, [&](int64_t t) { return m.n_head % t == 0; })),
+                    custom ? assign_one_of("model.n_head",
+                                           nearest_valid(m.n_head, 1, 1024,
+                                                         [&](int64_t h) { return h % p.tp == 0 && m.n_embd % h == 0; }))
+                           : std::string()}));
+  // The vocabulary is padded to a multiple of tp (the padding rows are masked
+  // out of the softmax), so only a vocabulary smaller than the group fails.
+  if (m.vocab_size < p.tp)
+    throw ConfigError(cfg, "parallel.tp",
+                      str("may not exceed model.vocab_size = ", m.vocab_size,
+                          ", since each tensor-parallel rank holds at least one row of the embedding"),
+                      str("set parallel.tp <= ", m.vocab_size));
+
+  mp.sequence_parallel = cfg.get<bool>("parallel.sequence_parallel");
+  if (mp.sequence_parallel && p.tp == 1)
+    throw ConfigError(cfg, "parallel.sequence_parallel",
+                      "splits activations over the tensor-parallel ranks, and parallel.tp = 1",
+                      "set parallel.tp >= 2, or parallel.sequence_parallel = false");
+  const int64_t rows = p.micro_batch * p.seq_len;
+  if (mp.sequence_parallel && rows % p.tp != 0)
+    throw ConfigError(
+        cfg, "train.seq_len",
+        str("under parallel.sequence_parallel the token rows of a micro-batch, train.micro_batch_size * "
+            "train.seq_len = ",
+            p.micro_batch, " * ", p.seq_len, " = ", rows, ", must split evenly over parallel.tp = ", p.tp, " ranks"),
+        set_one_of(
+            {assign_one_of("train.seq_len", nearest_valid(p.seq_len, 1, m.block_size,
+                                                          [&](int64_t t) { return p.micro_batch * t % p.tp == 0; })),
+             assign_one_of("train.micro_batch_size", nearest_valid(p.micro_batch, 1, p.global_batch / p.dp,
+                                                                   [&](int64_t b) {
+                                                                     return b * p.seq_len % p.tp == 0 &&
+                                                                            p.global_batch % (p.dp * b) == 0;
+                                                                   })),
+             "parallel.sequence_parallel = false"}));
+
+  const std::string schedule_name = cfg.get<std::string>("parallel.schedule");
+  mp.schedule = parse_pipeline_schedule(schedule_name);
+  const bool interleaved = mp.schedule == PipelineSchedule::interleaved_1f1b;
+  const int64_t chunks = cfg.get<int64_t>("parallel.virtual_stages");
+  mp.virtual_stages = static_cast<int>(chunks);
+  if (chunks > 1 && !interleaved)
+    throw ConfigError(cfg, "parallel.virtual_stages",
+                      str("only the interleaved_1f1b schedule runs several model chunks per pipeline rank, and "
+                          "parallel.schedule = \"",
+                          schedule_name, "\""),
+                      "set parallel.schedule = \"interleaved_1f1b\", or parallel.virtual_stages = 1");
+  if (interleaved && p.pp == 1)
+    throw ConfigError(cfg, "parallel.schedule",
+                      "interleaves the model chunks of several pipeline ranks, and parallel.pp = 1",
+                      "set parallel.pp >= 2, or parallel.schedule = \"1f1b\"");
+  if (interleaved && chunks < 2)
+    throw ConfigError(cfg, "parallel.schedule",
+                      "needs at least 2 model chunks per pipeline rank, and parallel.virtual_stages = 1",
+                      "set parallel.virtual_stages >= 2, or parallel.schedule = \"1f1b\"");
+
+  const int64_t stages = p.pp * chunks;
+  if (m.n_layer < stages) {
+    const std::string more_layers = custom ? str("model.n_layer >= ", stages) : "";
+    if (chunks > 1)
+      throw ConfigError(
+          cfg, "parallel.virtual_stages",
+          str("parallel.pp * parallel.virtual_stages = ", p.pp, " * ", chunks, " = ", stages,
+              " virtual stages need a layer each, and model.n_layer = ", m.n_layer),
+          set_one_of({m.n_layer / p.pp >= 2 ? str("parallel.virtual_stages <= ", m.n_layer / p.pp) : "",
+                      m.n_layer / chunks >= 2 ? str("parallel.pp <= ", m.n_layer / chunks) : "", more_layers}));
+    throw ConfigError(cfg, "parallel.pp",
+                      str("each of the ", p.pp, " pipeline stages needs a layer, and model.n_layer = ", m.n_layer),
+                      set_one_of({str("parallel.pp <= ", m.n_layer), more_layers}));
+  }
+  const bool even = m.n_layer % stages == 0;
+  if (!cfg.get<std::string>("parallel.stage_layers").empty()) {
+    mp.stage_layers = parse_stage_layers(cfg, m.n_layer, stages, !interleaved || even);
+  } else if (interleaved && !even) {
+    throw ConfigError(
+        cfg, "parallel.virtual_stages",
+        str("without parallel.stage_layers, interleaved_1f1b splits the model.n_layer = ", m.n_layer,
+            " layers evenly over parallel.pp * parallel.virtual_stages = ", p.pp, " * ", chunks, " = ", stages,
+            " virtual stages"),
+        set_one_of({str("parallel.stage_layers = \"", even_stage_layers(m.n_layer, stages), "\""),
+                    assign_one_of("parallel.virtual_stages",
+                                  nearest_valid(chunks, 2, m.n_layer / p.pp,
+                                                [&](int64_t c) { return m.n_layer % (p.pp * c) == 0; })),
+                    custom ? assign_one_of("model.n_layer", nearest_valid(m.n_layer, stages, 1024,
+                                                                          [&](int64_t l) { return l % stages == 0; }))
+                           : std::string()}));
+  }
+
+  if (p.pp > 1 && p.accumulation < p.pp) {
+    const int64_t per_rank = p.global_batch / p.dp;
+    throw ConfigError(cfg, "train.batch_size",
+                      str("a pipeline of parallel.pp = ", p.pp, " stages needs at least ", p.pp,
+                          " micro-batches per step and rank to fill, and train.batch_size / (parallel.dp * "
+                          "train.micro_batch_size) = ",
+                          p.global_batch, " / (", p.dp, " * ", p.micro_batch, ") = ", p.accumulation),
+                      set_one_of({str("train.batch_size = ", p.pp * p.dp * p.micro_batch),
+                                  assign_one_of("train.micro_batch_size",
+                                                nearest_valid(p.micro_batch, 1, p.micro_batch - 1, [&](int64_t b) {
+                                                  return per_rank % b == 0 && per_rank / b >= p.pp &&
+                                                         (!mp.sequence_parallel || b * p.seq_len % p.tp == 0);
+                                                }))}));
+  }
+  if (interleaved && p.accumulation % p.pp != 0) {
+    const int64_t round = p.pp * p.dp * p.micro_batch;
+    const int64_t down = p.accumulation / p.pp * round;
+    throw ConfigError(
+        cfg, "train.batch_size",
+        str("interleaved_1f1b runs the micro-batches in groups of parallel.pp = ", p.pp,
+            ", and train.batch_size / (parallel.dp * train.micro_batch_size) = ", p.global_batch, " / (", p.dp, " * ",
+            p.micro_batch, ") = ", p.accumulation, " per step and rank, not a multiple of ", p.pp),
+        str("set train.batch_size = ", down, " or ", down + round));
+  }
+  return mp;
 }
 
 }  // namespace
@@ -66,22 +284,22 @@ TrainPlan plan_training(const Config& cfg) {
 
   const int64_t dp = cfg.get<int64_t>("parallel.dp"), tp = cfg.get<int64_t>("parallel.tp"),
                 pp = cfg.get<int64_t>("parallel.pp");
-  if (tp != 1 || pp != 1)
-    throw ConfigError(cfg, tp != 1 ? "parallel.tp" : "parallel.pp",
-                      "tensor/pipeline parallelism is not available in `loom train` yet",
-                      "set parallel.tp = 1 and parallel.pp = 1 (parallel.dp runs data parallel)");
   if (cfg.get<std::string>("memory.policy") != "none")
     throw ConfigError(cfg, "memory.policy", "offload policies are not available yet", "set memory.policy = \"none\"");
   p.dp = dp;
+  p.tp = tp;
+  p.pp = pp;
   const int64_t ranks = dp * tp * pp;
   const int64_t nproc = cfg.get<int64_t>("parallel.nproc");
   if (nproc != 0 && nproc != ranks)
     throw ConfigError(cfg, "parallel.nproc",
-                      str("must be 0 or parallel.dp * parallel.tp * parallel.pp = ", ranks, " (one rank each)"),
-                      str("set parallel.nproc = 0 (it follows the layout) or ", ranks, ", or parallel.dp = ", nproc));
+                      str("must be 0 or parallel.dp * parallel.tp * parallel.pp = ", dp, " * ", tp, " * ", pp, " = ",
+                          ranks, " (one rank each)"),
+                      str("set parallel.nproc = 0 (it follows the layout) or ", ranks,
+                          nproc % (tp * pp) == 0 ? str(", or parallel.dp = ", nproc / (tp * pp)) : ""));
   p.nproc = static_cast<int>(ranks);
   p.backend = cfg.get<std::string>("parallel.backend");
-  check_launcher(cfg, p.backend, ranks);
+  check_launcher(cfg, p.backend, ranks, tp * pp);
 
   if (p.seq_len > p.model.block_size)
     throw ConfigError(cfg, "train.seq_len", str("may not exceed the model's context block_size = ", p.model.block_size),
@@ -101,6 +319,7 @@ TrainPlan plan_training(const Config& cfg) {
                       str("the tokenizer's vocabulary may not exceed model.vocab_size = ", p.model.vocab_size),
                       str("set model.vocab_size >= ", cfg.get<int64_t>("data.vocab_size"),
                           " or lower data.vocab_size"));
+  p.options.model_parallel = plan_model_parallel(cfg, p);
 
   TrainOptions& o = p.options;
   o.adamw.lr = static_cast<float>(cfg.get<double>("train.lr"));
@@ -124,6 +343,16 @@ TrainPlan plan_training(const Config& cfg) {
   o.zero.stage = static_cast<int>(cfg.get<int64_t>("zero.stage"));
   o.zero.precision = parse_dtype(cfg.get<std::string>("precision"));
   o.zero.bucket_bytes = cfg.get<int64_t>("zero.bucket_mb") << 20;
+  if (o.zero.stage >= 2 && pp > 1)
+    throw ConfigError(cfg, "zero.stage",
+                      str("stages 2 and 3 shard the gradients as each micro-batch produces them, and a pipeline "
+                          "(parallel.pp = ",
+                          pp, ") accumulates a step's micro-batch gradients locally before it reduces them"),
+                      "set zero.stage = 0 or 1, or parallel.pp = 1");
+  if (o.zero.stage >= 2 && tp > 1)
+    throw ConfigError(cfg, "zero.stage",
+                      str("stages 2 and 3 are not supported with tensor parallelism (parallel.tp = ", tp, ") yet"),
+                      "set zero.stage = 0 or 1, or parallel.tp = 1");
   o.loss_scale.initial_scale = static_cast<float>(cfg.get<double>("loss_scale.initial"));
   o.loss_scale.growth_interval = cfg.get<int64_t>("loss_scale.growth_interval");
   o.loss_scale.hysteresis = static_cast<int>(cfg.get<int64_t>("loss_scale.hysteresis"));

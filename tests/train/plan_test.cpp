@@ -1,5 +1,6 @@
-// plan_training: the cross-field rules of data parallelism, ZeRO and mixed
-// precision, each error naming the field, the rule and the fix.
+// plan_training: the cross-field rules of data, tensor, sequence and pipeline
+// parallelism, ZeRO and mixed precision, each error naming the field, the rule
+// and the fix.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -46,11 +47,18 @@ class ScopedEnv {
 TEST(PlanTraining, DefaultsAreTheSingleRankReference) {
   const TrainPlan p = plan_training(tiny());
   EXPECT_EQ(p.dp, 1);
+  EXPECT_EQ(p.tp, 1);
+  EXPECT_EQ(p.pp, 1);
   EXPECT_EQ(p.nproc, 1);
   EXPECT_EQ(p.backend, "local");
   EXPECT_EQ(p.accumulation, 2);  // 4 sequences in micro-batches of 2
   EXPECT_EQ(p.options.zero.stage, 0);
   EXPECT_EQ(p.options.zero.precision, DType::f32);
+  const ModelParallelOptions& mp = p.options.model_parallel;
+  EXPECT_FALSE(mp.sequence_parallel);
+  EXPECT_EQ(mp.schedule, PipelineSchedule::one_f_one_b);
+  EXPECT_EQ(mp.virtual_stages, 1);
+  EXPECT_TRUE(mp.stage_layers.empty());
   EXPECT_TRUE(p.reference());
 }
 
@@ -100,23 +108,26 @@ TEST(PlanTraining, BatchMustSplitIntoMicroBatchesOfEveryRank) {
   EXPECT_CONTAINS(e, "set train.batch_size to 4 or 6");
 }
 
-TEST(PlanTraining, TensorAndPipelineParallelismAreRefused) {
-  std::string e = error_of([] { plan_training(tiny({"parallel.tp=2"})); });
-  EXPECT_CONTAINS(e, "parallel.tp = 2");
-  EXPECT_CONTAINS(e, "tensor/pipeline parallelism is not available in `loom train` yet");
-  EXPECT_CONTAINS(e, "set parallel.tp = 1 and parallel.pp = 1");
-  e = error_of([] { plan_training(tiny({"parallel.pp=2", "parallel.dp=2"})); });
-  EXPECT_CONTAINS(e, "parallel.pp = 2");
-  EXPECT_CONTAINS(error_of([] { plan_training(tiny({"memory.policy=auto"})); }), "set memory.policy = \"none\"");
+TEST(PlanTraining, OffloadPoliciesAreRefused) {
+  const std::string e = error_of([] { plan_training(tiny({"memory.policy=auto"})); });
+  EXPECT_CONTAINS(e, "memory.policy = \"auto\"");
+  EXPECT_CONTAINS(e, "set memory.policy = \"none\"");
 }
 
 TEST(PlanTraining, NprocMustMatchTheLayout) {
   EXPECT_EQ(plan_training(tiny({"parallel.dp=2", "parallel.nproc=2"})).nproc, 2);
-  const std::string e = error_of([] { plan_training(tiny({"parallel.dp=2", "parallel.nproc=3"})); });
+  std::string e = error_of([] { plan_training(tiny({"parallel.dp=2", "parallel.nproc=3"})); });
   EXPECT_CONTAINS(e, "parallel.nproc = 3");
-  EXPECT_CONTAINS(e, "must be 0 or parallel.dp * parallel.tp * parallel.pp = 2");
+  EXPECT_CONTAINS(e, "must be 0 or parallel.dp * parallel.tp * parallel.pp = 2 * 1 * 1 = 2");
   EXPECT_CONTAINS(e, "set parallel.nproc = 0");
   EXPECT_CONTAINS(e, "or parallel.dp = 3");
+  e = error_of([] { plan_training(tiny({"parallel.tp=2", "parallel.pp=2", "parallel.nproc=8"})); });
+  EXPECT_CONTAINS(e, "parallel.dp * parallel.tp * parallel.pp = 1 * 2 * 2 = 4");
+  EXPECT_CONTAINS(e, "set parallel.nproc = 0 (it follows the layout) or 4, or parallel.dp = 2");
+  // No data-parallel size makes 6 ranks of tp * pp = 4.
+  e = error_of([] { plan_training(tiny({"parallel.tp=2", "parallel.pp=2", "parallel.nproc=6"})); });
+  EXPECT_CONTAINS(e, "set parallel.nproc = 0 (it follows the layout) or 4");
+  EXPECT_EQ(e.find("parallel.dp ="), std::string::npos) << e;
 }
 
 TEST(PlanTraining, MpiBackendNeedsMpirun) {
@@ -145,6 +156,10 @@ TEST(PlanTraining, UnderMpirunTheBackendAndRankCountMustFit) {
   EXPECT_CONTAINS(e, "mpirun started 4 processes");
   EXPECT_CONTAINS(e, "set parallel.dp = 4");
   EXPECT_EQ(plan_training(tiny({"parallel.backend=mpi", "parallel.dp=4", "train.batch_size=8"})).nproc, 4);
+  e = error_of([] { plan_training(tiny({"parallel.backend=mpi", "parallel.tp=2"})); });
+  EXPECT_CONTAINS(e, "parallel.dp * parallel.tp * parallel.pp = 2 ranks");
+  EXPECT_CONTAINS(e, "run `mpirun -np 2`, or set parallel.dp = 2");
+  EXPECT_EQ(plan_training(tiny({"parallel.backend=mpi", "parallel.dp=2", "parallel.tp=2"})).nproc, 4);
 }
 
 TEST(PlanTraining, LossScaleFloorMayNotExceedTheStartUnderFp16) {
@@ -157,6 +172,194 @@ TEST(PlanTraining, LossScaleFloorMayNotExceedTheStartUnderFp16) {
   plan_training(tiny({"precision=bf16", "loss_scale.initial=8", "loss_scale.min=16"}));
   Config c = tiny();
   EXPECT_CONTAINS(error_of([&] { c.set_override("loss_scale.hysteresis=0"); }), "loss_scale.hysteresis");
+}
+
+TEST(PlanTraining, HybridLayoutFillsTheModelParallelOptions) {
+  const TrainPlan p =
+      plan_training(tiny({"parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.schedule=interleaved_1f1b",
+                          "parallel.virtual_stages=2", "model.n_layer=4", "train.batch_size=8", "zero.stage=1"}));
+  EXPECT_EQ(p.dp, 2);
+  EXPECT_EQ(p.tp, 2);
+  EXPECT_EQ(p.pp, 2);
+  EXPECT_EQ(p.nproc, 8);
+  EXPECT_EQ(p.accumulation, 2);  // 8 / (2 ranks * 2 per micro-batch), one group of pp = 2
+  EXPECT_EQ(p.options.zero.stage, 1);
+  const ModelParallelOptions& mp = p.options.model_parallel;
+  EXPECT_FALSE(mp.sequence_parallel);
+  EXPECT_EQ(mp.schedule, PipelineSchedule::interleaved_1f1b);
+  EXPECT_EQ(mp.virtual_stages, 2);
+  EXPECT_TRUE(mp.stage_layers.empty());  // 4 layers over 4 virtual stages: the even split
+  EXPECT_FALSE(p.reference());
+
+  const TrainPlan g = plan_training(
+      tiny({"parallel.pp=2", "parallel.schedule=gpipe", "model.n_layer=5", "parallel.stage_layers= 3, 2"}));
+  EXPECT_EQ(g.options.model_parallel.schedule, PipelineSchedule::gpipe);
+  EXPECT_EQ(g.options.model_parallel.stage_layers, (std::vector<int>{3, 2}));
+  EXPECT_FALSE(g.reference());
+  EXPECT_FALSE(plan_training(tiny({"parallel.tp=2"})).reference());
+}
+
+TEST(PlanTraining, SequenceParallelPlan) {
+  const TrainPlan p = plan_training(tiny({"parallel.tp=2", "parallel.sequence_parallel=true"}));
+  EXPECT_EQ(p.tp, 2);
+  EXPECT_EQ(p.pp, 1);
+  EXPECT_EQ(p.nproc, 2);
+  EXPECT_TRUE(p.options.model_parallel.sequence_parallel);
+  EXPECT_EQ(p.options.model_parallel.schedule, PipelineSchedule::one_f_one_b);
+  EXPECT_FALSE(p.reference());
+}
+
+TEST(PlanTraining, TensorParallelMustDivideTheHeads) {
+  std::string e = error_of([] { plan_training(tiny({"model.n_head=6", "model.n_embd=48", "parallel.tp=4"})); });
+  EXPECT_CONTAINS(e, "parallel.tp = 4");
+  EXPECT_CONTAINS(e, "must divide model.n_head = 6");
+  EXPECT_CONTAINS(e, "set parallel.tp = 3 or 6, or model.n_head = 4 or 8");
+  // A preset fixes model.n_head, so only tp is suggested.
+  e = error_of([] { plan_training(tiny({"model.preset=gpt2", "parallel.tp=5"})); });
+  EXPECT_CONTAINS(e, "must divide model.n_head = 12");
+  EXPECT_CONTAINS(e, "set parallel.tp = 4 or 6");
+  EXPECT_EQ(e.find("or model.n_head"), std::string::npos) << e;
+}
+
+TEST(PlanTraining, TensorParallelPadsTheVocabularyButNeedsARowPerRank) {
+  // 510 rows over 4 ranks is padded to 512 by the model: no error.
+  EXPECT_EQ(plan_training(tiny({"model.n_head=4", "parallel.tp=4", "model.vocab_size=510", "data.vocab_size=500"})).tp,
+            4);
+  const std::string e = error_of([] {
+    plan_training(tiny({"model.n_head=4", "parallel.tp=4", "model.vocab_size=2", "data.vocab_size=2"}));
+  });
+  EXPECT_CONTAINS(e, "parallel.tp = 4");
+  EXPECT_CONTAINS(e, "may not exceed model.vocab_size = 2");
+  EXPECT_CONTAINS(e, "set parallel.tp <= 2");
+}
+
+TEST(PlanTraining, SequenceParallelNeedsTensorParallelism) {
+  const std::string e = error_of([] { plan_training(tiny({"parallel.sequence_parallel=true"})); });
+  EXPECT_CONTAINS(e, "parallel.sequence_parallel = true");
+  EXPECT_CONTAINS(e, "parallel.tp = 1");
+  EXPECT_CONTAINS(e, "set parallel.tp >= 2, or parallel.sequence_parallel = false");
+}
+
+TEST(PlanTraining, SequenceParallelSplitsTheTokenRowsEvenly) {
+  const std::string e = error_of([] {
+    plan_training(
+        tiny({"parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=1", "train.seq_len=31"}));
+  });
+  EXPECT_CONTAINS(e, "train.seq_len = 31");
+  EXPECT_CONTAINS(e, "train.micro_batch_size * train.seq_len = 1 * 31 = 31, must split evenly over parallel.tp = 2");
+  EXPECT_CONTAINS(e,
+                  "set train.seq_len = 30 or 32, or train.micro_batch_size = 2, or parallel.sequence_parallel = false");
+  // Without sequence parallelism the rows need not split.
+  plan_training(tiny({"parallel.tp=2", "train.micro_batch_size=1", "train.seq_len=31"}));
+}
+
+TEST(PlanTraining, VirtualStagesNeedTheInterleavedSchedule) {
+  std::string e = error_of([] { plan_training(tiny({"parallel.pp=2", "parallel.virtual_stages=2"})); });
+  EXPECT_CONTAINS(e, "parallel.virtual_stages = 2");
+  EXPECT_CONTAINS(e, "parallel.schedule = \"1f1b\"");
+  EXPECT_CONTAINS(e, "set parallel.schedule = \"interleaved_1f1b\", or parallel.virtual_stages = 1");
+  e = error_of([] { plan_training(tiny({"parallel.pp=2", "parallel.schedule=interleaved_1f1b"})); });
+  EXPECT_CONTAINS(e, "parallel.schedule = \"interleaved_1f1b\"");
+  EXPECT_CONTAINS(e, "needs at least 2 model chunks per pipeline rank, and parallel.virtual_stages = 1");
+  EXPECT_CONTAINS(e, "set parallel.virtual_stages >= 2, or parallel.schedule = \"1f1b\"");
+  e = error_of([] { plan_training(tiny({"parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2"})); });
+  EXPECT_CONTAINS(e, "parallel.schedule = \"interleaved_1f1b\"");
+  EXPECT_CONTAINS(e, "parallel.pp = 1");
+  EXPECT_CONTAINS(e, "set parallel.pp >= 2");
+}
+
+TEST(PlanTraining, EveryPipelineStageNeedsALayer) {
+  std::string e = error_of([] { plan_training(tiny({"parallel.pp=4", "train.batch_size=8"})); });
+  EXPECT_CONTAINS(e, "parallel.pp = 4");
+  EXPECT_CONTAINS(e, "each of the 4 pipeline stages needs a layer, and model.n_layer = 2");
+  EXPECT_CONTAINS(e, "set parallel.pp <= 2, or model.n_layer >= 4");
+  e = error_of([] {
+    plan_training(tiny({"parallel.pp=3", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2",
+                        "model.n_layer=5", "train.batch_size=6"}));
+  });
+  EXPECT_CONTAINS(e, "parallel.virtual_stages = 2");
+  EXPECT_CONTAINS(e,
+                  "parallel.pp * parallel.virtual_stages = 3 * 2 = 6 virtual stages need a layer each, and "
+                  "model.n_layer = 5");
+  EXPECT_CONTAINS(e, "set parallel.pp <= 2, or model.n_layer >= 6");
+}
+
+TEST(PlanTraining, InterleavingWithoutStageLayersSplitsTheLayersEvenly) {
+  const std::string e = error_of([] {
+    plan_training(
+        tiny({"parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2", "model.n_layer=6"}));
+  });
+  EXPECT_CONTAINS(e, "parallel.virtual_stages = 2");
+  EXPECT_CONTAINS(e,
+                  "splits the model.n_layer = 6 layers evenly over parallel.pp * parallel.virtual_stages = 2 * 2 = 4");
+  EXPECT_CONTAINS(e,
+                  "set parallel.stage_layers = \"2,2,1,1\", or parallel.virtual_stages = 3, or "
+                  "model.n_layer = 4 or 8");
+  const TrainPlan p =
+      plan_training(tiny({"parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2",
+                          "model.n_layer=6", "parallel.stage_layers=2,2,1,1"}));
+  EXPECT_EQ(p.options.model_parallel.stage_layers, (std::vector<int>{2, 2, 1, 1}));
+}
+
+TEST(PlanTraining, StageLayersAreOneCountPerVirtualStageSummingToTheLayers) {
+  const auto plan = [](const char* layers) {
+    return error_of([&] { plan_training(tiny({"parallel.pp=2", "model.n_layer=4", layers})); });
+  };
+  const char* fix = "set parallel.stage_layers = \"2,2\", or \"\" to balance the stages by cost";
+  std::string e = plan("parallel.stage_layers=3,x");
+  EXPECT_CONTAINS(e, "parallel.stage_layers = \"3,x\"");
+  EXPECT_CONTAINS(e, "must be comma-separated layer counts, one per virtual stage, and 'x' is not a whole number");
+  EXPECT_CONTAINS(e, fix);
+  EXPECT_CONTAINS(plan("parallel.stage_layers=3,,1"), "'' is not a whole number");
+  EXPECT_CONTAINS(plan("parallel.stage_layers=2.5,1.5"), "'2.5' is not a whole number");
+  e = plan("parallel.stage_layers=1,1,2");
+  EXPECT_CONTAINS(e, "has 3 entries, and parallel.pp * parallel.virtual_stages = 2 virtual stages need one each");
+  EXPECT_CONTAINS(e, fix);
+  e = plan("parallel.stage_layers=4,0");
+  EXPECT_CONTAINS(e, "gives virtual stage 1 0 layers, and every stage needs at least one");
+  EXPECT_CONTAINS(e, fix);
+  EXPECT_CONTAINS(plan("parallel.stage_layers=5,-1"), "gives virtual stage 1 -1 layers");
+  e = plan("parallel.stage_layers=2,3");
+  EXPECT_CONTAINS(e, "sums to 5 layers, and model.n_layer = 4");
+  EXPECT_CONTAINS(e, fix);
+  // Interleaving an uneven split has no balanced default to fall back on.
+  e = error_of([] {
+    plan_training(tiny({"parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2",
+                        "model.n_layer=6", "parallel.stage_layers=3,3"}));
+  });
+  EXPECT_CONTAINS(e, "has 2 entries, and parallel.pp * parallel.virtual_stages = 4 virtual stages need one each");
+  EXPECT_CONTAINS(e, "fix: set parallel.stage_layers = \"2,2,1,1\"");
+  EXPECT_EQ(e.find("to balance"), std::string::npos) << e;
+}
+
+TEST(PlanTraining, PipelineNeedsAsManyMicroBatchesAsStages) {
+  std::string e = error_of([] { plan_training(tiny({"parallel.pp=2", "train.micro_batch_size=4"})); });
+  EXPECT_CONTAINS(e, "train.batch_size = 4");
+  EXPECT_CONTAINS(e, "needs at least 2 micro-batches per step and rank to fill");
+  EXPECT_CONTAINS(e, "train.batch_size / (parallel.dp * train.micro_batch_size) = 4 / (1 * 4) = 1");
+  EXPECT_CONTAINS(e, "set train.batch_size = 8, or train.micro_batch_size = 2");
+  e = error_of([] {
+    plan_training(tiny({"parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2",
+                        "model.n_layer=4", "train.batch_size=6"}));
+  });
+  EXPECT_CONTAINS(e, "train.batch_size = 6");
+  EXPECT_CONTAINS(e, "in groups of parallel.pp = 2");
+  EXPECT_CONTAINS(e, "= 6 / (1 * 2) = 3 per step and rank, not a multiple of 2");
+  EXPECT_CONTAINS(e, "set train.batch_size = 4 or 8");
+  // 1F1B and GPipe take any count from pp up.
+  EXPECT_EQ(plan_training(tiny({"parallel.pp=2", "train.batch_size=6"})).accumulation, 3);
+}
+
+TEST(PlanTraining, ZeroStagesAboveOneNeedNoModelParallelism) {
+  std::string e = error_of([] { plan_training(tiny({"parallel.pp=2", "zero.stage=2"})); });
+  EXPECT_CONTAINS(e, "zero.stage = 2");
+  EXPECT_CONTAINS(e, "parallel.pp = 2");
+  EXPECT_CONTAINS(e, "set zero.stage = 0 or 1, or parallel.pp = 1");
+  e = error_of([] { plan_training(tiny({"parallel.tp=2", "zero.stage=3"})); });
+  EXPECT_CONTAINS(e, "zero.stage = 3");
+  EXPECT_CONTAINS(e, "parallel.tp = 2");
+  EXPECT_CONTAINS(e, "set zero.stage = 0 or 1, or parallel.tp = 1");
+  EXPECT_EQ(plan_training(tiny({"parallel.tp=2", "parallel.pp=2", "zero.stage=1"})).options.zero.stage, 1);
 }
 
 }  // namespace
