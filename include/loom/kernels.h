@@ -44,14 +44,17 @@ double measure_sgemm_gflops(int64_t n = 2048, int reps = 5);
 
 // ---------------------------------------------------------------------------
 // Linear: out[N,OC] = inp[N,C] @ weight[OC,C]^T + bias[OC] (PyTorch layout).
-// bias may be null. backward: dinp += dout @ weight (skipped if dinp is null),
-// dweight += dout^T @ inp, dbias += column sums of dout (skipped if null).
+// bias may be null. backward: dinp += dout @ weight, dweight += dout^T @ inp,
+// dbias += column sums of dout, each skipped when its pointer is null.
 // ---------------------------------------------------------------------------
 
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                     int64_t OC);
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t N, int64_t C, int64_t OC);
+// out[i, :] += bias for each of N rows (a row-parallel layer's bias, added
+// after its partial products are summed).
+void add_bias(float* out, const float* bias, int64_t N, int64_t OC);
 
 // ---------------------------------------------------------------------------
 // Embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[pos0 + t,:].
@@ -63,6 +66,20 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
                        int64_t C, int64_t pos0);
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
                         int64_t C, int64_t pos0);
+
+// The vocabulary-parallel pieces. A rank holds token rows [first, first + rows)
+// of the table. lookup: out[i] = wte[tokens[i] - first] for tokens in range,
+// zero otherwise; its backward adds dout[i] into those rows (in row order per
+// element, as embedding_backward). position: out[i] += wpe[pos0 + (row0 + i) % T]
+// for the N rows starting at row row0 of the micro-batch; its backward adds
+// them into dwpe.
+void embedding_lookup_range(float* out, const int32_t* tokens, const float* wte, int64_t first, int64_t rows,
+                            int64_t N, int64_t C);
+void embedding_lookup_range_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t first,
+                                     int64_t rows, int64_t N, int64_t C);
+void position_embedding_add(float* out, const float* wpe, int64_t row0, int64_t N, int64_t T, int64_t C,
+                            int64_t pos0);
+void position_embedding_backward(float* dwpe, const float* dout, int64_t row0, int64_t N, int64_t T, int64_t C);
 
 // ---------------------------------------------------------------------------
 // LayerNorm over the last dimension, eps = 1e-5 (as PyTorch's default).
@@ -117,6 +134,23 @@ void cross_entropy_forward(float* losses, float* lse, const float* logits, const
                            int64_t V);
 void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
                             const float* dloss, int64_t N, int64_t V);
+
+// Vocabulary-parallel cross-entropy (Megatron): a rank holds columns
+// [first, first + V) of the logits, of which the first `real` are classes (the
+// rest padding, ignored). Around two all-reduces over the ranks:
+//   shard_max:  row_max[i] = max over this rank's classes   -> all-reduce max
+//   shard_sums: sums[2i] = sum exp(logit - row_max[i]),
+//               sums[2i+1] = the target's logit if it is here, else 0
+//                                                            -> all-reduce sum
+//   lse = row_max + log(sums[2i]); loss = lse - sums[2i+1].
+// shard_backward writes dlogits = dloss * (softmax - onehot) over this rank's
+// columns (zero for padding and for rows without a target); dlogits may alias
+// logits.
+void cross_entropy_shard_max(float* row_max, const float* logits, int64_t N, int64_t V, int64_t real);
+void cross_entropy_shard_sums(float* sums, const float* logits, const float* row_max, const int32_t* targets,
+                              int64_t first, int64_t N, int64_t V, int64_t real);
+void cross_entropy_shard_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+                                  const float* dloss, int64_t first, int64_t N, int64_t V, int64_t real);
 
 // ---------------------------------------------------------------------------
 // Dropout with counter-based masks: element i is kept iff

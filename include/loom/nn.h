@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "loom/core.h"
+#include "loom/parallel.h"
 #include "loom/store.h"
 
 namespace loom {
@@ -63,14 +64,20 @@ struct Grads {
 // Modules
 // ---------------------------------------------------------------------------
 
-// y = x W^T + b with W stored [out, in] (PyTorch's nn.Linear layout).
+// y = x W^T + b with W stored [out, in] (PyTorch's nn.Linear layout): the
+// local matmul of a layer. Under tensor parallelism W and b are this rank's
+// pieces (ParamParallel) and in/out the local sizes.
 class Linear {
  public:
   Linear() = default;
-  Linear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group, float init_std);
-  void forward(const ParamStore& ps, float* out, const float* in, int64_t N) const;
-  // din may be null (input needs no gradient).
-  void backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N) const;
+  Linear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group, float init_std,
+         const ParamParallel& weight = {}, const ParamParallel& bias = {});
+  // bias: whether the bias is added here (a row-parallel layer adds it after
+  // the partial products are summed).
+  void forward(const ParamStore& ps, float* out, const float* in, int64_t N, bool bias = true) const;
+  // din may be null (input needs no gradient); with bias false the bias's
+  // gradient is left to the caller.
+  void backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N, bool bias = true) const;
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
   int weight_id() const { return weight_; }
@@ -81,14 +88,60 @@ class Linear {
   int weight_ = -1, bias_ = -1;
 };
 
+// Megatron's column-parallel linear layer: W's output rows (and b) are split
+// over the tensor-parallel ranks, in `blocks` blocks (c_attn's q | k | v, so
+// each rank gets whole heads), and each rank computes its output columns for
+// every token. It enters a tensor-parallel region (TensorParallelRegion):
+// under sequence parallelism it all-gathers its input's token rows in forward
+// and again in backward (the gathered input is not kept), and reduce-scatters
+// the input gradient; otherwise it all-reduces the input gradient.
+class ColumnParallelLinear {
+ public:
+  ColumnParallelLinear() = default;
+  ColumnParallelLinear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group,
+                       float init_std, const TensorParallel& tp, int64_t blocks = 1);
+  // x: this rank's token rows [rows, in]. Returns [N, out / tp].
+  Tensor forward(const ParamStore& ps, const Tensor& x) const;
+  // dy: [N, out / tp]; x as given to forward. Returns the gradient of x.
+  Tensor backward(const Grads& g, const Tensor& dy, const Tensor& x) const;
+  const Linear& local() const { return linear_; }
+
+ private:
+  TensorParallel tp_;
+  Linear linear_;
+};
+
+// Megatron's row-parallel linear layer: W's input columns are split over the
+// tensor-parallel ranks, which each multiply their slice of the features; the
+// partial outputs are summed as the layer leaves the region (all-reduce, or
+// reduce-scatter of the token rows under sequence parallelism) and the bias,
+// replicated, is added after the sum.
+class RowParallelLinear {
+ public:
+  RowParallelLinear() = default;
+  RowParallelLinear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group,
+                    float init_std, const TensorParallel& tp);
+  // x: [N, in / tp]. Returns this rank's token rows [rows, out].
+  Tensor forward(const ParamStore& ps, const Tensor& x) const;
+  // dy: this rank's token rows [rows, out]. Returns the gradient of x.
+  Tensor backward(const Grads& g, const Tensor& dy, const Tensor& x) const;
+  const Linear& local() const { return linear_; }
+
+ private:
+  TensorParallel tp_;
+  Linear linear_;
+};
+
 class LayerNorm {
  public:
   LayerNorm() = default;
-  LayerNorm(ParamLayout& layout, const std::string& name, int64_t C, int group);
+  // partial_grad: under sequence parallelism each rank normalizes its own
+  // tokens, so its gradients are partial sums (ParamParallel::partial_grad).
+  LayerNorm(ParamLayout& layout, const std::string& name, int64_t C, int group, bool partial_grad = false);
   struct Saved {
     Tensor out, mean, rstd;
   };
-  // Allocates s.out, s.mean, s.rstd.
+  // Allocates s.out [N, C], s.mean, s.rstd.
   void forward(const ParamStore& ps, Saved& s, const float* in, int64_t N) const;
   void backward(const Grads& g, float* din, const float* dout, const float* in, const Saved& s, int64_t N) const;
 
@@ -97,73 +150,92 @@ class LayerNorm {
   int weight_ = -1, bias_ = -1;
 };
 
-// Token + learned position embedding.
+// Token + learned position embedding. Under tensor parallelism the token
+// table is vocabulary-parallel: each rank holds ceil(V / tp) rows (the last
+// rank's tail is padding), looks up the tokens in its range and the partial
+// rows are summed as the embedding leaves the region (reduce-scattered by
+// token under sequence parallelism); the position table is replicated.
 class Embedding {
  public:
   Embedding() = default;
-  Embedding(ParamLayout& layout, int64_t vocab, int64_t block_size, int64_t C, int group);
-  // Throws Error for a token id outside [0, vocab) or pos0 + T > block_size.
-  void forward(const ParamStore& ps, float* out, const int32_t* tokens, const BatchShape& bs, int64_t pos0 = 0) const;
-  void backward(const Grads& g, const float* dout, const int32_t* tokens, const BatchShape& bs) const;
+  Embedding(ParamLayout& layout, int64_t vocab, int64_t block_size, int64_t C, int group,
+            const TensorParallel& tp = {}, bool tied_copy = false);
+  // The token table alone: the output head's tied copy on the last pipeline
+  // stage.
+  static int add_token_table(ParamLayout& layout, int64_t vocab, int64_t C, int group, const TensorParallel& tp,
+                             bool tied_copy);
+  // Returns this rank's token rows [rows, C] (all B*T without sequence
+  // parallelism). Throws Error for a token id outside [0, vocab) or
+  // pos0 + T > block_size.
+  Tensor forward(const ParamStore& ps, const int32_t* tokens, const BatchShape& bs, int64_t pos0 = 0) const;
+  // dout: the gradient of forward's result.
+  void backward(const Grads& g, const Tensor& dout, const int32_t* tokens, const BatchShape& bs) const;
   int wte_id() const { return wte_; }
   int wpe_id() const { return wpe_; }
 
  private:
+  TensorParallel tp_;
   int64_t vocab_ = 0, block_size_ = 0, C_ = 0;
   int wte_ = -1, wpe_ = -1;
 };
 
-// Multi-head causal self-attention: c_attn (QKV), flash-style attention, c_proj.
+// Multi-head causal self-attention: c_attn (QKV, column-parallel, whole heads
+// per tensor-parallel rank), flash-style attention, c_proj (row-parallel).
 class CausalSelfAttention {
  public:
   CausalSelfAttention() = default;
   CausalSelfAttention(ParamLayout& layout, const std::string& prefix, int64_t C, int64_t n_head, int group,
-                      float proj_std);
+                      float proj_std, const TensorParallel& tp = {});
   struct Saved {
-    Tensor qkv, att, lse;
+    Tensor qkv, att, lse;  // this rank's heads, every token
   };
-  // out[N,C] = c_proj(attention(c_attn(in))).
-  void forward(const ParamStore& ps, Saved& s, float* out, const float* in, const BatchShape& bs) const;
-  // Accumulates into din[N,C].
-  void backward(const Grads& g, float* din, const float* dout, const float* in, const Saved& s,
-                const BatchShape& bs) const;
+  // in: this rank's token rows [rows, C]; returns c_proj(attention(c_attn(in))) for them.
+  Tensor forward(const ParamStore& ps, Saved& s, const Tensor& in, const BatchShape& bs) const;
+  // Returns the gradient of in.
+  Tensor backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s, const BatchShape& bs) const;
 
-  // Inference with a KV cache: appends the keys and values of the n new
-  // positions (pos0, pos0 + n) to k_cache/v_cache ([B, n_head, block_size, hs])
-  // and attends each new query to every cached position up to its own.
+  // Inference with a KV cache (no tensor parallelism): appends the keys and
+  // values of the n new positions (pos0, pos0 + n) to k_cache/v_cache
+  // ([B, n_head, block_size, hs]) and attends each new query to every cached
+  // position up to its own.
   void forward_cached(const ParamStore& ps, float* out, const float* in, float* k_cache, float* v_cache,
                       int64_t B, int64_t n, int64_t pos0, int64_t block_size) const;
 
-  const Linear& c_attn() const { return c_attn_; }
-  const Linear& c_proj() const { return c_proj_; }
   int64_t n_head() const { return n_head_; }
 
  private:
   int64_t C_ = 0, n_head_ = 0;
-  Linear c_attn_, c_proj_;
+  int64_t local_heads_ = 0;  // n_head / tp
+  ColumnParallelLinear c_attn_;
+  RowParallelLinear c_proj_;
 };
 
 class MLP {
  public:
   MLP() = default;
-  MLP(ParamLayout& layout, const std::string& prefix, int64_t C, int group, float proj_std);
+  MLP(ParamLayout& layout, const std::string& prefix, int64_t C, int group, float proj_std,
+      const TensorParallel& tp = {});
   struct Saved {
-    Tensor fc, act;
+    Tensor fc, act;  // [N, 4C / tp]
   };
-  void forward(const ParamStore& ps, Saved& s, float* out, const float* in, int64_t N) const;
-  void backward(const Grads& g, float* din, const float* dout, const float* in, const Saved& s, int64_t N) const;
+  // in: this rank's token rows [rows, C]; returns theirs.
+  Tensor forward(const ParamStore& ps, Saved& s, const Tensor& in) const;
+  Tensor backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s) const;
 
  private:
   int64_t C_ = 0;
-  Linear c_fc_, c_proj_;
+  ColumnParallelLinear c_fc_;
+  RowParallelLinear c_proj_;
 };
 
 // Pre-LayerNorm transformer block:
 //   r = x + drop(attn(ln_1(x)));  y = r + drop(mlp(ln_2(r)))
+// The norms, dropouts and residuals work on this rank's token rows (all of
+// them unless sequence parallel).
 class Block {
  public:
   Block() = default;
-  Block(ParamLayout& layout, int index, const GPTConfig& cfg, int group);
+  Block(ParamLayout& layout, int index, const GPTConfig& cfg, int group, const TensorParallel& tp = {});
 
   struct Saved {
     Tensor x;  // the input, kept in both modes
@@ -173,7 +245,7 @@ class Block {
     Tensor resid;  // r
     MLP::Saved mlp;
   };
-  // Returns y. With opts.checkpoint_activations, s keeps only x.
+  // x: [rows, C]. Returns y. With opts.checkpoint_activations, s keeps only x.
   Tensor forward(const ParamStore& ps, Saved& s, const Tensor& x, const BatchShape& bs,
                  const ForwardOptions& opts) const;
   // dres holds dL/dy on entry and dL/dx on return (the residual stream's
@@ -185,11 +257,13 @@ class Block {
   void forward_cached(const ParamStore& ps, float* x, float* k_cache, float* v_cache, int64_t B, int64_t n,
                       int64_t pos0, int64_t block_size) const;
 
+  int index() const { return index_; }
   int group() const { return group_; }
 
  private:
   void forward_into(const ParamStore& ps, Saved& s, float* y, const BatchShape& bs, const ForwardOptions& opts) const;
 
+  TensorParallel tp_;
   int index_ = 0, group_ = 0;
   int64_t C_ = 0;
   float dropout_ = 0.0f;
@@ -216,21 +290,62 @@ class KVCache {
   int64_t length_ = 0;
 };
 
+// Layers [begin, end) of the model.
+struct LayerRange {
+  int begin = 0, end = 0;
+  int size() const { return end - begin; }
+};
+
+// What one rank holds of the model and how its matrices are split. The
+// default is the whole model, unsplit.
+struct ModelParallel {
+  TensorParallel tp;
+  // The layers of each model chunk (virtual pipeline stage) this rank holds,
+  // in order; empty: one chunk of every layer.
+  std::vector<LayerRange> chunks;
+  bool first_stage = true;  // holds the embedding, before its first chunk
+  bool last_stage = true;   // holds the final norm and the output head, after its last chunk
+};
+
+// One micro-batch's activations on a rank, from its forward to its backward.
+// A pipeline keeps several of them in flight.
+struct MicroBatchState {
+  BatchShape bs;
+  ForwardOptions opts;
+  std::vector<int32_t> tokens, targets;
+  std::vector<Block::Saved> blocks;  // one per block this rank holds
+  // The head (last stage): final norm, its gathered output under sequence
+  // parallelism, this rank's vocabulary slice of the logits and per-row lse.
+  Tensor x_final;
+  LayerNorm::Saved ln_f;
+  Tensor head_input, logits, lse;
+  double loss_sum = 0.0;      // sum of the losses of positions with a target
+  int64_t valid_targets = 0;  // their number
+};
+
 class GPT {
  public:
-  explicit GPT(const GPTConfig& cfg);
+  explicit GPT(const GPTConfig& cfg, const ModelParallel& mp = {});
   // Stores refer to the layout inside: a GPT stays where it is built.
   GPT(const GPT&) = delete;
   GPT& operator=(const GPT&) = delete;
 
   const GPTConfig& config() const { return cfg_; }
+  const ModelParallel& parallel() const { return mp_; }
+  // This rank's parameters. Groups: "embedding" (first stage), one per block
+  // "h.<layer>", "ln_f" (last stage) and, on the last stage of a pipeline,
+  // "head" (the tied copy of the token table).
   const ParamLayout& layout() const { return layout_; }
-  // Parameter groups: 0 = embedding, 1..n_layer = blocks, n_layer + 1 = ln_f.
-  int block_group(int i) const { return 1 + i; }
+  // The group of layer i's block (-1 when another rank holds it).
+  int block_group(int layer) const;
+  // This rank's vocabulary rows of the token table (vocab_size without
+  // tensor parallelism; padded rows included).
+  int64_t local_vocab() const { return local_vocab_; }
 
-  // Forward of one micro-batch with targets: returns the mean cross-entropy
-  // over positions whose target is not -1 and keeps what backward needs.
-  // Throws Error for bad token ids, T > block_size, or a non-finite loss.
+  // Forward of one micro-batch with targets on a rank that holds the whole
+  // pipeline: returns the mean cross-entropy over positions whose target is
+  // not -1 and keeps what backward needs. Throws Error for bad token ids,
+  // T > block_size, or a non-finite loss.
   float forward(ParamStore& ps, const int32_t* tokens, const int32_t* targets, const BatchShape& bs,
                 const ForwardOptions& opts = {});
   // Backward of the last forward. dloss is dObjective/dloss_i for each
@@ -238,29 +353,56 @@ class GPT {
   // Accumulates into the GradStore and frees the saved activations.
   void backward(ParamStore& ps, GradStore& gs, float dloss);
 
-  // The logits of the last forward ([B, T, V]); valid until backward.
-  Tensor logits() const { return logits_; }
+  // The logits of the last forward ([B, T, V], this rank's vocabulary slice
+  // [N, local_vocab] under tensor parallelism); valid until backward.
+  Tensor logits() const { return state_.logits; }
 
-  // Inference: feeds `n` new tokens per sequence ([B, n]) through the model,
-  // appending to the cache, and returns the logits of the last position [B, V].
+  // Pipeline pieces. A micro-batch starts with begin() (on every rank of the
+  // pipeline: the first stage reads the tokens, the last the targets), then
+  // runs forward_chunk for each of this rank's chunks and backward_chunk in
+  // reverse, as the schedule orders them.
+  int num_chunks() const { return static_cast<int>(chunks_.size()); }
+  // Throws Error for a target outside [-1, vocab).
+  void begin(MicroBatchState& s, const int32_t* tokens, const int32_t* targets, const BatchShape& bs,
+             const ForwardOptions& opts) const;
+  // input: the previous chunk's output (undefined on the first stage's first
+  // chunk, which embeds the tokens). Returns this chunk's output, this rank's
+  // token rows [rows, C], or an undefined tensor after the last stage's last
+  // chunk, which adds the micro-batch's losses to s.loss_sum.
+  Tensor forward_chunk(ParamStore& ps, MicroBatchState& s, int chunk, const Tensor& input) const;
+  // grad_output: the gradient of forward_chunk's output (ignored on the last
+  // stage's last chunk, which starts from the loss with dloss per position).
+  // Returns the gradient of the chunk's input (undefined on the first stage's
+  // first chunk). Tells the GradStore when each group's gradients are ready.
+  Tensor backward_chunk(ParamStore& ps, GradStore& gs, MicroBatchState& s, int chunk, const Tensor& grad_output,
+                        float dloss) const;
+
+  // Inference (whole model, no tensor parallelism): feeds `n` new tokens per
+  // sequence ([B, n]) through the model, appending to the cache, and returns
+  // the logits of the last position [B, V].
   Tensor forward_cached(ParamStore& ps, KVCache& cache, const int32_t* tokens, int64_t n);
 
  private:
+  // The head: final norm, logits of this rank's vocabulary slice and the
+  // (vocabulary-parallel) cross-entropy.
+  void head_forward(ParamStore& ps, MicroBatchState& s, const Tensor& x) const;
+  Tensor head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, float dloss) const;
+  // The group whose token table the head multiplies by.
+  int head_group() const { return head_group_ >= 0 ? head_group_ : embedding_group_; }
+  int head_table() const { return head_table_ >= 0 ? head_table_ : embedding_.wte_id(); }
+
   GPTConfig cfg_;
+  ModelParallel mp_;
   ParamLayout layout_;
+  int64_t local_vocab_ = 0;
+  std::vector<LayerRange> chunks_;
+  int embedding_group_ = -1, lnf_group_ = -1, head_group_ = -1, head_table_ = -1;
   Embedding embedding_;
-  std::vector<Block> blocks_;
+  std::vector<Block> blocks_;  // this rank's, in chunk order
+  std::vector<int> chunk_first_block_;  // index into blocks_ of each chunk's first block
   LayerNorm ln_f_;
 
-  // Saved state of the last forward.
-  BatchShape bs_;
-  ForwardOptions opts_;
-  std::vector<int32_t> tokens_, targets_;
-  std::vector<Block::Saved> saved_;
-  Tensor x_final_;
-  LayerNorm::Saved ln_f_saved_;
-  Tensor logits_, lse_;
-  int64_t valid_targets_ = 0;
+  MicroBatchState state_;  // of forward()/backward()
 };
 
 }  // namespace loom

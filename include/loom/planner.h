@@ -41,4 +41,19 @@ StepMemoryEstimate estimate_step_memory(const GPTConfig& cfg, int64_t B, int64_t
 // 16, 4+12/N, 2+14/N, 16/N.
 double zero_model_state_bytes(int stage, DType precision, double params, int ranks);
 
+// The cost a pipeline's stages are balanced by: each transformer layer's
+// training FLOPs for one sequence of `seq_len` tokens, with the output head's
+// (the tied V x C matmul) folded into the last; the embedding lookup and the
+// cross-entropy's O(V) per token are left out, as in Megatron's count. The
+// costs sum to training_flops_per_step(cfg, 1, seq_len).
+std::vector<double> pipeline_layer_costs(const GPTConfig& cfg, int64_t seq_len);
+
+// Layers per virtual stage for `virtual_stages` = pp * chunks stages: the
+// override when one is given (validated: one entry per virtual stage, each at
+// least 1, summing to n_layer; Error naming parallel.stage_layers otherwise),
+// else balance_layers over pipeline_layer_costs. Error when there are more
+// virtual stages than layers.
+std::vector<int> pipeline_stage_layers(const GPTConfig& cfg, int64_t seq_len, int virtual_stages,
+                                       const std::vector<int>& override_layers);
+
 }  // namespace loom

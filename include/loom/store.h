@@ -35,14 +35,48 @@ struct FlatRange {
   int64_t numel() const { return end - begin; }
 };
 
+// How a parameter is cut over the tensor-parallel ranks. Dimension `dim` of
+// the global shape is viewed as `blocks` equal blocks (c_attn's q | k | v),
+// each cut into `parts` equal pieces of ceil(block / parts); rank `index`
+// holds piece `index` of every block. A block that does not divide evenly is
+// padded at its end (the vocabulary): the padding elements lie past the
+// global extent, start at zero and, since nothing reads them, stay zero.
+struct TensorSplit {
+  int dim = 0;
+  int64_t parts = 1;  // 1: every rank holds the whole tensor
+  int64_t index = 0;
+  int64_t blocks = 1;
+};
+
+// How a parameter relates to its copies on other model-parallel ranks.
+struct ParamParallel {
+  TensorSplit split;
+  // Replicated over the tensor-parallel ranks, but each computes a partial
+  // sum of its gradient (its tokens, under sequence parallelism): the
+  // gradients are all-reduced over the tensor-parallel group.
+  bool partial_grad = false;
+  // A copy of a parameter another pipeline stage owns (the tied token
+  // embedding on the last stage, for the output head): the copies' gradients
+  // are all-reduced between the stages, and only the owner's copy is saved
+  // and counted in the gradient norm.
+  bool tied_copy = false;
+};
+
 struct ParamSpec {
-  std::string name;  // global name, e.g. "h.3.attn.c_attn.weight"
-  Shape shape;       // global shape
+  std::string name;    // global name, e.g. "h.3.attn.c_attn.weight"
+  Shape shape;         // this rank's shape (the global shape unless split)
+  Shape global_shape;  // the whole tensor's shape
   ParamInit init;
   bool weight_decay = true;  // AdamW decays matrices and embeddings, not biases or norms
   int group = 0;             // unit of acquisition (a module: embedding, one block, final norm)
   int64_t offset = 0;        // first element in the flat parameter space
+  ParamParallel parallel;
   int64_t numel() const { return shape_numel(shape); }
+  // The global index (into the whole tensor, row-major) of this rank's
+  // element `local`, or -1 for a padding element; *run receives how many
+  // elements from `local` on continue the same way (consecutive global
+  // indices, or padding).
+  int64_t global_index(int64_t local, int64_t* run = nullptr) const;
 };
 
 // The flat parameter space of a model: every parameter in declaration order,
@@ -50,7 +84,9 @@ struct ParamSpec {
 class ParamLayout {
  public:
   int add_group(std::string name);
-  int add(std::string name, Shape shape, ParamInit init, bool weight_decay, int group);
+  // `shape` is the global shape; a split parameter stores its piece.
+  int add(std::string name, Shape shape, ParamInit init, bool weight_decay, int group,
+          const ParamParallel& parallel = {});
 
   const std::vector<ParamSpec>& params() const { return params_; }
   const ParamSpec& param(int id) const { return params_.at(static_cast<size_t>(id)); }
@@ -61,7 +97,8 @@ class ParamLayout {
   std::pair<int64_t, int64_t> group_range(int g) const;
   int64_t numel() const { return numel_; }
 
-  // Writes the initial values of flat elements [first, first + n) into out.
+  // Writes the initial values of flat elements [first, first + n) into out:
+  // each element's value depends on (seed, name, global index) alone.
   void initialize(float* out, int64_t first, int64_t n, uint64_t seed) const;
 
  private:

@@ -12,10 +12,21 @@
 
 #include "loom/nn.h"
 #include "loom/optim.h"
+#include "loom/parallel.h"
 #include "loom/store.h"
 #include "loom/zero.h"
 
 namespace loom {
+
+// How a model is cut over the tensor- and pipeline-parallel axes of a mesh.
+struct ModelParallelOptions {
+  bool sequence_parallel = false;  // split the non-tensor-parallel regions by token (needs tp > 1)
+  PipelineSchedule schedule = PipelineSchedule::one_f_one_b;
+  int virtual_stages = 1;  // model chunks per pipeline rank; > 1 only with interleaved_1f1b
+  // Layers of each virtual stage in order (pp * virtual_stages entries summing
+  // to n_layer); empty: balanced by the cost estimate (pipeline_layer_costs).
+  std::vector<int> stage_layers;
+};
 
 struct TrainOptions {
   AdamWConfig adamw;
@@ -27,6 +38,7 @@ struct TrainOptions {
   // data-parallel communicator (a group of one will do).
   ZeroOptions zero;
   LossScaleOptions loss_scale;  // fp16 only
+  ModelParallelOptions model_parallel;  // used by the mesh constructor
   // Called on every rank once the step's gradients are reduced, before they
   // are checked and applied (tests inject faults here).
   std::function<void(GradStore&)> on_gradients;
@@ -57,6 +69,12 @@ struct StepStats {
 class Trainer {
  public:
   Trainer(const GPTConfig& model, const TrainOptions& opts, Communicator* dp = nullptr);
+  // Hybrid parallel training on a dp x pp x tp mesh (sp, ep of size 1): the
+  // ZeRO stores shard over the mesh's dp group, the model's matrices over its
+  // tp group and its layers over its pp group. Collective over the mesh,
+  // which must outlive the Trainer. Throws Error for a combination it does
+  // not support (ZeRO stage >= 2 with pp > 1).
+  Trainer(const GPTConfig& model, const TrainOptions& opts, DeviceMesh& mesh);
   // The stores refer to the model's layout: a Trainer stays where it is built.
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -78,25 +96,44 @@ class Trainer {
   const LossScaler* loss_scaler() const { return scaler_.get(); }
   // How the model state is cut over the dp ranks (nullptr for the reference).
   const ZeroPartition* partition() const { return partition_.get(); }
+  // The whole model's parameters, the layout State and checkpoints use (the
+  // model's own layout unless it is split over tp or pp).
+  const ParamLayout& state_layout() const { return whole_ ? whole_->layout() : model_.layout(); }
+  // Where this rank's time went in the last step's pipeline (mesh only).
+  const PipelineTiming& pipeline_timing() const { return pipeline_timing_; }
 
-  // The whole model state in the layout's flat order, fp32: the weights (the
-  // master weights under mixed precision) and the AdamW moments.
+  // The whole model state in state_layout()'s flat order, fp32: the weights
+  // (the master weights under mixed precision) and the AdamW moments.
   struct State {
     Tensor params, exp_avg, exp_avg_sq;
     int64_t steps = 0, optimizer_steps = 0;
     LossScaler::State loss_scale;  // fp16 only
   };
-  // Collective under dp: every rank gets the whole state, on the host tier.
+  // Collective under dp (the whole mesh): every rank gets the whole state, on
+  // the host tier.
   State gather_state();
-  // Collective under dp: every rank takes its part of `state`.
+  // Collective under dp (the whole mesh): every rank takes its part of `state`.
   void load_state(const State& state);
 
  private:
+  // The ZeRO stores over dp_, for the model's (local) layout.
+  void build_zero_stores();
+  // The mesh step: this rank's micro-batches through the pipeline schedule.
+  double run_micro_batches(std::span<const MicroBatch> micro_batches, const ForwardOptions& base, float dloss);
+  // Tensor-parallel partial gradients and the tied embedding's copies are
+  // summed over their groups, then the data-parallel reduction starts.
+  void reduce_model_parallel_gradients();
   StepStats apply_update(StepStats stats);
 
   TrainOptions opts_;
   Communicator* dp_;
+  DeviceMesh* mesh_ = nullptr;
   GPT model_;
+  std::unique_ptr<GPT> whole_;  // the unsplit model's description (no memory)
+  std::unique_ptr<Communicator> model_parallel_group_;  // this replica's tp x pp ranks
+  std::unique_ptr<Communicator> embedding_group_;       // first and last pipeline stage (pp > 1)
+  bool defer_reduction_ = false;
+  PipelineTiming pipeline_timing_;
   std::unique_ptr<ZeroPartition> partition_;
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<GradStore> grads_;
@@ -133,11 +170,15 @@ struct TrainPlan {
   int64_t accumulation = 1;  // micro-batches per step and rank: global_batch / (dp * micro_batch)
   std::filesystem::path out_dir;
   int64_t dp = 1;                 // data-parallel ranks
+  int64_t tp = 1;                 // tensor-parallel ranks
+  int64_t pp = 1;                 // pipeline stages
   std::string backend = "local";  // parallel.backend
   int nproc = 1;                  // ranks to launch: dp * tp * pp
   // Whether the run is the single-rank fp32 reference (a Trainer without a
   // communicator); anything else runs every rank with one.
-  bool reference() const { return dp == 1 && options.zero.stage == 0 && options.zero.precision == DType::f32; }
+  bool reference() const {
+    return dp == 1 && tp == 1 && pp == 1 && options.zero.stage == 0 && options.zero.precision == DType::f32;
+  }
 };
 // Throws ConfigError naming the field, its origin, the rule and the fix.
 TrainPlan plan_training(const Config& cfg);

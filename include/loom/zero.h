@@ -164,6 +164,15 @@ class ZeroGradStore final : public GradStore {
   // This rank's reduced gradient of the elements `range` (owned by it), in the
   // working precision; valid after finish().
   Tensor owned(FlatRange range) const;
+
+  // Model parallelism reduces some gradients over other groups before the
+  // data-parallel reduction (tensor-parallel partial sums, the pipeline's
+  // tied embedding). For that, stages 0-1 run every micro-batch with
+  // set_reduce(false); then accumulated() gives a parameter's local gradient
+  // (working precision) to reduce, and reduce_all() starts every bucket's
+  // data-parallel reduction, in bucket order (finish() waits for them).
+  Tensor accumulated(int id) const;
+  void reduce_all();
   // Everything this rank stores: the padded space (stages 0-1) or its shard.
   Tensor storage() const { return storage_; }
 
@@ -172,6 +181,7 @@ class ZeroGradStore final : public GradStore {
   struct InFlight;
   Bucket& bucket_state(const ZeroBucket& b) const;
   void launch(size_t bucket);
+  void communicate(size_t bucket);
   void retire(InFlight& op);
   void retire_finished(size_t keep_in_flight);
 
@@ -200,6 +210,12 @@ class ZeroOptimizer {
                 ZeroGradStore& grads);
   ~ZeroOptimizer();
 
+  // Under model parallelism the gradient norm spans every rank of the model:
+  // check_gradients also sums over `model_parallel` (the ranks of one data-
+  // parallel replica), leaving out `duplicates`, the elements whose gradient
+  // another of those ranks counts (tensor-parallel replicas, the tied copy of
+  // the token table). Call before the first step.
+  void count_norm_over(Communicator& model_parallel, std::vector<FlatRange> duplicates);
   // Collective: the gradients' global sum of squares and non-finite count.
   GradientCheck check_gradients();
   // Collective: one AdamW update of the owned elements with every gradient
@@ -228,6 +244,8 @@ class ZeroOptimizer {
   ZeroParamStore& params_;
   ZeroGradStore& grads_;
   std::vector<FlatRange> ranges_;
+  Communicator* model_parallel_ = nullptr;
+  std::vector<FlatRange> duplicates_;  // sorted, disjoint
   std::vector<int64_t> master_offset_;  // per range, into master_
   Tensor master_;                       // bf16/f16 only
   std::unique_ptr<AdamW> adamw_;

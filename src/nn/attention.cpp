@@ -4,33 +4,34 @@
 namespace loom {
 
 CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string& prefix, int64_t C, int64_t n_head,
-                                         int group, float proj_std)
-    : C_(C), n_head_(n_head) {
-  c_attn_ = Linear(layout, prefix + ".c_attn", C, 3 * C, group, 0.02f);
-  c_proj_ = Linear(layout, prefix + ".c_proj", C, C, group, proj_std);
+                                         int group, float proj_std, const TensorParallel& tp)
+    : C_(C), n_head_(n_head), local_heads_(n_head / tp.size()) {
+  LOOM_CHECK(n_head % tp.size() == 0, n_head, " heads do not split over ", tp.size(), " tensor-parallel ranks");
+  // q, k and v are three blocks of c_attn's rows: splitting each block keeps
+  // whole heads on every rank, so attention itself needs no communication.
+  c_attn_ = ColumnParallelLinear(layout, prefix + ".c_attn", C, 3 * C, group, 0.02f, tp, 3);
+  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", C, C, group, proj_std, tp);
 }
 
-void CausalSelfAttention::forward(const ParamStore& ps, Saved& s, float* out, const float* in,
-                                  const BatchShape& bs) const {
-  const int64_t N = bs.N();
-  s.qkv = Tensor::empty({bs.B, bs.T, 3 * C_});
-  s.att = Tensor::empty({bs.B, bs.T, C_});
-  s.lse = Tensor::empty({bs.B, n_head_, bs.T});
-  c_attn_.forward(ps, s.qkv.data<float>(), in, N);
-  cpu::attention_forward(s.att.data<float>(), s.lse.data<float>(), s.qkv.data<float>(), bs.B, bs.T, C_, n_head_);
-  c_proj_.forward(ps, out, s.att.data<float>(), N);
+Tensor CausalSelfAttention::forward(const ParamStore& ps, Saved& s, const Tensor& in, const BatchShape& bs) const {
+  const int64_t local_C = C_ / n_head_ * local_heads_;
+  s.qkv = c_attn_.forward(ps, in);
+  s.att = Tensor::empty({bs.N(), local_C});
+  s.lse = Tensor::empty({bs.B, local_heads_, bs.T});
+  cpu::attention_forward(s.att.data<float>(), s.lse.data<float>(), s.qkv.data<float>(), bs.B, bs.T, local_C,
+                         local_heads_);
+  return c_proj_.forward(ps, s.att);
 }
 
-void CausalSelfAttention::backward(const Grads& g, float* din, const float* dout, const float* in, const Saved& s,
-                                   const BatchShape& bs) const {
-  const int64_t N = bs.N();
-  Tensor datt = Tensor::zeros({N, C_});
-  c_proj_.backward(g, datt.data<float>(), dout, s.att.data<float>(), N);
-  Tensor dqkv = Tensor::zeros({N, 3 * C_});
+Tensor CausalSelfAttention::backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s,
+                                     const BatchShape& bs) const {
+  const int64_t local_C = C_ / n_head_ * local_heads_;
+  Tensor datt = c_proj_.backward(g, dout, s.att);
+  Tensor dqkv = Tensor::zeros({bs.N(), 3 * local_C});
   cpu::attention_backward(dqkv.data<float>(), datt.data<float>(), s.att.data<float>(), s.lse.data<float>(),
-                          s.qkv.data<float>(), bs.B, bs.T, C_, n_head_);
+                          s.qkv.data<float>(), bs.B, bs.T, local_C, local_heads_);
   datt = Tensor();
-  c_attn_.backward(g, din, dqkv.data<float>(), in, N);
+  return c_attn_.backward(g, dqkv, in);
 }
 
 }  // namespace loom

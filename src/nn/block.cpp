@@ -11,21 +11,21 @@ namespace {
 enum DropoutSite : uint64_t { kAttnResidual = 0, kMlpResidual = 1 };
 }  // namespace
 
-Block::Block(ParamLayout& layout, int index, const GPTConfig& cfg, int group)
-    : index_(index), group_(group), C_(cfg.n_embd), dropout_(cfg.dropout) {
+Block::Block(ParamLayout& layout, int index, const GPTConfig& cfg, int group, const TensorParallel& tp)
+    : tp_(tp), index_(index), group_(group), C_(cfg.n_embd), dropout_(cfg.dropout) {
   const std::string prefix = "h." + std::to_string(index);
   // GPT-2 scales the init of the projections into the residual stream by
   // 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth.
   const float proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(cfg.n_layer));
-  ln_1_ = LayerNorm(layout, prefix + ".ln_1", C_, group);
-  attn_ = CausalSelfAttention(layout, prefix + ".attn", C_, cfg.n_head, group, proj_std);
-  ln_2_ = LayerNorm(layout, prefix + ".ln_2", C_, group);
-  mlp_ = MLP(layout, prefix + ".mlp", C_, group, proj_std);
+  ln_1_ = LayerNorm(layout, prefix + ".ln_1", C_, group, tp.splits_tokens());
+  attn_ = CausalSelfAttention(layout, prefix + ".attn", C_, cfg.n_head, group, proj_std, tp);
+  ln_2_ = LayerNorm(layout, prefix + ".ln_2", C_, group, tp.splits_tokens());
+  mlp_ = MLP(layout, prefix + ".mlp", C_, group, proj_std, tp);
 }
 
 Tensor Block::forward(const ParamStore& ps, Saved& s, const Tensor& x, const BatchShape& bs,
                       const ForwardOptions& opts) const {
-  Tensor y = Tensor::empty({bs.B, bs.T, C_});
+  Tensor y = Tensor::empty(x.shape());
   s.x = x;
   s.recompute = opts.checkpoint_activations;
   forward_into(ps, s, y.data<float>(), bs, opts);
@@ -40,65 +40,61 @@ Tensor Block::forward(const ParamStore& ps, Saved& s, const Tensor& x, const Bat
 
 void Block::forward_into(const ParamStore& ps, Saved& s, float* y, const BatchShape& bs,
                          const ForwardOptions& opts) const {
-  const int64_t N = bs.N();
+  const int64_t rows = tp_.local_rows(bs.N());
   const bool drop = opts.training && dropout_ > 0.0f;
-  const uint64_t first = static_cast<uint64_t>(opts.first_sequence * bs.T * C_);
+  // The masks are indexed by global element, so sequence-parallel shards
+  // draw their slice of the same masks.
+  const uint64_t first = static_cast<uint64_t>((opts.first_sequence * bs.T + tp_.first_row(bs.N())) * C_);
   const float* x = s.x.data<float>();
 
-  ln_1_.forward(ps, s.ln_1, x, N);
+  ln_1_.forward(ps, s.ln_1, x, rows);
   {
-    Tensor a = Tensor::empty({N, C_});
-    attn_.forward(ps, s.attn, a.data<float>(), s.ln_1.out.data<float>(), bs);
+    Tensor a = attn_.forward(ps, s.attn, s.ln_1.out, bs);
     if (drop)
-      cpu::dropout_forward(a.data<float>(), a.data<float>(), N * C_, dropout_,
+      cpu::dropout_forward(a.data<float>(), a.data<float>(), rows * C_, dropout_,
                            stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kAttnResidual), first);
-    s.resid = Tensor::empty({bs.B, bs.T, C_});
-    cpu::add(s.resid.data<float>(), x, a.data<float>(), N * C_);
+    s.resid = Tensor::empty(s.x.shape());
+    cpu::add(s.resid.data<float>(), x, a.data<float>(), rows * C_);
   }
-  ln_2_.forward(ps, s.ln_2, s.resid.data<float>(), N);
-  Tensor m = Tensor::empty({N, C_});
-  mlp_.forward(ps, s.mlp, m.data<float>(), s.ln_2.out.data<float>(), N);
+  ln_2_.forward(ps, s.ln_2, s.resid.data<float>(), rows);
+  Tensor m = mlp_.forward(ps, s.mlp, s.ln_2.out);
   if (drop)
-    cpu::dropout_forward(m.data<float>(), m.data<float>(), N * C_, dropout_,
+    cpu::dropout_forward(m.data<float>(), m.data<float>(), rows * C_, dropout_,
                          stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kMlpResidual), first);
-  cpu::add(y, s.resid.data<float>(), m.data<float>(), N * C_);
+  cpu::add(y, s.resid.data<float>(), m.data<float>(), rows * C_);
 }
 
 void Block::backward(const Grads& g, float* dres, Saved& s, const BatchShape& bs, const ForwardOptions& opts) const {
-  const int64_t N = bs.N();
+  const int64_t rows = tp_.local_rows(bs.N());
   const bool drop = opts.training && dropout_ > 0.0f;
-  const uint64_t first = static_cast<uint64_t>(opts.first_sequence * bs.T * C_);
+  const uint64_t first = static_cast<uint64_t>((opts.first_sequence * bs.T + tp_.first_row(bs.N())) * C_);
   if (s.recompute) {
     // Activation checkpointing: rebuild this block's activations from its
     // input. Same kernels, same inputs, same dropout masks: the same bits.
-    Tensor y = Tensor::empty({bs.B, bs.T, C_});
+    Tensor y = Tensor::empty(s.x.shape());
     forward_into(g.params, s, y.data<float>(), bs, opts);
   }
 
   // y = r + drop(mlp(ln_2(r)))
-  Tensor dm;
-  const float* dmlp_out = dres;
+  Tensor dm = Tensor::borrow(dres, {rows, C_}, DType::f32, Tier::device);
   if (drop) {
-    dm = Tensor::zeros({N, C_});
-    cpu::dropout_backward(dm.data<float>(), dres, N * C_, dropout_,
+    dm = Tensor::zeros({rows, C_});
+    cpu::dropout_backward(dm.data<float>(), dres, rows * C_, dropout_,
                           stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kMlpResidual), first);
-    dmlp_out = dm.data<float>();
   }
-  Tensor dln = Tensor::zeros({N, C_});
-  mlp_.backward(g, dln.data<float>(), dmlp_out, s.ln_2.out.data<float>(), s.mlp, N);
-  ln_2_.backward(g, dres, dln.data<float>(), s.resid.data<float>(), s.ln_2, N);
+  Tensor dln = mlp_.backward(g, dm, s.ln_2.out, s.mlp);
+  ln_2_.backward(g, dres, dln.data<float>(), s.resid.data<float>(), s.ln_2, rows);
 
   // r = x + drop(attn(ln_1(x))); dres now holds dL/dr.
-  const float* dattn_out = dres;
+  dm = Tensor::borrow(dres, {rows, C_}, DType::f32, Tier::device);
   if (drop) {
-    dm.zero_();
-    cpu::dropout_backward(dm.data<float>(), dres, N * C_, dropout_,
+    dm = Tensor::zeros({rows, C_});
+    cpu::dropout_backward(dm.data<float>(), dres, rows * C_, dropout_,
                           stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kAttnResidual), first);
-    dattn_out = dm.data<float>();
   }
-  dln.zero_();
-  attn_.backward(g, dln.data<float>(), dattn_out, s.ln_1.out.data<float>(), s.attn, bs);
-  ln_1_.backward(g, dres, dln.data<float>(), s.x.data<float>(), s.ln_1, N);
+  dln = attn_.backward(g, dm, s.ln_1.out, s.attn, bs);
+  dm = Tensor();
+  ln_1_.backward(g, dres, dln.data<float>(), s.x.data<float>(), s.ln_1, rows);
   s = Saved{};
 }
 

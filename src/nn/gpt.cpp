@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 
 #include "loom/kernels.h"
@@ -11,127 +12,240 @@ namespace {
 constexpr uint64_t kEmbeddingDropoutLayer = ~0ull;
 }  // namespace
 
-GPT::GPT(const GPTConfig& cfg) : cfg_(cfg) {
+GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp) : cfg_(cfg), mp_(mp) {
   cfg_.validate();
-  int g = layout_.add_group("embedding");
-  embedding_ = Embedding(layout_, cfg_.vocab_size, cfg_.block_size, cfg_.n_embd, g);
-  for (int i = 0; i < cfg_.n_layer; ++i) {
-    g = layout_.add_group("h." + std::to_string(i));
-    blocks_.emplace_back(layout_, i, cfg_, g);
+  const TensorParallel& tp = mp_.tp;
+  if (cfg_.n_head % tp.size() != 0)
+    throw Error(str("model.n_head = ", cfg_.n_head, " heads do not split over ", tp.size(),
+                    " tensor-parallel ranks: choose a tensor-parallel size that divides the head count"));
+  chunks_ = mp_.chunks.empty() ? std::vector<LayerRange>{{0, static_cast<int>(cfg_.n_layer)}} : mp_.chunks;
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    LOOM_CHECK(chunks_[c].begin >= (c ? chunks_[c - 1].end : 0) && chunks_[c].begin < chunks_[c].end &&
+                   chunks_[c].end <= cfg_.n_layer,
+               "bad layer range [", chunks_[c].begin, ", ", chunks_[c].end, ") for chunk ", c);
+  local_vocab_ = (cfg_.vocab_size + tp.size() - 1) / tp.size();
+
+  if (mp_.first_stage) {
+    embedding_group_ = layout_.add_group("embedding");
+    embedding_ = Embedding(layout_, cfg_.vocab_size, cfg_.block_size, cfg_.n_embd, embedding_group_, tp);
   }
-  g = layout_.add_group("ln_f");
-  ln_f_ = LayerNorm(layout_, "ln_f", cfg_.n_embd, g);
-  LOOM_CHECK(layout_.numel() == cfg_.num_params(), "layout has ", layout_.numel(), " parameters, formula says ",
-             cfg_.num_params());
+  for (const LayerRange& chunk : chunks_) {
+    chunk_first_block_.push_back(static_cast<int>(blocks_.size()));
+    for (int i = chunk.begin; i < chunk.end; ++i)
+      blocks_.emplace_back(layout_, i, cfg_, layout_.add_group("h." + std::to_string(i)), tp);
+  }
+  chunk_first_block_.push_back(static_cast<int>(blocks_.size()));
+  if (mp_.last_stage) {
+    lnf_group_ = layout_.add_group("ln_f");
+    ln_f_ = LayerNorm(layout_, "ln_f", cfg_.n_embd, lnf_group_, tp.splits_tokens());
+    // The output head is tied to the token embedding. A last stage without
+    // the embedding keeps its own copy, which starts equal (same name, same
+    // init) and stays equal because the copies' gradients are summed.
+    if (!mp_.first_stage) {
+      head_group_ = layout_.add_group("head");
+      head_table_ = Embedding::add_token_table(layout_, cfg_.vocab_size, cfg_.n_embd, head_group_, tp, true);
+    }
+  }
+  if (mp_.first_stage && mp_.last_stage && tp.size() == 1 && mp_.chunks.empty())
+    LOOM_CHECK(layout_.numel() == cfg_.num_params(), "layout has ", layout_.numel(), " parameters, formula says ",
+               cfg_.num_params());
 }
 
-float GPT::forward(ParamStore& ps, const int32_t* tokens, const int32_t* targets, const BatchShape& bs,
-                   const ForwardOptions& opts) {
-  const int64_t N = bs.N(), C = cfg_.n_embd, V = cfg_.vocab_size;
-  const int emb_group = 0, lnf_group = layout_.num_groups() - 1;
+int GPT::block_group(int layer) const {
+  for (const Block& b : blocks_)
+    if (b.index() == layer) return b.group();
+  return -1;
+}
+
+void GPT::begin(MicroBatchState& s, const int32_t* tokens, const int32_t* targets, const BatchShape& bs,
+                const ForwardOptions& opts) const {
+  const int64_t N = bs.N(), V = cfg_.vocab_size;
   for (int64_t i = 0; i < N; ++i) {
     if (targets[i] < -1 || targets[i] >= V)
       throw Error(str("target id ", targets[i], " at position ", i, " is outside the vocabulary [0, ", V,
                       ") (and is not -1, the ignore index)"));
   }
-  bs_ = bs;
-  opts_ = opts;
-  tokens_.assign(tokens, tokens + N);
-  targets_.assign(targets, targets + N);
-  saved_.assign(blocks_.size(), Block::Saved{});
+  if (mp_.tp.splits_tokens() && N % mp_.tp.size() != 0)
+    throw Error(str("sequence parallelism splits the micro-batch's ", N, " token rows over ", mp_.tp.size(),
+                    " ranks: choose micro_batch_size * seq_len divisible by parallel.tp"));
+  s = MicroBatchState{};
+  s.bs = bs;
+  s.opts = opts;
+  s.tokens.assign(tokens, tokens + N);
+  s.targets.assign(targets, targets + N);
+  s.blocks.resize(blocks_.size());
+}
 
-  ps.acquire(emb_group);
-  Tensor x = Tensor::empty({bs.B, bs.T, C});
-  embedding_.forward(ps, x.data<float>(), tokens, bs);
-  ps.release(emb_group);
-  if (opts.training && cfg_.dropout > 0.0f)
-    cpu::dropout_forward(x.data<float>(), x.data<float>(), N * C, cfg_.dropout,
-                         stream_key(opts.dropout_key, kEmbeddingDropoutLayer, 0),
-                         static_cast<uint64_t>(opts.first_sequence * bs.T * C));
-
-  for (size_t i = 0; i < blocks_.size(); ++i) {
-    ps.acquire(blocks_[i].group());
-    x = blocks_[i].forward(ps, saved_[i], x, bs, opts);
-    ps.release(blocks_[i].group());
+Tensor GPT::forward_chunk(ParamStore& ps, MicroBatchState& s, int chunk, const Tensor& input) const {
+  LOOM_CHECK(chunk >= 0 && chunk < num_chunks(), "chunk ", chunk, " of ", num_chunks());
+  const int64_t N = s.bs.N(), C = cfg_.n_embd;
+  Tensor x = input;
+  if (chunk == 0 && mp_.first_stage) {
+    ps.acquire(embedding_group_);
+    x = embedding_.forward(ps, s.tokens.data(), s.bs);
+    ps.release(embedding_group_);
+    if (s.opts.training && cfg_.dropout > 0.0f)
+      cpu::dropout_forward(x.data<float>(), x.data<float>(), x.numel(), cfg_.dropout,
+                           stream_key(s.opts.dropout_key, kEmbeddingDropoutLayer, 0),
+                           static_cast<uint64_t>((s.opts.first_sequence * s.bs.T + mp_.tp.first_row(N)) * C));
   }
-  x_final_ = x;
+  LOOM_CHECK(x.defined() && x.numel() == mp_.tp.local_rows(N) * C, "chunk ", chunk, " needs its input activations");
+  for (int b = chunk_first_block_[static_cast<size_t>(chunk)]; b < chunk_first_block_[static_cast<size_t>(chunk) + 1];
+       ++b) {
+    const Block& block = blocks_[static_cast<size_t>(b)];
+    ps.acquire(block.group());
+    x = block.forward(ps, s.blocks[static_cast<size_t>(b)], x, s.bs, s.opts);
+    ps.release(block.group());
+  }
+  if (chunk + 1 == num_chunks() && mp_.last_stage) {
+    head_forward(ps, s, x);
+    return Tensor();
+  }
+  return x;
+}
 
-  // The output head is tied to the token embedding: logits = ln_f(x) wte^T.
-  ps.acquire(lnf_group);
-  ln_f_.forward(ps, ln_f_saved_, x.data<float>(), N);
-  ps.release(lnf_group);
-  ps.acquire(emb_group);
-  logits_ = Tensor::empty({bs.B, bs.T, V});
-  cpu::linear_forward(logits_.data<float>(), ln_f_saved_.out.data<float>(),
-                      ps.param(embedding_.wte_id()).data<float>(), nullptr, N, C, V);
-  ps.release(emb_group);
+void GPT::head_forward(ParamStore& ps, MicroBatchState& s, const Tensor& x) const {
+  const TensorParallel& tp = mp_.tp;
+  const int64_t N = s.bs.N(), C = cfg_.n_embd, V = cfg_.vocab_size, Vl = local_vocab_;
+  s.x_final = x;
+  ps.acquire(lnf_group_);
+  ln_f_.forward(ps, s.ln_f, x.data<float>(), tp.local_rows(N));
+  ps.release(lnf_group_);
 
-  lse_ = Tensor::empty({N});
+  // logits = ln_f(x) wte^T over this rank's vocabulary rows, for every token.
+  ps.acquire(head_group());
+  const Tensor h = TensorParallelRegion::enter_forward(tp, s.ln_f.out);
+  if (tp.splits_tokens()) s.head_input = h;
+  s.logits = tp.size() == 1 ? Tensor::empty({s.bs.B, s.bs.T, V}) : Tensor::empty({N, Vl});
+  cpu::linear_forward(s.logits.data<float>(), h.data<float>(), ps.param(head_table()).data<float>(), nullptr, N, C,
+                      Vl);
+  ps.release(head_group());
+
+  s.lse = Tensor::empty({N});
   Tensor losses = Tensor::empty({N});
-  cpu::cross_entropy_forward(losses.data<float>(), lse_.data<float>(), logits_.data<float>(), targets, N, V);
+  const int32_t* targets = s.targets.data();
+  if (tp.size() == 1) {
+    cpu::cross_entropy_forward(losses.data<float>(), s.lse.data<float>(), s.logits.data<float>(), targets, N, V);
+  } else {
+    // The full logits never meet on one rank: the ranks agree on each row's
+    // max, then on its sum of exponentials and the target's logit.
+    const int64_t first = tp.rank() * Vl, real = std::clamp<int64_t>(V - first, 0, Vl);
+    Tensor row_max = Tensor::empty({N});
+    cpu::cross_entropy_shard_max(row_max.data<float>(), s.logits.data<float>(), N, Vl, real);
+    tp.group->all_reduce(row_max, ReduceOp::max);
+    Tensor sums = Tensor::empty({N, 2});
+    cpu::cross_entropy_shard_sums(sums.data<float>(), s.logits.data<float>(), row_max.data<float>(), targets, first,
+                                  N, Vl, real);
+    tp.group->all_reduce(sums);
+    const float* m = row_max.data<float>();
+    const float* su = sums.data<float>();
+    float* lse = s.lse.data<float>();
+    float* loss = losses.data<float>();
+    for (int64_t i = 0; i < N; ++i) {
+      lse[i] = m[i] + std::log(su[2 * i]);
+      loss[i] = targets[i] < 0 ? 0.0f : lse[i] - su[2 * i + 1];
+    }
+  }
   double sum = 0.0;
-  valid_targets_ = 0;
+  int64_t valid = 0;
   for (int64_t i = 0; i < N; ++i) {
     if (targets[i] == -1) continue;
     sum += losses.data<float>()[i];
-    ++valid_targets_;
+    ++valid;
   }
-  const float loss = valid_targets_ ? static_cast<float>(sum / static_cast<double>(valid_targets_)) : 0.0f;
-  if (!std::isfinite(loss))
-    throw Error(str("the loss is ", loss, " (not finite): training diverged; lower train.lr, enable "
+  if (!std::isfinite(sum))
+    throw Error(str("the loss is ", sum, " (not finite): training diverged; lower train.lr, enable "
                     "train.grad_clip, or use a lower-risk precision"));
-  return loss;
+  s.loss_sum += sum;
+  s.valid_targets += valid;
 }
 
-void GPT::backward(ParamStore& ps, GradStore& gs, float dloss) {
-  LOOM_CHECK(logits_.defined(), "backward without a preceding forward");
-  const int64_t N = bs_.N(), C = cfg_.n_embd, V = cfg_.vocab_size;
-  const int emb_group = 0, lnf_group = layout_.num_groups() - 1;
+Tensor GPT::head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, float dloss) const {
+  LOOM_CHECK(s.logits.defined(), "head backward without a preceding forward");
+  const TensorParallel& tp = mp_.tp;
+  const int64_t N = s.bs.N(), C = cfg_.n_embd, V = cfg_.vocab_size, Vl = local_vocab_;
   const Grads g{ps, gs};
 
   // Softmax-cross-entropy gradient, written over the logits in place.
   Tensor dl = Tensor::empty({N});
   dl.fill_(dloss);
-  float* dlogits = logits_.data<float>();
-  cpu::cross_entropy_backward(dlogits, dlogits, lse_.data<float>(), targets_.data(), dl.data<float>(), N, V);
-
-  ps.acquire(emb_group);
-  ps.acquire(lnf_group);
-  Tensor dlnf = Tensor::zeros({N, C});
-  cpu::linear_backward(dlnf.data<float>(), gs.grad(embedding_.wte_id()).data<float>(), nullptr, dlogits,
-                       ln_f_saved_.out.data<float>(), ps.param(embedding_.wte_id()).data<float>(), N, C, V);
-  logits_ = Tensor();
-  lse_ = Tensor();
-  Tensor dres = Tensor::zeros({bs_.B, bs_.T, C});
-  ln_f_.backward(g, dres.data<float>(), dlnf.data<float>(), x_final_.data<float>(), ln_f_saved_, N);
-  dlnf = Tensor();
-  ln_f_saved_ = LayerNorm::Saved{};
-  x_final_ = Tensor();
-  ps.release(lnf_group);
-  gs.group_ready(lnf_group);
-  ps.release(emb_group);
-
-  for (size_t i = blocks_.size(); i-- > 0;) {
-    ps.acquire(blocks_[i].group());
-    blocks_[i].backward(g, dres.data<float>(), saved_[i], bs_, opts_);
-    ps.release(blocks_[i].group());
-    gs.group_ready(blocks_[i].group());
+  float* dlogits = s.logits.data<float>();
+  if (tp.size() == 1) {
+    cpu::cross_entropy_backward(dlogits, dlogits, s.lse.data<float>(), s.targets.data(), dl.data<float>(), N, V);
+  } else {
+    const int64_t first = tp.rank() * Vl, real = std::clamp<int64_t>(V - first, 0, Vl);
+    cpu::cross_entropy_shard_backward(dlogits, dlogits, s.lse.data<float>(), s.targets.data(), dl.data<float>(),
+                                      first, N, Vl, real);
   }
+
+  ps.acquire(head_group());
+  ps.acquire(lnf_group_);
+  const Tensor& h = tp.splits_tokens() ? s.head_input : s.ln_f.out;
+  Tensor dh = Tensor::zeros({N, C});
+  cpu::linear_backward(dh.data<float>(), gs.grad(head_table()).data<float>(), nullptr, dlogits, h.data<float>(),
+                       ps.param(head_table()).data<float>(), N, C, Vl);
+  s.logits = Tensor();
+  s.lse = Tensor();
+  s.head_input = Tensor();
+  dh = TensorParallelRegion::enter_backward(tp, dh);
+  Tensor dres = Tensor::zeros(s.x_final.shape());
+  ln_f_.backward(g, dres.data<float>(), dh.data<float>(), s.x_final.data<float>(), s.ln_f, tp.local_rows(N));
+  dh = Tensor();
+  s.ln_f = LayerNorm::Saved{};
+  s.x_final = Tensor();
+  ps.release(lnf_group_);
+  gs.group_ready(lnf_group_);
+  ps.release(head_group());
+  if (head_group_ >= 0) gs.group_ready(head_group_);
+  return dres;
+}
+
+Tensor GPT::backward_chunk(ParamStore& ps, GradStore& gs, MicroBatchState& s, int chunk, const Tensor& grad_output,
+                           float dloss) const {
+  LOOM_CHECK(chunk >= 0 && chunk < num_chunks(), "chunk ", chunk, " of ", num_chunks());
+  const int64_t N = s.bs.N(), C = cfg_.n_embd;
+  const Grads g{ps, gs};
+  Tensor dres = chunk + 1 == num_chunks() && mp_.last_stage ? head_backward(ps, gs, s, dloss) : grad_output;
+  LOOM_CHECK(dres.defined() && dres.numel() == mp_.tp.local_rows(N) * C, "chunk ", chunk,
+             " needs the gradient of its output");
+  for (int b = chunk_first_block_[static_cast<size_t>(chunk) + 1]; b-- > chunk_first_block_[static_cast<size_t>(chunk)];) {
+    const Block& block = blocks_[static_cast<size_t>(b)];
+    ps.acquire(block.group());
+    block.backward(g, dres.data<float>(), s.blocks[static_cast<size_t>(b)], s.bs, s.opts);
+    ps.release(block.group());
+    gs.group_ready(block.group());
+  }
+  if (chunk != 0 || !mp_.first_stage) return dres;
 
   // The lookup's backward scatters into the gradients without reading the
   // table, so the embedding is not acquired again (under ZeRO-3 that saves
   // a third all-gather of the largest group).
-  const float* demb = dres.data<float>();
-  Tensor dropped;
-  if (opts_.training && cfg_.dropout > 0.0f) {
-    dropped = Tensor::zeros({N, C});
-    cpu::dropout_backward(dropped.data<float>(), dres.data<float>(), N * C, cfg_.dropout,
-                          stream_key(opts_.dropout_key, kEmbeddingDropoutLayer, 0),
-                          static_cast<uint64_t>(opts_.first_sequence * bs_.T * C));
-    demb = dropped.data<float>();
+  Tensor demb = dres;
+  if (s.opts.training && cfg_.dropout > 0.0f) {
+    demb = Tensor::zeros(dres.shape());
+    cpu::dropout_backward(demb.data<float>(), dres.data<float>(), dres.numel(), cfg_.dropout,
+                          stream_key(s.opts.dropout_key, kEmbeddingDropoutLayer, 0),
+                          static_cast<uint64_t>((s.opts.first_sequence * s.bs.T + mp_.tp.first_row(N)) * C));
   }
-  embedding_.backward(g, demb, tokens_.data(), bs_);
-  gs.group_ready(emb_group);
+  embedding_.backward(g, demb, s.tokens.data(), s.bs);
+  gs.group_ready(embedding_group_);
+  return Tensor();
+}
+
+float GPT::forward(ParamStore& ps, const int32_t* tokens, const int32_t* targets, const BatchShape& bs,
+                   const ForwardOptions& opts) {
+  LOOM_CHECK(mp_.first_stage && mp_.last_stage, "GPT::forward runs the whole pipeline: use forward_chunk per stage");
+  begin(state_, tokens, targets, bs, opts);
+  Tensor x;
+  for (int c = 0; c < num_chunks(); ++c) x = forward_chunk(ps, state_, c, x);
+  return state_.valid_targets ? static_cast<float>(state_.loss_sum / static_cast<double>(state_.valid_targets))
+                              : 0.0f;
+}
+
+void GPT::backward(ParamStore& ps, GradStore& gs, float dloss) {
+  LOOM_CHECK(state_.logits.defined(), "backward without a preceding forward");
+  Tensor d;
+  for (int c = num_chunks(); c-- > 0;) d = backward_chunk(ps, gs, state_, c, d, dloss);
 }
 
 }  // namespace loom

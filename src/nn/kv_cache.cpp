@@ -21,7 +21,7 @@ void CausalSelfAttention::forward_cached(const ParamStore& ps, float* out, const
   const int64_t C = C_, NH = n_head_, hs = C / NH;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   Tensor qkv = Tensor::empty({B, n, 3 * C});
-  c_attn_.forward(ps, qkv.data<float>(), in, B * n);
+  c_attn_.local().forward(ps, qkv.data<float>(), in, B * n);
   Tensor att = Tensor::empty({B, n, C});
   const float* q_all = qkv.data<float>();
   float* att_out = att.data<float>();
@@ -61,7 +61,7 @@ void CausalSelfAttention::forward_cached(const ParamStore& ps, float* out, const
       }
     }
   }
-  c_proj_.forward(ps, out, att.data<float>(), B * n);
+  c_proj_.local().forward(ps, out, att.data<float>(), B * n);
 }
 
 void Block::forward_cached(const ParamStore& ps, float* x, float* k_cache, float* v_cache, int64_t B, int64_t n,
@@ -74,19 +74,20 @@ void Block::forward_cached(const ParamStore& ps, float* x, float* k_cache, float
   cpu::accumulate(x, tmp.data<float>(), N * C_);
   ln_2_.forward(ps, ln, x, N);
   MLP::Saved mlp;
-  mlp_.forward(ps, mlp, tmp.data<float>(), ln.out.data<float>(), N);
+  tmp = mlp_.forward(ps, mlp, ln.out);
   cpu::accumulate(x, tmp.data<float>(), N * C_);
 }
 
 Tensor GPT::forward_cached(ParamStore& ps, KVCache& cache, const int32_t* tokens, int64_t n) {
   const int64_t B = cache.B_, C = cfg_.n_embd, V = cfg_.vocab_size;
   const int64_t pos0 = cache.length_;
-  const int emb_group = 0, lnf_group = layout_.num_groups() - 1;
+  const int emb_group = embedding_group_, lnf_group = lnf_group_;
+  LOOM_CHECK(mp_.tp.size() == 1 && mp_.first_stage && mp_.last_stage && num_chunks() == 1,
+             "inference with a KV cache needs the whole model on one rank");
   if (n <= 0) throw Error("forward_cached needs at least one new token per sequence");
   const BatchShape bs{B, n};
-  Tensor x = Tensor::empty({B, n, C});
   ps.acquire(emb_group);
-  embedding_.forward(ps, x.data<float>(), tokens, bs, pos0);
+  Tensor x = embedding_.forward(ps, tokens, bs, pos0);
   ps.release(emb_group);
 
   const int64_t layer_stride = cache.k_.numel() / cfg_.n_layer;

@@ -3,9 +3,11 @@
 
 namespace loom {
 
-LayerNorm::LayerNorm(ParamLayout& layout, const std::string& name, int64_t C, int group) : C_(C) {
-  weight_ = layout.add(name + ".weight", {C}, ParamInit::constant(1.0f), false, group);
-  bias_ = layout.add(name + ".bias", {C}, ParamInit::constant(0.0f), false, group);
+LayerNorm::LayerNorm(ParamLayout& layout, const std::string& name, int64_t C, int group, bool partial_grad) : C_(C) {
+  ParamParallel parallel;
+  parallel.partial_grad = partial_grad;
+  weight_ = layout.add(name + ".weight", {C}, ParamInit::constant(1.0f), false, group, parallel);
+  bias_ = layout.add(name + ".bias", {C}, ParamInit::constant(0.0f), false, group, parallel);
 }
 
 void LayerNorm::forward(const ParamStore& ps, Saved& s, const float* in, int64_t N) const {

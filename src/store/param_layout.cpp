@@ -10,13 +10,56 @@ int ParamLayout::add_group(std::string name) {
   return num_groups() - 1;
 }
 
-int ParamLayout::add(std::string name, Shape shape, ParamInit init, bool weight_decay, int group) {
+namespace {
+
+// This rank's extent of the split dimension: `blocks` pieces of
+// ceil(block / parts).
+int64_t piece_extent(const TensorSplit& s, int64_t global) { return (global / s.blocks + s.parts - 1) / s.parts; }
+
+}  // namespace
+
+int64_t ParamSpec::global_index(int64_t local, int64_t* run) const {
+  LOOM_CHECK(local >= 0 && local < numel(), "element ", local, " outside ", name, " ", shape_str(shape));
+  const TensorSplit& s = parallel.split;
+  if (s.parts == 1) {
+    if (run) *run = numel() - local;
+    return local;
+  }
+  const size_t d = static_cast<size_t>(s.dim);
+  int64_t inner = 1;
+  for (size_t i = d + 1; i < shape.size(); ++i) inner *= shape[i];
+  const int64_t global_extent = global_shape[d], block = global_extent / s.blocks;
+  const int64_t piece = piece_extent(s, global_extent), local_extent = shape[d];
+  const int64_t outer = local / (local_extent * inner), rest = local % (local_extent * inner);
+  const int64_t row = rest / inner, col = rest % inner;
+  const int64_t b = row / piece, row_in_piece = row % piece;
+  // Rows of this piece inside the block; the rest are padding.
+  const int64_t real_rows = std::clamp<int64_t>(block - s.index * piece, 0, piece);
+  if (row_in_piece >= real_rows) {
+    if (run) *run = (piece - row_in_piece) * inner - col;
+    return -1;
+  }
+  if (run) *run = (real_rows - row_in_piece) * inner - col;
+  const int64_t global_row = b * block + s.index * piece + row_in_piece;
+  return (outer * global_extent + global_row) * inner + col;
+}
+
+int ParamLayout::add(std::string name, Shape shape, ParamInit init, bool weight_decay, int group,
+                     const ParamParallel& parallel) {
   // Groups are contiguous ranges of the flat space, so parameters of a group
   // must be declared together, groups in order.
   LOOM_CHECK(group == num_groups() - 1, "parameter ", name, " declared for group ", group,
              " while group ", num_groups() - 1, " is open");
   LOOM_CHECK(find(name) < 0, "duplicate parameter name ", name);
-  ParamSpec spec{std::move(name), std::move(shape), init, weight_decay, group, numel_};
+  const TensorSplit& s = parallel.split;
+  Shape local = shape;
+  if (s.parts > 1) {
+    LOOM_CHECK(s.dim >= 0 && static_cast<size_t>(s.dim) < shape.size() && s.index >= 0 && s.index < s.parts &&
+                   s.blocks >= 1 && shape[static_cast<size_t>(s.dim)] % s.blocks == 0,
+               "bad split of ", name, " ", shape_str(shape));
+    local[static_cast<size_t>(s.dim)] = s.blocks * piece_extent(s, shape[static_cast<size_t>(s.dim)]);
+  }
+  ParamSpec spec{std::move(name), std::move(local), std::move(shape), init, weight_decay, group, numel_, parallel};
   numel_ += spec.numel();
   group_ranges_.back().second = numel_;
   params_.push_back(std::move(spec));
@@ -38,12 +81,19 @@ void ParamLayout::initialize(float* out, int64_t first, int64_t n, uint64_t seed
   for (const ParamSpec& p : params_) {
     int64_t lo = std::max(first, p.offset), hi = std::min(end, p.offset + p.numel());
     if (lo >= hi) continue;
-    float* dst = out + (lo - first);
-    if (p.init.kind == ParamInit::Kind::constant) {
-      std::fill(dst, dst + (hi - lo), p.init.mean);
-    } else {
-      fill_normal(dst, hi - lo, stream_key(seed, p.name), static_cast<uint64_t>(lo - p.offset), p.init.mean,
-                  p.init.std);
+    const uint64_t key = stream_key(seed, p.name);
+    for (int64_t local = lo - p.offset; local < hi - p.offset;) {
+      int64_t run = 0;
+      const int64_t global = p.global_index(local, &run);
+      run = std::min(run, hi - p.offset - local);
+      float* dst = out + (p.offset + local - first);
+      if (global < 0)
+        std::fill(dst, dst + run, 0.0f);
+      else if (p.init.kind == ParamInit::Kind::constant)
+        std::fill(dst, dst + run, p.init.mean);
+      else
+        fill_normal(dst, run, key, static_cast<uint64_t>(global), p.init.mean, p.init.std);
+      local += run;
     }
   }
 }

@@ -59,7 +59,7 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
   if (!dp || dp->rank() == 0) {
     fs::create_directories(root);
     AtomicDirWriter dir(root / name);
-    const ParamLayout& layout = t.model().layout();
+    const ParamLayout& layout = t.state_layout();
     write_params(dir.path(kModelFile), layout, state.params, "");
     {
       std::vector<SafetensorsSpec> specs;
@@ -139,7 +139,7 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
                     saved.n_embd, ", vocab ", saved.vocab_size, ", context ", saved.block_size,
                     "; the config asks for ", mc.n_layer, ", ", mc.n_embd, ", ", mc.vocab_size, ", ",
                     mc.block_size, ": resume with the config the run was started with"));
-  const ParamLayout& layout = trainer.model().layout();
+  const ParamLayout& layout = trainer.state_layout();
   // Staged on the host tier: the device high-water mark stays the training's.
   Trainer::State state;
   state.params = Tensor::empty({layout.numel()}, DType::f32, Tier::host);

@@ -3,9 +3,113 @@
 #include <vector>
 
 #include "loom/kernels.h"
+#include "loom/planner.h"
 #include "loom/train.h"
 
 namespace loom {
+
+namespace {
+
+// Checks a mesh and the options against each other and the model, and says
+// which layers and parts this rank holds. Throws before anything is built.
+ModelParallel model_parallel_for(const GPTConfig& model, const TrainOptions& opts, DeviceMesh& mesh) {
+  const ModelParallelOptions& o = opts.model_parallel;
+  const int pp = mesh.size(MeshAxis::pp), tp = mesh.size(MeshAxis::tp);
+  if (mesh.size(MeshAxis::sp) != 1 || mesh.size(MeshAxis::ep) != 1)
+    throw Error(str("the Trainer runs dp x pp x tp meshes; ", mesh.shape().describe(),
+                    " uses sp or ep: give them size 1 (sequence parallelism is ModelParallelOptions::sequence_parallel "
+                    "over the tp ranks)"));
+  if (opts.zero.stage >= 2 && (pp > 1 || tp > 1))
+    throw Error(str("ZeRO stage ", opts.zero.stage, " with tensor or pipeline parallelism (", mesh.shape().describe(),
+                    ") is not supported: model-parallel gradients are summed over their groups before the "
+                    "data-parallel reduction, which stages 2-3 start during backward; use zero.stage = 0 or 1"));
+  if (o.sequence_parallel && tp == 1)
+    throw Error("sequence parallelism splits tokens over the tensor-parallel ranks: it needs parallel.tp >= 2");
+  const bool interleaved = o.schedule == PipelineSchedule::interleaved_1f1b;
+  if (interleaved != (o.virtual_stages > 1))
+    throw Error(str("parallel.virtual_stages = ", o.virtual_stages, " with schedule ",
+                    pipeline_schedule_name(o.schedule),
+                    ": interleaved_1f1b needs 2 or more virtual stages, the other schedules exactly 1"));
+  ModelParallel mp;
+  mp.tp.group = &mesh.group(MeshAxis::tp);
+  mp.tp.sequence_parallel = o.sequence_parallel;
+  const int stage = mesh.coord(MeshAxis::pp);
+  mp.first_stage = stage == 0;
+  mp.last_stage = stage == pp - 1;
+  const std::vector<int> layers = pipeline_stage_layers(model, model.block_size, pp * o.virtual_stages, o.stage_layers);
+  std::vector<int> first{0};
+  for (int n : layers) first.push_back(first.back() + n);
+  // Chunk c of pipeline rank s is virtual stage c * pp + s.
+  for (int c = 0; c < o.virtual_stages; ++c) {
+    const size_t k = static_cast<size_t>(c * pp + stage);
+    mp.chunks.push_back({first[k], first[k + 1]});
+  }
+  return mp;
+}
+
+// Visits every element of a rank's layout in runs: fn(spec, flat offset in
+// `local`, flat offset in `whole` or -1 for padding, length).
+template <typename Fn>
+void for_each_whole_run(const ParamLayout& local, const ParamLayout& whole, Fn fn) {
+  for (const ParamSpec& p : local.params()) {
+    const ParamSpec& w = whole.param(whole.find(p.name));
+    for (int64_t i = 0; i < p.numel();) {
+      int64_t run = 0;
+      const int64_t g = p.global_index(i, &run);
+      fn(p, p.offset + i, g < 0 ? -1 : w.offset + g, run);
+      i += run;
+    }
+  }
+}
+
+// One step's micro-batches as pipeline work for this rank's chunks.
+class MicroBatchWork final : public PipelineStageWork {
+ public:
+  MicroBatchWork(GPT& model, ParamStore& ps, GradStore& gs, std::span<const MicroBatch> micro_batches,
+                 const ForwardOptions& base, float dloss, bool reduce_last)
+      : model_(model), ps_(ps), gs_(gs), micro_batches_(micro_batches), base_(base), dloss_(dloss),
+        reduce_last_(reduce_last), states_(micro_batches.size()), begun_(micro_batches.size(), false) {}
+
+  Shape activation_shape(int, int micro_batch) const override {
+    const MicroBatch& mb = micro_batches_[static_cast<size_t>(micro_batch)];
+    return {model_.parallel().tp.local_rows(mb.shape.N()), model_.config().n_embd};
+  }
+  Tensor forward(int chunk, int micro_batch, const Tensor& input) override {
+    const size_t m = static_cast<size_t>(micro_batch);
+    if (!begun_[m]) {
+      const MicroBatch& mb = micro_batches_[m];
+      ForwardOptions fo = base_;
+      fo.first_sequence = mb.first_sequence;
+      model_.begin(states_[m], mb.tokens, mb.targets, mb.shape, fo);
+      begun_[m] = true;
+    }
+    return model_.forward_chunk(ps_, states_[m], chunk, input);
+  }
+  Tensor backward(int chunk, int micro_batch, const Tensor& grad_output) override {
+    // Without model-parallel reductions the last micro-batch's buckets start
+    // the data-parallel reduction during backward, as in the dp-only step.
+    gs_.set_reduce(reduce_last_ && micro_batch + 1 == static_cast<int>(micro_batches_.size()));
+    return model_.backward_chunk(ps_, gs_, states_[static_cast<size_t>(micro_batch)], chunk, grad_output, dloss_);
+  }
+  double loss_sum() const {
+    double sum = 0.0;
+    for (const MicroBatchState& s : states_) sum += s.loss_sum;
+    return sum;
+  }
+
+ private:
+  GPT& model_;
+  ParamStore& ps_;
+  GradStore& gs_;
+  std::span<const MicroBatch> micro_batches_;
+  ForwardOptions base_;
+  float dloss_;
+  bool reduce_last_;
+  std::vector<MicroBatchState> states_;
+  std::vector<bool> begun_;
+};
+
+}  // namespace
 
 Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, Communicator* dp)
     : opts_(opts), dp_(dp), model_(model) {
@@ -21,6 +125,37 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, Communicator*
     reference_optim_ = std::make_unique<AdamW>(layout, opts_.adamw);
     return;
   }
+  build_zero_stores();
+}
+
+Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, DeviceMesh& mesh)
+    : opts_((validate(opts.zero), opts)),
+      dp_(&mesh.group(MeshAxis::dp)),
+      mesh_(&mesh),
+      model_(model, model_parallel_for(model, opts, mesh)) {
+  const int pp = mesh.size(MeshAxis::pp), tp = mesh.size(MeshAxis::tp);
+  const TensorParallel& tpl = model_.parallel().tp;
+  whole_ = std::make_unique<GPT>(model);
+  Communicator& world = mesh.world();
+  // The ranks of one data-parallel replica: every (pp, tp) coordinate.
+  model_parallel_group_ = world.split(mesh.coord(MeshAxis::dp), world.rank());
+  const int stage = mesh.coord(MeshAxis::pp);
+  if (pp > 1) {
+    const bool holds_table = stage == 0 || stage == pp - 1;
+    embedding_group_ = world.split(holds_table ? mesh.coord(MeshAxis::dp) * tp + mesh.coord(MeshAxis::tp) : -1, stage);
+  }
+  defer_reduction_ = pp > 1 || tpl.splits_tokens();
+  build_zero_stores();
+  std::vector<FlatRange> duplicates;
+  for (const ParamSpec& p : model_.layout().params())
+    if (p.parallel.tied_copy || (p.parallel.split.parts == 1 && tpl.rank() != 0))
+      duplicates.push_back({p.offset, p.offset + p.numel()});
+  zero_optim_->count_norm_over(*model_parallel_group_, std::move(duplicates));
+}
+
+void Trainer::build_zero_stores() {
+  const ZeroOptions& z = opts_.zero;
+  const ParamLayout& layout = model_.layout();
   if (z.precision == DType::f16) scaler_ = std::make_unique<LossScaler>(opts_.loss_scale);
   // Stage 3 gathers and frees one group at a time; stages 0-2 reduce
   // gradients in buckets of about bucket_bytes.
@@ -62,18 +197,26 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
   grads_->zero();
   params_->begin_step();
   double loss_sum = 0.0;
-  for (size_t m = 0; m < micro_batches.size(); ++m) {
-    const MicroBatch& mb = micro_batches[m];
-    ForwardOptions fo;
-    fo.training = true;
-    fo.checkpoint_activations = opts_.checkpoint_activations;
-    fo.dropout_key = dropout_key;
-    fo.first_sequence = mb.first_sequence;
-    // Gradient accumulation: only the last micro-batch's buckets communicate.
-    grads_->set_reduce(m + 1 == micro_batches.size());
-    const float loss = model_.forward(*params_, mb.tokens, mb.targets, mb.shape, fo);
-    loss_sum += static_cast<double>(loss) * static_cast<double>(mb_targets[m]);
-    model_.backward(*params_, *grads_, dloss);
+  if (mesh_) {
+    ForwardOptions base;
+    base.training = true;
+    base.checkpoint_activations = opts_.checkpoint_activations;
+    base.dropout_key = dropout_key;
+    loss_sum = run_micro_batches(micro_batches, base, dloss);
+  } else {
+    for (size_t m = 0; m < micro_batches.size(); ++m) {
+      const MicroBatch& mb = micro_batches[m];
+      ForwardOptions fo;
+      fo.training = true;
+      fo.checkpoint_activations = opts_.checkpoint_activations;
+      fo.dropout_key = dropout_key;
+      fo.first_sequence = mb.first_sequence;
+      // Gradient accumulation: only the last micro-batch's buckets communicate.
+      grads_->set_reduce(m + 1 == micro_batches.size());
+      const float loss = model_.forward(*params_, mb.tokens, mb.targets, mb.shape, fo);
+      loss_sum += static_cast<double>(loss) * static_cast<double>(mb_targets[m]);
+      model_.backward(*params_, *grads_, dloss);
+    }
   }
   grads_->finish();
   params_->end_step();
@@ -86,6 +229,30 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
   if (opts_.on_gradients) opts_.on_gradients(*grads_);
   stats.lr = opts_.schedule.at(steps_);
   return apply_update(stats);
+}
+
+double Trainer::run_micro_batches(std::span<const MicroBatch> micro_batches, const ForwardOptions& base, float dloss) {
+  const ModelParallelOptions& o = opts_.model_parallel;
+  Communicator& pipeline = mesh_->group(MeshAxis::pp);
+  MicroBatchWork work(model_, *params_, *grads_, micro_batches, base, dloss, !defer_reduction_);
+  pipeline_timing_ = run_pipeline(pipeline, o.schedule, static_cast<int>(micro_batches.size()), o.virtual_stages, work);
+  if (defer_reduction_) reduce_model_parallel_gradients();
+  // Only the last stage computed losses; the tensor-parallel ranks of a
+  // stage computed the same ones.
+  float sum = static_cast<float>(work.loss_sum());
+  if (pipeline.size() > 1) pipeline.all_reduce(&sum, 1, DType::f32, ReduceOp::sum);
+  return sum;
+}
+
+void Trainer::reduce_model_parallel_gradients() {
+  auto& grads = static_cast<ZeroGradStore&>(*grads_);
+  const TensorParallel& tp = model_.parallel().tp;
+  for (size_t id = 0; id < model_.layout().params().size(); ++id) {
+    const ParamSpec& p = model_.layout().param(static_cast<int>(id));
+    if (p.parallel.partial_grad && tp.size() > 1) tp.group->all_reduce(grads.accumulated(static_cast<int>(id)));
+    if (p.name == "wte.weight" && embedding_group_) embedding_group_->all_reduce(grads.accumulated(static_cast<int>(id)));
+  }
+  grads.reduce_all();
 }
 
 StepStats Trainer::apply_update(StepStats stats) {
@@ -130,6 +297,20 @@ Trainer::State Trainer::gather_state() {
   } else {
     zero_optim_->gather_state(s.params, s.exp_avg, s.exp_avg_sq);
   }
+  if (whole_) {
+    // Each element of the whole model comes from exactly one rank of the
+    // replica (zeros elsewhere), so a sum assembles it.
+    const int tp_rank = model_.parallel().tp.rank();
+    for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq}) {
+      Tensor whole = Tensor::zeros({state_layout().numel()}, DType::f32, Tier::host);
+      for_each_whole_run(model_.layout(), state_layout(), [&](const ParamSpec& p, int64_t local, int64_t global, int64_t n) {
+        if (global < 0 || p.parallel.tied_copy || (p.parallel.split.parts == 1 && tp_rank != 0)) return;
+        std::copy_n(t->data<float>() + local, n, whole.data<float>() + global);
+      });
+      model_parallel_group_->all_reduce(whole);
+      *t = std::move(whole);
+    }
+  }
   return s;
 }
 
@@ -138,6 +319,16 @@ void Trainer::load_state(const State& s) {
     params_->flat().copy_from(s.params);
     reference_optim_->exp_avg().copy_from(s.exp_avg);
     reference_optim_->exp_avg_sq().copy_from(s.exp_avg_sq);
+  } else if (whole_) {
+    State local;
+    for (auto [from, to] : {std::pair{&s.params, &local.params}, {&s.exp_avg, &local.exp_avg},
+                            {&s.exp_avg_sq, &local.exp_avg_sq}}) {
+      *to = Tensor::zeros({model_.layout().numel()}, DType::f32, Tier::host);
+      for_each_whole_run(model_.layout(), state_layout(), [&](const ParamSpec&, int64_t local_at, int64_t global, int64_t n) {
+        if (global >= 0) std::copy_n(from->data<float>() + global, n, to->data<float>() + local_at);
+      });
+    }
+    zero_optim_->load_state(local.params, local.exp_avg, local.exp_avg_sq);
   } else {
     zero_optim_->load_state(s.params, s.exp_avg, s.exp_avg_sq);
   }

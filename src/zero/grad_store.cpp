@@ -80,13 +80,7 @@ void ZeroGradStore::launch(size_t index) {
       add_rounded(bucket, dt, s.scratch.data<float>(), padded);
       s.scratch = Tensor();
     }
-    if (!reduce_) return;
-    InFlight op{index, Tensor(), Work()};
-    if (opts_.stage == 0)
-      op.work = dp_.all_reduce_async(bucket, b.numel(), dt, ReduceOp::sum);
-    else
-      op.work = dp_.reduce_scatter_async(bucket, at(bucket, dt, partition_.rank() * b.shard), b.shard, dt);
-    in_flight_.push_back(std::move(op));
+    if (reduce_) communicate(index);
     return;
   }
   // Stages 2-3: no rank keeps the whole gradient, so every micro-batch's
@@ -103,6 +97,31 @@ void ZeroGradStore::launch(size_t index) {
   op.work = dp_.reduce_scatter_async(op.buffer.raw(), at(op.buffer.raw(), dt, partition_.rank() * b.shard), b.shard, dt);
   in_flight_.push_back(std::move(op));
   retire_finished(kMaxInFlight);
+}
+
+void ZeroGradStore::communicate(size_t index) {
+  const ZeroBucket& b = partition_.buckets()[index];
+  const DType dt = opts_.precision;
+  void* bucket = at(storage_.raw(), dt, b.padded_begin);
+  InFlight op{index, Tensor(), Work()};
+  if (opts_.stage == 0)
+    op.work = dp_.all_reduce_async(bucket, b.numel(), dt, ReduceOp::sum);
+  else
+    op.work = dp_.reduce_scatter_async(bucket, at(bucket, dt, partition_.rank() * b.shard), b.shard, dt);
+  in_flight_.push_back(std::move(op));
+}
+
+Tensor ZeroGradStore::accumulated(int id) const {
+  LOOM_CHECK(opts_.stage <= 1, "only stages 0-1 keep a whole local gradient");
+  const ParamSpec& p = layout_.param(id);
+  const ZeroBucket& b = partition_.buckets()[static_cast<size_t>(partition_.bucket_index(p.group))];
+  return Tensor::borrow(at(storage_.raw(), opts_.precision, partition_.padded(b, p.offset)), p.shape, opts_.precision,
+                        storage_.tier());
+}
+
+void ZeroGradStore::reduce_all() {
+  LOOM_CHECK(opts_.stage <= 1 && !reduce_ && in_flight_.empty(), "reduce_all after micro-batches that reduced");
+  for (size_t i = 0; i < buckets_.size(); ++i) communicate(i);
 }
 
 void ZeroGradStore::retire(InFlight& op) {

@@ -39,8 +39,31 @@ float* ZeroOptimizer::master(size_t range) const {
   return master_.data<float>() + master_offset_.at(range);
 }
 
+void ZeroOptimizer::count_norm_over(Communicator& model_parallel, std::vector<FlatRange> duplicates) {
+  std::sort(duplicates.begin(), duplicates.end(), [](FlatRange a, FlatRange b) { return a.begin < b.begin; });
+  model_parallel_ = &model_parallel;
+  duplicates_ = std::move(duplicates);
+}
+
 GradientCheck ZeroOptimizer::check_gradients() {
   GradientCheck local;
+  // The parts of an owned range that no other model-parallel rank counts.
+  const auto counted_squares = [&](FlatRange r, const Tensor& g) {
+    double sum = 0.0;
+    int64_t at_elem = r.begin;
+    const auto add = [&](int64_t end) {
+      if (end > at_elem)
+        sum += zero_detail::sum_squares(zero_detail::at(g.raw(), opts_.precision, at_elem - r.begin),
+                                        opts_.precision, end - at_elem);
+    };
+    for (const FlatRange& d : duplicates_) {
+      if (d.end <= at_elem || d.begin >= r.end) continue;
+      add(std::min(d.begin, r.end));
+      at_elem = std::max(at_elem, std::min(d.end, r.end));
+    }
+    add(r.end);
+    return sum;
+  };
   // Stage 0 replicas check everything they would apply; the sum of squares
   // counts each element once, on its owner.
   if (opts_.stage == 0)
@@ -50,12 +73,13 @@ GradientCheck ZeroOptimizer::check_gradients() {
     if (r.numel() == 0) continue;
     const Tensor g = grads_.owned(r);
     if (opts_.stage > 0) local.non_finite += zero_detail::count_non_finite(g.raw(), opts_.precision, r.numel());
-    local.sum_squares += zero_detail::sum_squares(g.raw(), opts_.precision, r.numel());
+    local.sum_squares += counted_squares(r, g);
   }
   // Every rank decides from the same reduced figures, so all skip or all
   // step together.
   float both[2] = {static_cast<float>(local.sum_squares), static_cast<float>(local.non_finite)};
   dp_.all_reduce(both, 2, DType::f32, ReduceOp::sum);
+  if (model_parallel_) model_parallel_->all_reduce(both, 2, DType::f32, ReduceOp::sum);
   return {static_cast<double>(both[0]), static_cast<int64_t>(both[1])};
 }
 

@@ -1,11 +1,13 @@
-// Runs a small GPT under a data-parallel layout and under the single-rank
-// reference, on the same global batches, for the zero suites.
+// Runs a small GPT under a parallel layout (data parallel with ZeRO, and
+// tensor/pipeline parallel on a mesh) and under the single-rank reference, on
+// the same global batches, for the zero and model-parallel suites.
 #pragma once
 
 #include <functional>
 #include <vector>
 
 #include "loom/comm.h"
+#include "loom/parallel.h"
 #include "loom/train.h"
 #include "test_util.h"
 
@@ -19,9 +21,18 @@ struct DataParallelRun {
   float dropout = 0.0f;
   int steps = 20;
   std::function<void(int step, GradStore&)> on_gradients;  // on every rank
+  // Model parallelism: with tp or pp > 1 (or mesh) the Trainer runs on a
+  // dp x pp x tp mesh.
+  int tp = 1, pp = 1;
+  bool mesh = false;
+  bool checkpoint_activations = false;
+  ModelParallelOptions model_parallel;
+  int n_layer = 2, n_head = 2;
+  bool uses_mesh() const { return mesh || tp > 1 || pp > 1; }
 };
 
 struct RunResult {
+  GPTConfig model;
   std::vector<StepStats> stats;  // rank 0's, per step
   std::vector<float> params;     // the final weights (master weights), layout order
   std::vector<float> exp_avg, exp_avg_sq;
@@ -36,10 +47,10 @@ inline DataParallelRun layout(int dp, int stage, DType precision = DType::f32, i
   return r;
 }
 
-inline GPTConfig small_gpt(float dropout) {
+inline GPTConfig small_gpt(float dropout, int n_layer = 2, int n_head = 2) {
   GPTConfig c;
-  c.n_layer = 2;
-  c.n_head = 2;
+  c.n_layer = n_layer;
+  c.n_head = n_head;
   c.n_embd = 32;
   c.vocab_size = 61;  // odd sizes make every bucket need padding
   c.block_size = 16;
@@ -53,6 +64,8 @@ inline TrainOptions small_options(const DataParallelRun& r) {
   o.zero.stage = r.stage;
   o.zero.precision = r.precision;
   o.zero.bucket_bytes = 8192;  // several buckets even in this small model
+  o.checkpoint_activations = r.checkpoint_activations;
+  o.model_parallel = r.model_parallel;
   return o;
 }
 
@@ -81,19 +94,30 @@ inline std::vector<float> to_vector(const Tensor& t) {
 
 // Trains on `comm` (nullptr: the reference); rank 0's figures land in `result`.
 inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& result) {
-  const GPTConfig cfg = small_gpt(r.dropout);
+  const GPTConfig cfg = small_gpt(r.dropout, r.n_layer, r.n_head);
   TrainOptions opts = small_options(r);
   int step = 0;
   if (r.on_gradients) opts.on_gradients = [&](GradStore& g) { r.on_gradients(step, g); };
-  Trainer trainer(cfg, opts, comm);
-  const int dp = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
+  std::unique_ptr<DeviceMesh> mesh;
+  if (r.uses_mesh()) {
+    MeshShape shape;
+    shape[MeshAxis::dp] = r.dp;
+    shape[MeshAxis::tp] = r.tp;
+    shape[MeshAxis::pp] = r.pp;
+    mesh = std::make_unique<DeviceMesh>(*comm, shape);
+  }
+  std::unique_ptr<Trainer> trainer =
+      mesh ? std::make_unique<Trainer>(cfg, opts, *mesh) : std::make_unique<Trainer>(cfg, opts, comm);
+  const int dp = mesh ? r.dp : comm ? comm->size() : 1;
+  const int rank = mesh ? mesh->coord(MeshAxis::dp) : comm ? comm->rank() : 0;
   std::vector<StepStats> stats;
   for (step = 0; step < r.steps; ++step) {
     const std::vector<int32_t> data = step_tokens(step, cfg.vocab_size);
-    stats.push_back(trainer.step(rank_micro_batches(data, dp, rank, r.accumulation)));
+    stats.push_back(trainer->step(rank_micro_batches(data, dp, rank, r.accumulation)));
   }
-  Trainer::State s = trainer.gather_state();
-  if (rank == 0) {
+  Trainer::State s = trainer->gather_state();
+  if (!comm || comm->rank() == 0) {
+    result.model = cfg;
     result.stats = stats;
     result.params = to_vector(s.params);
     result.exp_avg = to_vector(s.exp_avg);
@@ -101,13 +125,13 @@ inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& re
   }
 }
 
-// The run on r.dp ranks of the local backend, or the reference for dp 0.
+// The run on its ranks of the local backend, or the reference for dp 0.
 inline RunResult run_layout(const DataParallelRun& r) {
   RunResult result;
   if (r.dp == 0)
     train_on(nullptr, r, result);
   else
-    run_local(r.dp, [&](Communicator& world) { train_on(&world, r, result); });
+    run_local(r.dp * r.tp * r.pp, [&](Communicator& world) { train_on(&world, r, result); });
   return result;
 }
 
@@ -138,7 +162,7 @@ inline bool is_key_bias(const ParamLayout& layout, int64_t i) {
 // Parameters compared as one whole-model vector: |a - ref| / |ref| in the L2
 // norm, over every element but the key biases.
 inline double param_rel_diff(const RunResult& a, const RunResult& ref) {
-  GPT model(small_gpt(0.0f));
+  GPT model(ref.model);
   double diff = 0.0, norm = 0.0;
   for (size_t i = 0; i < ref.params.size(); ++i) {
     if (is_key_bias(model.layout(), static_cast<int64_t>(i))) continue;
@@ -150,7 +174,7 @@ inline double param_rel_diff(const RunResult& a, const RunResult& ref) {
 }
 
 inline double key_bias_max_abs_diff(const RunResult& a, const RunResult& ref) {
-  GPT model(small_gpt(0.0f));
+  GPT model(ref.model);
   double worst = 0.0;
   for (size_t i = 0; i < ref.params.size(); ++i)
     if (is_key_bias(model.layout(), static_cast<int64_t>(i)))

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -44,6 +45,51 @@ void cross_entropy_backward(float* dlogits, const float* logits, const float* ls
 #pragma omp simd
     for (int64_t j = 0; j < V; ++j) d[j] = g * simd_exp(x[j] - l);
     d[t] -= g;
+  }
+}
+
+void cross_entropy_shard_max(float* row_max, const float* logits, int64_t N, int64_t V, int64_t real) {
+#pragma omp parallel for schedule(static) if (N * V >= kMinParallelWork)
+  for (int64_t i = 0; i < N; ++i) {
+    const float* x = logits + i * V;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < real; ++j) m = x[j] > m ? x[j] : m;
+    row_max[i] = m;
+  }
+}
+
+void cross_entropy_shard_sums(float* sums, const float* logits, const float* row_max, const int32_t* targets,
+                              int64_t first, int64_t N, int64_t V, int64_t real) {
+#pragma omp parallel for schedule(static) if (N * V >= kMinParallelWork)
+  for (int64_t i = 0; i < N; ++i) {
+    const float* x = logits + i * V;
+    const float m = row_max[i];
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < real; ++j) sum += simd_exp(x[j] - m);
+    sums[2 * i] = sum;
+    const int64_t t = static_cast<int64_t>(targets[i]) - first;
+    sums[2 * i + 1] = targets[i] >= 0 && t >= 0 && t < real ? x[t] : 0.0f;
+  }
+}
+
+void cross_entropy_shard_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+                                  const float* dloss, int64_t first, int64_t N, int64_t V, int64_t real) {
+#pragma omp parallel for schedule(static) if (N * V >= kMinParallelWork)
+  for (int64_t i = 0; i < N; ++i) {
+    const float* x = logits + i * V;
+    float* d = dlogits + i * V;
+    if (targets[i] < 0) {
+      std::fill(d, d + V, 0.0f);
+      continue;
+    }
+    const float g = dloss[i], l = lse[i];
+#pragma omp simd
+    for (int64_t j = 0; j < real; ++j) d[j] = g * simd_exp(x[j] - l);
+    std::fill(d + real, d + V, 0.0f);
+    const int64_t t = static_cast<int64_t>(targets[i]) - first;
+    if (t >= 0 && t < real) d[t] -= g;
   }
 }
 

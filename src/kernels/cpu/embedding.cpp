@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <omp.h>
 
 #include "kernels/cpu/partition.h"
@@ -43,6 +44,74 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
 #pragma omp simd
         for (int64_t c = c0; c < c1; ++c) p[c] += g[c];
       }
+    }
+  }
+}
+
+void embedding_lookup_range(float* out, const int32_t* tokens, const float* wte, int64_t first, int64_t rows,
+                            int64_t N, int64_t C) {
+#pragma omp parallel for schedule(static) if (N * C >= kMinParallelWork)
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t row = static_cast<int64_t>(tokens[i]) - first;
+    float* o = out + i * C;
+    if (row < 0 || row >= rows) {
+      std::fill(o, o + C, 0.0f);
+      continue;
+    }
+    const float* w = wte + row * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) o[c] = w[c];
+  }
+}
+
+void embedding_lookup_range_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t first,
+                                     int64_t rows, int64_t N, int64_t C) {
+  // As embedding_backward: threads own column slices and walk the rows in
+  // order, so repeated tokens add up in the same order for any thread count.
+  constexpr int64_t kAlign = 16;
+#pragma omp parallel if (N * C >= kMinParallelWork)
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t units = (C + kAlign - 1) / kAlign;
+    const int64_t c0 = units * tid / nt * kAlign;
+    const int64_t c1 = std::min(units * (tid + 1) / nt * kAlign, C);
+    for (int64_t i = 0; i < N && c0 < c1; ++i) {
+      const int64_t row = static_cast<int64_t>(tokens[i]) - first;
+      if (row < 0 || row >= rows) continue;
+      const float* g = dout + i * C;
+      float* w = dwte + row * C;
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) w[c] += g[c];
+    }
+  }
+}
+
+void position_embedding_add(float* out, const float* wpe, int64_t row0, int64_t N, int64_t T, int64_t C,
+                            int64_t pos0) {
+#pragma omp parallel for schedule(static) if (N * C >= kMinParallelWork)
+  for (int64_t i = 0; i < N; ++i) {
+    const float* p = wpe + (pos0 + (row0 + i) % T) * C;
+    float* o = out + i * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) o[c] += p[c];
+  }
+}
+
+void position_embedding_backward(float* dwpe, const float* dout, int64_t row0, int64_t N, int64_t T, int64_t C) {
+  // Every position may occur in several rows: split the columns over the
+  // threads, as above.
+  constexpr int64_t kAlign = 16;
+#pragma omp parallel if (N * C >= kMinParallelWork)
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t units = (C + kAlign - 1) / kAlign;
+    const int64_t c0 = units * tid / nt * kAlign;
+    const int64_t c1 = std::min(units * (tid + 1) / nt * kAlign, C);
+    for (int64_t i = 0; i < N && c0 < c1; ++i) {
+      const float* g = dout + i * C;
+      float* p = dwpe + ((row0 + i) % T) * C;
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) p[c] += g[c];
     }
   }
 }
