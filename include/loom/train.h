@@ -84,6 +84,10 @@ class Trainer {
   // Forward and backward over this rank's micro-batches (gradients
   // accumulate), then clipping and one AdamW update. Collective under dp.
   StepStats step(std::span<const MicroBatch> micro_batches);
+  // Forward only (no dropout, no gradients) of one micro-batch: the sum of
+  // the losses of its positions with a target, on every rank of the replica.
+  // Collective over the mesh's tp and pp groups (and dp under ZeRO-3).
+  double loss_sum(const MicroBatch& micro_batch);
 
   GPT& model() { return model_; }
   ParamStore& params() { return *params_; }

@@ -239,8 +239,9 @@ double Trainer::run_micro_batches(std::span<const MicroBatch> micro_batches, con
   if (defer_reduction_) reduce_model_parallel_gradients();
   // Only the last stage computed losses; the tensor-parallel ranks of a
   // stage computed the same ones.
+  if (pipeline.size() == 1) return work.loss_sum();
   float sum = static_cast<float>(work.loss_sum());
-  if (pipeline.size() > 1) pipeline.all_reduce(&sum, 1, DType::f32, ReduceOp::sum);
+  pipeline.all_reduce(&sum, 1, DType::f32, ReduceOp::sum);
   return sum;
 }
 
@@ -253,6 +254,24 @@ void Trainer::reduce_model_parallel_gradients() {
     if (p.name == "wte.weight" && embedding_group_) embedding_group_->all_reduce(grads.accumulated(static_cast<int>(id)));
   }
   grads.reduce_all();
+}
+
+double Trainer::loss_sum(const MicroBatch& mb) {
+  ForwardOptions fo;
+  fo.training = false;
+  fo.first_sequence = mb.first_sequence;
+  if (!mesh_) {
+    const float loss = model_.forward(*params_, mb.tokens, mb.targets, mb.shape, fo);
+    const auto targets = std::count_if(mb.targets, mb.targets + mb.shape.N(), [](int32_t t) { return t != -1; });
+    return static_cast<double>(loss) * static_cast<double>(targets);
+  }
+  MicroBatchWork work(model_, *params_, *grads_, {&mb, 1}, fo, 0.0f, false);
+  Communicator& pipeline = mesh_->group(MeshAxis::pp);
+  run_pipeline(pipeline, PipelineSchedule::gpipe, 1, opts_.model_parallel.virtual_stages, work, true);
+  if (pipeline.size() == 1) return work.loss_sum();
+  float sum = static_cast<float>(work.loss_sum());
+  pipeline.all_reduce(&sum, 1, DType::f32, ReduceOp::sum);
+  return sum;
 }
 
 StepStats Trainer::apply_update(StepStats stats) {
