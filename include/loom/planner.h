@@ -33,6 +33,20 @@ struct StepMemoryEstimate {
 };
 StepMemoryEstimate estimate_step_memory(const GPTConfig& cfg, int64_t B, int64_t T, bool checkpoint_activations);
 
+// Activation bytes one transformer block keeps from its forward to its
+// backward, per rank, for a micro-batch of B x T tokens: Korthikanti et al.'s
+// s b h (34 + 5 a s / h) adapted to what loom stores. With N = B T tokens,
+// h = n_embd, a = n_head, t = tp, fp32 (4 bytes), and no a s^2 term because
+// attention keeps only its log-sum-exp, not the probability matrix:
+//   tensor parallel:          4 N (4h + 4) + 4 N (12h + a) / t
+//   + sequence parallel:      4 N (16h + 4 + a) / t
+//   full recompute:           4 N h   (4 N h / t with sequence parallelism)
+// (x, the ln_1 and ln_2 outputs, the residual r and the norms' mean and rstd
+// sit outside the tensor-parallel regions; qkv, attention out, fc and GELU
+// out and the log-sum-exp inside.) Dropout masks are regenerated, not kept.
+double activation_bytes_per_layer(const GPTConfig& cfg, int64_t B, int64_t T, int tp, bool sequence_parallel,
+                                  bool checkpoint_activations);
+
 // Model-state bytes per rank for `params` parameters on `ranks` data-parallel
 // ranks under ZeRO `stage` (Rajbhandari et al. 2020). fp32 training keeps
 // parameters, gradients and both AdamW moments at 4 bytes: 16, 8+8/N,

@@ -14,20 +14,30 @@ double StepMemoryEstimate::total() const {
   return sum;
 }
 
+double activation_bytes_per_layer(const GPTConfig& cfg, int64_t B, int64_t T, int tp, bool sequence_parallel,
+                                  bool checkpoint_activations) {
+  const double N = static_cast<double>(B * T), h = static_cast<double>(cfg.n_embd);
+  const double a = static_cast<double>(cfg.n_head), t = static_cast<double>(tp);
+  // Token rows outside the tensor-parallel regions.
+  const double rows = sequence_parallel && tp > 1 ? N / t : N;
+  if (checkpoint_activations) return 4.0 * rows * h;
+  // Outside the regions: x, ln_1 out, r, ln_2 out (4 h per row) and the two
+  // LayerNorms' mean and rstd (4 per row). Inside, every token of this rank's
+  // heads and MLP columns: qkv (3h), attention out (h), fc and GELU out (4h
+  // each), i.e. 12 h / t, and attention's log-sum-exp (a / t).
+  return 4.0 * (rows * (4.0 * h + 4.0) + N * (12.0 * h + a) / t);
+}
+
 StepMemoryEstimate estimate_step_memory(const GPTConfig& cfg, int64_t B, int64_t T, bool checkpoint_activations) {
   const double f = 4.0;  // fp32
   const double N = static_cast<double>(B * T), C = static_cast<double>(cfg.n_embd);
   const double L = static_cast<double>(cfg.n_layer), V = static_cast<double>(cfg.vocab_size);
-  const double H = static_cast<double>(cfg.n_head);
   const double P = static_cast<double>(cfg.num_params());
   std::vector<MemoryTerm> state = {
       {"parameters", f * P}, {"gradients", f * P}, {"adamw moments", 2.0 * f * P}};
-  // What one block keeps for backward: its input x, ln_1 out, qkv (3C),
-  // attention out, the residual r, ln_2 out, fc and GELU out (4C each) =
-  // 16 N C; the LayerNorms' mean and rstd (4 N); attention's log-sum-exp (H N).
-  const double full_block = 16.0 * N * C + 4.0 * N + H * N;
-  // With checkpointing a block keeps only its input until backward rebuilds it.
-  const double kept_block = checkpoint_activations ? N * C : full_block;
+  // Elements (not bytes) one block keeps, in full and under checkpointing.
+  const double full_block = activation_bytes_per_layer(cfg, B, T, 1, false, false) / f;
+  const double kept_block = activation_bytes_per_layer(cfg, B, T, 1, false, checkpoint_activations) / f;
 
   // Peak candidate 1, the head's backward: every block's activations, the
   // last block's output and ln_f's (with mean and rstd), the logits (their

@@ -1,0 +1,85 @@
+// The activations a rank's blocks keep from forward to backward, read from
+// the device tier's allocator, held to the adapted Korthikanti et al. formula
+// (activation_bytes_per_layer in planner.h) for plain, tensor-parallel,
+// sequence-parallel and fully recomputed blocks.
+#include <gtest/gtest.h>
+
+#include "loom/comm.h"
+#include "loom/nn.h"
+#include "loom/planner.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+GPTConfig model_config() {
+  GPTConfig c;
+  c.n_layer = 4;
+  c.n_head = 8;
+  c.n_embd = 128;
+  c.vocab_size = 256;
+  c.block_size = 64;
+  return c;
+}
+
+struct Case {
+  int tp;
+  bool sequence_parallel, recompute;
+};
+
+// Bytes the device tier holds after the blocks' forward beyond what it held
+// before, per rank. The blocks sit in a middle pipeline stage (no embedding,
+// no head), so the input comes from outside and is in `before`; the output,
+// the same size, stands in for it in `after`, and the difference is exactly
+// the layers' saved activations.
+std::vector<double> measure(const Case& c) {
+  const GPTConfig cfg = model_config();
+  const BatchShape bs{2, 64};
+  std::vector<double> measured(static_cast<size_t>(c.tp), 0.0);
+  run_local(c.tp, [&](Communicator& world) {
+    ModelParallel mp;
+    mp.tp = {&world, c.sequence_parallel};
+    mp.chunks = {{0, static_cast<int>(cfg.n_layer)}};
+    mp.first_stage = mp.last_stage = false;
+    GPT model(cfg, mp);
+    ParamStore params(model.layout(), 7);
+    const std::vector<int32_t> tokens = testing::random_tokens(bs.N(), cfg.vocab_size, 3);
+    MicroBatchState state;
+    ForwardOptions fo;
+    fo.checkpoint_activations = c.recompute;
+    model.begin(state, tokens.data(), tokens.data(), bs, fo);
+    Tensor x = Tensor::empty({mp.tp.local_rows(bs.N()), cfg.n_embd});
+    fill_normal(x.data<float>(), x.numel(), 11, 0, 0.0f, 1.0f);
+    Allocator& device = MemoryContext::current().tier(Tier::device);
+    const double before = static_cast<double>(device.used());
+    Tensor y = model.forward_chunk(params, state, 0, x);
+    measured[static_cast<size_t>(world.rank())] = static_cast<double>(device.used()) - before;
+  });
+  return measured;
+}
+
+TEST(ActivationMemory, MatchesTheAdaptedKorthikantiFormula) {
+  const GPTConfig cfg = model_config();
+  for (const Case& c : {Case{1, false, false}, Case{2, false, false}, Case{2, true, false}, Case{4, false, false},
+                        Case{4, true, false}, Case{1, false, true}, Case{2, true, true}}) {
+    const double expected =
+        static_cast<double>(cfg.n_layer) * activation_bytes_per_layer(cfg, 2, 64, c.tp, c.sequence_parallel, c.recompute);
+    for (double bytes : measure(c)) {
+      std::printf("tp=%d sp=%d recompute=%d: %.0f bytes per rank, formula %.0f (ratio %.4f)\n", c.tp,
+                  c.sequence_parallel, c.recompute, bytes, expected, bytes / expected);
+      EXPECT_NEAR(bytes / expected, 1.0, 0.15) << "tp " << c.tp << " sp " << c.sequence_parallel << " recompute "
+                                               << c.recompute;
+    }
+  }
+}
+
+TEST(ActivationMemory, SequenceParallelismDividesEveryTermByTp) {
+  const GPTConfig cfg = model_config();
+  const double plain = activation_bytes_per_layer(cfg, 2, 64, 1, false, false);
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(cfg, 2, 64, 2, true, false), plain / 2);
+  EXPECT_LT(activation_bytes_per_layer(cfg, 2, 64, 2, false, false), plain);
+  EXPECT_GT(activation_bytes_per_layer(cfg, 2, 64, 2, false, false), plain / 2);
+}
+
+}  // namespace
+}  // namespace loom
