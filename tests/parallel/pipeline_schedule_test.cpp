@@ -1,0 +1,216 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "loom/parallel.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+using Kind = PipelineAction::Kind;
+
+struct Layout {
+  PipelineSchedule schedule;
+  int stages;
+  int micro_batches;
+  int chunks;
+};
+
+std::string describe(const Layout& l) {
+  return str(pipeline_schedule_name(l.schedule), " stages ", l.stages, " micro-batches ", l.micro_batches, " chunks ",
+             l.chunks);
+}
+
+// Every layout the schedules must handle, including the edge cases of a
+// single stage, a single micro-batch and fewer micro-batches than stages.
+std::vector<Layout> layouts() {
+  std::vector<Layout> all;
+  for (int stages : {1, 2, 3, 4, 8})
+    for (int m = 1; m <= 3 * stages; ++m) {
+      all.push_back({PipelineSchedule::gpipe, stages, m, 1});
+      all.push_back({PipelineSchedule::one_f_one_b, stages, m, 1});
+    }
+  for (int stages : {2, 3, 4, 8})
+    for (int chunks : {2, 3, 4})
+      for (int m = stages; m <= 4 * stages; m += stages)
+        all.push_back({PipelineSchedule::interleaved_1f1b, stages, m, chunks});
+  return all;
+}
+
+// "F0 F1 B0 ..." (chunk 0) or "F1.0 ..." (chunk.micro-batch) for messages.
+std::string format(const std::vector<PipelineAction>& actions) {
+  std::string text;
+  for (const PipelineAction& a : actions)
+    text += str(text.empty() ? "" : " ", a.kind == Kind::forward ? "F" : "B", a.chunk == 0 ? "" : str(a.chunk, "."),
+                a.micro_batch);
+  return text;
+}
+
+std::vector<PipelineAction> parse(const std::string& text) {
+  std::vector<PipelineAction> actions;
+  for (size_t begin = 0; begin < text.size();) {
+    const size_t end = std::min(text.find(' ', begin), text.size());
+    const std::string item = text.substr(begin + 1, end - begin - 1);
+    const size_t dot = item.find('.');
+    const Kind kind = text[begin] == 'F' ? Kind::forward : Kind::backward;
+    if (dot == std::string::npos)
+      actions.push_back({kind, 0, std::stoi(item)});
+    else
+      actions.push_back({kind, std::stoi(item.substr(0, dot)), std::stoi(item.substr(dot + 1))});
+    begin = end + 1;
+  }
+  return actions;
+}
+
+TEST(PipelineSchedule, NamesRoundTripAndUnknownNamesListTheKnownOnes) {
+  for (PipelineSchedule s :
+       {PipelineSchedule::gpipe, PipelineSchedule::one_f_one_b, PipelineSchedule::interleaved_1f1b})
+    EXPECT_EQ(parse_pipeline_schedule(pipeline_schedule_name(s)), s);
+  EXPECT_STREQ(pipeline_schedule_name(PipelineSchedule::one_f_one_b), "1f1b");
+  const std::string m = testing::error_of([] { parse_pipeline_schedule("pipedream"); });
+  EXPECT_CONTAINS(m, "unknown pipeline schedule 'pipedream'");
+  EXPECT_CONTAINS(m, "gpipe, 1f1b or interleaved_1f1b");
+}
+
+TEST(PipelineSchedule, EveryUnitRunsOnceForwardsBeforeBackwardsInMicroBatchOrder) {
+  for (const Layout& l : layouts())
+    for (int stage = 0; stage < l.stages; ++stage) {
+      const std::vector<PipelineAction> actions =
+          pipeline_actions(l.schedule, l.stages, stage, l.micro_batches, l.chunks);
+      const std::string where = str(describe(l), " stage ", stage, ": ", format(actions));
+      ASSERT_EQ(actions.size(), 2u * static_cast<size_t>(l.chunks * l.micro_batches)) << where;
+      // next[kind][chunk]: the micro-batch whose action of that kind is due next.
+      std::vector<std::vector<int>> next(2, std::vector<int>(static_cast<size_t>(l.chunks), 0));
+      std::vector<std::vector<bool>> forwarded(static_cast<size_t>(l.chunks),
+                                               std::vector<bool>(static_cast<size_t>(l.micro_batches), false));
+      for (const PipelineAction& a : actions) {
+        ASSERT_TRUE(a.chunk >= 0 && a.chunk < l.chunks) << where;
+        int& due = next[a.kind == Kind::forward ? 0 : 1][static_cast<size_t>(a.chunk)];
+        ASSERT_EQ(a.micro_batch, due) << where;
+        ++due;
+        std::vector<bool>::reference seen = forwarded[static_cast<size_t>(a.chunk)][static_cast<size_t>(a.micro_batch)];
+        if (a.kind == Kind::forward)
+          seen = true;
+        else
+          ASSERT_TRUE(seen) << "backward before its forward: " << where;
+      }
+      for (const std::vector<int>& per_kind : next)
+        for (int count : per_kind) EXPECT_EQ(count, l.micro_batches) << where;
+    }
+}
+
+TEST(PipelineSchedule, OneFOneBKeepsAtMostStagesMinusStageMicroBatchesInFlight) {
+  for (const Layout& l : layouts()) {
+    if (l.schedule != PipelineSchedule::one_f_one_b) continue;
+    for (int stage = 0; stage < l.stages; ++stage) {
+      int in_flight = 0, most = 0;
+      for (const PipelineAction& a : pipeline_actions(l.schedule, l.stages, stage, l.micro_batches, 1)) {
+        in_flight += a.kind == Kind::forward ? 1 : -1;
+        most = std::max(most, in_flight);
+      }
+      EXPECT_EQ(most, std::min(l.stages - stage, l.micro_batches)) << describe(l) << " stage " << stage;
+    }
+  }
+}
+
+TEST(PipelineSchedule, ExactOrders) {
+  EXPECT_EQ(format(pipeline_actions(PipelineSchedule::gpipe, 4, 2, 3, 1)), "F0 F1 F2 B0 B1 B2");
+  // Warm-up of stages - 1 forwards, five forward-backward pairs, three backwards.
+  const std::vector<PipelineAction> first = pipeline_actions(PipelineSchedule::one_f_one_b, 4, 0, 8, 1);
+  EXPECT_EQ(first, parse("F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7")) << format(first);
+  EXPECT_EQ(format(pipeline_actions(PipelineSchedule::one_f_one_b, 4, 3, 3, 1)), "F0 B0 F1 B1 F2 B2");
+  // Megatron's interleaving, 2 ranks, 2 chunks, 4 micro-batches: rank 0 warms
+  // up with 2 * (2 - 0 - 1) + (2 - 1) * 2 = 4 forwards, rank 1 with 2.
+  const std::vector<PipelineAction> rank0 = pipeline_actions(PipelineSchedule::interleaved_1f1b, 2, 0, 4, 2);
+  EXPECT_EQ(rank0, parse("F0 F1 F1.0 F1.1 F2 B1.0 F3 B1.1 F1.2 B0 F1.3 B1 B1.2 B1.3 B2 B3")) << format(rank0);
+  const std::vector<PipelineAction> rank1 = pipeline_actions(PipelineSchedule::interleaved_1f1b, 2, 1, 4, 2);
+  EXPECT_EQ(rank1, parse("F0 F1 F1.0 B1.0 F1.1 B1.1 F2 B0 F3 B1 F1.2 B1.2 F1.3 B1.3 B2 B3")) << format(rank1);
+  // A single group of micro-batches (micro-batches == stages) warms up with
+  // every forward, as Megatron does.
+  const std::vector<PipelineAction> single = pipeline_actions(PipelineSchedule::interleaved_1f1b, 2, 1, 2, 2);
+  EXPECT_EQ(single, parse("F0 F1 F1.0 F1.1 B1.0 B1.1 B0 B1")) << format(single);
+}
+
+// Every rank runs its actions in order as soon as the action's input exists,
+// with no communication time: what run_pipeline does with asynchronous sends
+// and receives that block in action order.
+struct Simulation {
+  bool completed = false;
+  int64_t makespan = 0;
+  std::vector<int64_t> busy;  // per rank
+};
+
+Simulation simulate(const Layout& l, int64_t forward_time, int64_t backward_time) {
+  const int V = l.stages * l.chunks;
+  std::vector<std::vector<PipelineAction>> actions;
+  for (int s = 0; s < l.stages; ++s)
+    actions.push_back(pipeline_actions(l.schedule, l.stages, s, l.micro_batches, l.chunks));
+  // finished[kind][virtual stage * micro_batches + micro-batch], -1 until done.
+  std::vector<std::vector<int64_t>> finished(2, std::vector<int64_t>(static_cast<size_t>(V * l.micro_batches), -1));
+  auto finish = [&](Kind kind, int virtual_stage, int mb) -> int64_t& {
+    return finished[kind == Kind::forward ? 0 : 1][static_cast<size_t>(virtual_stage * l.micro_batches + mb)];
+  };
+  std::vector<size_t> next(static_cast<size_t>(l.stages), 0);
+  std::vector<int64_t> clock(static_cast<size_t>(l.stages), 0);
+  Simulation sim;
+  sim.busy.assign(static_cast<size_t>(l.stages), 0);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int s = 0; s < l.stages; ++s) {
+      const auto r = static_cast<size_t>(s);
+      for (; next[r] < actions[r].size(); ++next[r]) {
+        const PipelineAction& a = actions[r][next[r]];
+        const int vs = a.chunk * l.stages + s;
+        int64_t ready = 0;
+        if (a.kind == Kind::forward && vs > 0) ready = finish(Kind::forward, vs - 1, a.micro_batch);
+        if (a.kind == Kind::backward)
+          ready = vs < V - 1 ? finish(Kind::backward, vs + 1, a.micro_batch) : finish(Kind::forward, vs, a.micro_batch);
+        if (ready < 0) break;
+        const int64_t duration = a.kind == Kind::forward ? forward_time : backward_time;
+        clock[r] = std::max(clock[r], ready) + duration;
+        sim.busy[r] += duration;
+        finish(a.kind, vs, a.micro_batch) = clock[r];
+        progress = true;
+      }
+    }
+  }
+  sim.completed = true;
+  for (int s = 0; s < l.stages; ++s)
+    sim.completed = sim.completed && next[static_cast<size_t>(s)] == actions[static_cast<size_t>(s)].size();
+  sim.makespan = *std::max_element(clock.begin(), clock.end());
+  return sim;
+}
+
+// With forward time 1 and backward time 2 per chunk, every rank of every
+// layout finishes, and each rank idles for exactly the textbook bubble of the
+// step: (p-1)/(m+p-1) for gpipe and 1f1b, where every rank waits p - 1
+// forwards before its first and p - 1 backwards after its last; and for
+// interleaving with v chunks (p-1)/(v m + p - 1), since a rank waits for p - 1
+// chunk forwards and backwards, each 1/v of a stage's.
+TEST(PipelineSchedule, SimulatedStepsFinishWithTheTextbookBubble) {
+  for (const Layout& l : layouts()) {
+    const Simulation sim = simulate(l, 1, 2);
+    ASSERT_TRUE(sim.completed) << "deadlock: " << describe(l);
+    const int64_t p = l.stages, m = l.micro_batches, v = l.chunks;
+    const int64_t steps = l.schedule == PipelineSchedule::interleaved_1f1b ? v * m + p - 1 : m + p - 1;
+    for (int s = 0; s < l.stages; ++s) {
+      const int64_t idle = sim.makespan - sim.busy[static_cast<size_t>(s)];
+      // idle / makespan == (p - 1) / steps, exactly.
+      EXPECT_EQ(idle * steps, sim.makespan * (p - 1))
+          << describe(l) << " stage " << s << ": idle " << idle << " of " << sim.makespan;
+    }
+  }
+  // The same work per rank (2 chunks at half the time each) idles less when
+  // interleaved: 3/19 of the step against 3/11.
+  const Simulation plain = simulate({PipelineSchedule::one_f_one_b, 4, 8, 1}, 2, 4);
+  const Simulation interleaved = simulate({PipelineSchedule::interleaved_1f1b, 4, 8, 2}, 1, 2);
+  EXPECT_EQ(plain.busy[0], interleaved.busy[0]);
+  EXPECT_EQ(plain.makespan, 66);
+  EXPECT_EQ(interleaved.makespan, 57);
+}
+
+}  // namespace
+}  // namespace loom
