@@ -143,7 +143,9 @@ struct TensorParallelRegion {
 // The order in which each pipeline rank runs the forwards and backwards of a
 // step's micro-batches:
 //   gpipe            every forward, then every backward (all activations of
-//                    the step live at once);
+//                    the step live at once); with several chunks per rank,
+//                    chunk by chunk (forward-only evaluation of an
+//                    interleaved model);
 //   1f1b             PipeDream-flush: a warm-up of forwards, then one forward
 //                    and one backward alternately, then the remaining
 //                    backwards (at most `stages` micro-batches in flight);

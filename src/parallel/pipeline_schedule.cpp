@@ -11,10 +11,14 @@ constexpr PipelineSchedule kSchedules[] = {PipelineSchedule::gpipe, PipelineSche
 
 using Kind = PipelineAction::Kind;
 
-std::vector<PipelineAction> gpipe_actions(int micro_batches) {
+// With several chunks per rank (forward-only evaluation of an interleaved
+// model) the forwards run chunk by chunk and the backwards in reverse.
+std::vector<PipelineAction> gpipe_actions(int micro_batches, int chunks) {
   std::vector<PipelineAction> actions;
-  for (Kind kind : {Kind::forward, Kind::backward})
-    for (int mb = 0; mb < micro_batches; ++mb) actions.push_back({kind, 0, mb});
+  for (int c = 0; c < chunks; ++c)
+    for (int mb = 0; mb < micro_batches; ++mb) actions.push_back({Kind::forward, c, mb});
+  for (int c = chunks; c-- > 0;)
+    for (int mb = 0; mb < micro_batches; ++mb) actions.push_back({Kind::backward, c, mb});
   return actions;
 }
 
@@ -84,8 +88,8 @@ std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stag
   LOOM_CHECK(micro_batches >= 1, "pipeline of ", micro_batches, " micro-batches");
   switch (schedule) {
     case PipelineSchedule::gpipe:
-      LOOM_CHECK(chunks == 1, "gpipe runs one chunk per rank, not ", chunks);
-      return gpipe_actions(micro_batches);
+      LOOM_CHECK(chunks >= 1, "gpipe with ", chunks, " chunks per rank");
+      return gpipe_actions(micro_batches, chunks);
     case PipelineSchedule::one_f_one_b:
       LOOM_CHECK(chunks == 1, "1f1b runs one chunk per rank, not ", chunks);
       return one_f_one_b_actions(stages, stage, micro_batches);

@@ -36,7 +36,18 @@ ModelParallel model_parallel_for(const GPTConfig& model, const TrainOptions& opt
   const int stage = mesh.coord(MeshAxis::pp);
   mp.first_stage = stage == 0;
   mp.last_stage = stage == pp - 1;
-  const std::vector<int> layers = pipeline_stage_layers(model, model.block_size, pp * o.virtual_stages, o.stage_layers);
+  std::vector<int> given = o.stage_layers;
+  if (interleaved && given.empty()) {
+    // The interleaved schedule cycles through the chunks in lockstep, so
+    // they get equal layer counts (as in Megatron-LM) rather than a balance
+    // of costs that would leave the head's chunk short.
+    const int parts = pp * o.virtual_stages;
+    if (model.n_layer % parts != 0)
+      throw Error(str("model.n_layer = ", model.n_layer, " does not split evenly over ", pp, " x ", o.virtual_stages,
+                      " interleaved virtual stages: give parallel.stage_layers or change the layer count"));
+    given.assign(static_cast<size_t>(parts), static_cast<int>(model.n_layer) / parts);
+  }
+  const std::vector<int> layers = pipeline_stage_layers(model, model.block_size, pp * o.virtual_stages, given);
   std::vector<int> first{0};
   for (int n : layers) first.push_back(first.back() + n);
   // Chunk c of pipeline rank s is virtual stage c * pp + s.

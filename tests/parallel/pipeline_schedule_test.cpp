@@ -214,3 +214,19 @@ TEST(PipelineSchedule, SimulatedStepsFinishWithTheTextbookBubble) {
 
 }  // namespace
 }  // namespace loom
+
+namespace loom {
+namespace {
+
+// Forward-only evaluation of an interleaved model runs gpipe over its chunks:
+// every forward of chunk 0, then of chunk 1; the backwards in reverse.
+TEST(PipelineSchedule, GpipeOverSeveralChunksRunsThemInOrder) {
+  using K = PipelineAction::Kind;
+  const std::vector<PipelineAction> expected = {{K::forward, 0, 0},  {K::forward, 0, 1},  {K::forward, 1, 0},
+                                                {K::forward, 1, 1},  {K::backward, 1, 0}, {K::backward, 1, 1},
+                                                {K::backward, 0, 0}, {K::backward, 0, 1}};
+  EXPECT_EQ(pipeline_actions(PipelineSchedule::gpipe, 2, 1, 2, 2), expected);
+}
+
+}  // namespace
+}  // namespace loom
