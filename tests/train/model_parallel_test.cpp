@@ -1,6 +1,8 @@
 // Tensor-, sequence- and pipeline-parallel layouts, alone and composed with
 // data parallelism, ZeRO-1 and activation checkpointing, reproduce the
 // single-rank fp32 reference, and each is bit-identical run to run.
+#include <cmath>
+
 #include <gtest/gtest.h>
 
 #include "zero/zero_test_util.h"
@@ -145,6 +147,36 @@ TEST(ModelParallel, ForwardOnlyLossMatchesTheReference) {
     DeviceMesh mesh(world, shape);
     Trainer trainer(cfg, opts, mesh);
     EXPECT_NEAR(trainer.loss_sum(mb), expected, 1e-5 * expected) << "rank " << world.rank();
+  });
+}
+
+// The point of model parallelism: a model whose state does not fit one
+// rank's device budget trains when its layers and matrices are split.
+TEST(ModelParallel, AModelTooLargeForOneRankTrainsOnATensorByPipelineMesh) {
+  GPTConfig cfg = testing::small_gpt(0.0f, kLayers, kHeads);
+  cfg.n_embd = 128;
+  const double state = 16.0 * static_cast<double>(cfg.num_params());  // fp32 parameters, gradients, moments
+  const size_t budget = static_cast<size_t>(0.5 * state);
+  const std::vector<int32_t> data = testing::step_tokens(0, cfg.vocab_size);
+  const std::string error = testing::error_of([&] {
+    run_local(1, [&](Communicator&) {
+      MemoryContext::current().tier(Tier::device).set_budget(budget);
+      Trainer trainer(cfg, {}, nullptr);
+    });
+  });
+  EXPECT_CONTAINS(error, "budget");
+  TrainOptions opts;
+  opts.model_parallel.sequence_parallel = true;
+  run_local(4, [&](Communicator& world) {
+    MemoryContext::current().tier(Tier::device).set_budget(budget);
+    MeshShape shape;
+    shape[MeshAxis::pp] = 2;
+    shape[MeshAxis::tp] = 2;
+    DeviceMesh mesh(world, shape);
+    Trainer trainer(cfg, opts, mesh);
+    const std::vector<MicroBatch> mbs = testing::rank_micro_batches(data, 1, 0, 2);
+    for (int step = 0; step < 2; ++step) EXPECT_TRUE(std::isfinite(trainer.step(mbs).loss));
+    EXPECT_LE(MemoryContext::current().tier(Tier::device).peak(), budget);
   });
 }
 
