@@ -216,9 +216,11 @@ struct CheckpointInfo {
 // master weights under mixed precision), whatever the layout that saved it, so
 // any layout loads any checkpoint. Under dp both calls are collective: every
 // rank gathers the state, rank 0 writes it and the ranks meet in a barrier;
-// every rank verifies and reads the files and takes its part.
+// every rank verifies and reads the files and takes its part. A Trainer built
+// on a mesh saves with that mesh: rank 0 of its world writes, and the barrier
+// is over the world.
 std::filesystem::path save_checkpoint(const std::filesystem::path& root, Trainer& trainer,
-                                      const nlohmann::json& fields, int64_t keep_last);
+                                      const nlohmann::json& fields, int64_t keep_last, DeviceMesh* mesh = nullptr);
 // Verifies every file's checksum, then loads weights, optimizer state, the
 // step counters and (fp16) the loss scaler's state.
 CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Trainer& trainer);
@@ -247,6 +249,11 @@ struct EvalResult {
 EvalResult evaluate(GPT& model, ParamStore& params, const std::vector<std::filesystem::path>& shards,
                     int64_t seq_len, int64_t micro_batch, double chars_per_token, int64_t max_batches = 0,
                     Communicator* dp = nullptr);
+// The same through a Trainer's model, whatever its layout (Trainer::loss_sum):
+// each data-parallel replica evaluates its slice of the windows. Collective
+// over the Trainer's ranks (the whole mesh under a mesh).
+EvalResult evaluate(Trainer& trainer, const std::vector<std::filesystem::path>& shards, int64_t seq_len,
+                    int64_t micro_batch, double chars_per_token, int64_t max_batches = 0);
 
 struct RunOptions {
   bool resume = false;

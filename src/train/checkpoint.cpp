@@ -47,8 +47,15 @@ int64_t manifest_int(const CheckpointInfo& info, const nlohmann::json& object, c
 }
 }  // namespace
 
-fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json& fields, int64_t keep_last) {
+fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json& fields, int64_t keep_last,
+                         DeviceMesh* mesh) {
   Communicator* dp = t.data_parallel();
+  const ModelParallel& mp = t.model().parallel();
+  // Every replica has a data-parallel rank 0: under a mesh only the world's
+  // rank 0 may write.
+  LOOM_CHECK(mesh || (mp.tp.size() == 1 && mp.first_stage && mp.last_stage),
+             "a Trainer whose model is split over tp or pp ranks saves with the mesh it was built on");
+  Communicator* ranks = mesh ? &mesh->world() : dp;
   // The reference trainer's own tensors are its whole state already; under
   // dp every rank gathers it (collective) and rank 0 writes it.
   const Trainer::State state =
@@ -56,7 +63,7 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
          : Trainer::State{t.params().flat(), t.optimizer().exp_avg(), t.optimizer().exp_avg_sq(), t.steps_done(),
                           t.optimizer().steps(), {}};
   const std::string name = checkpoint_dir_name(state.steps);
-  if (!dp || dp->rank() == 0) {
+  if (!ranks || ranks->rank() == 0) {
     fs::create_directories(root);
     AtomicDirWriter dir(root / name);
     const ParamLayout& layout = t.state_layout();
@@ -78,7 +85,11 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
     f["step"] = state.steps;
     f["optimizer_steps"] = state.optimizer_steps;
     const ZeroOptions& zero = t.options().zero;
-    f["layout"] = {{"dp", dp ? dp->size() : 1}, {"zero_stage", zero.stage}, {"precision", dtype_name(zero.precision)}};
+    f["layout"] = {{"dp", dp ? dp->size() : 1},
+                   {"tp", mesh ? mesh->size(MeshAxis::tp) : 1},
+                   {"pp", mesh ? mesh->size(MeshAxis::pp) : 1},
+                   {"zero_stage", zero.stage},
+                   {"precision", dtype_name(zero.precision)}};
     if (t.loss_scaler())
       f["loss_scale"] = {{"scale", state.loss_scale.scale},
                          {"clean_steps", state.loss_scale.clean_steps},
@@ -92,7 +103,7 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
     apply_retention(root, keep_last);
   }
   // No rank goes on (and possibly reads `latest`) before the files exist.
-  if (dp) dp->barrier();
+  if (ranks) ranks->barrier();
   return root / name;
 }
 

@@ -1,3 +1,4 @@
+#include <functional>
 #include <vector>
 
 #include "loom/comm.h"
@@ -6,15 +7,21 @@
 
 namespace loom {
 
-EvalResult evaluate(GPT& model, ParamStore& params, const std::vector<std::filesystem::path>& shards,
-                    int64_t seq_len, int64_t micro_batch, double chars_per_token, int64_t max_batches,
-                    Communicator* dp) {
+namespace {
+
+// The loss of one micro-batch summed over its positions with a target
+// (`targets` of them).
+using LossSum = std::function<double(const MicroBatch& micro_batch, int64_t targets)>;
+
+// Walks this data-parallel rank's slice of the windows (every rank, dp = the
+// whole split) and adds up the ranks' loss sums.
+EvalResult evaluate_windows(const std::vector<std::filesystem::path>& shards, int64_t seq_len, int64_t micro_batch,
+                            double chars_per_token, int64_t max_batches, int64_t vocab_size, Communicator* dp,
+                            const LossSum& loss_sum) {
   EvalLoader loader(shards, static_cast<int>(seq_len), static_cast<int>(micro_batch), dp ? dp->rank() : 0,
                     dp ? dp->size() : 1);
-  loader.check_vocab(static_cast<int>(model.config().vocab_size));
+  loader.check_vocab(static_cast<int>(vocab_size));
   std::vector<int32_t> inputs(static_cast<size_t>(micro_batch * seq_len)), targets(inputs.size());
-  ForwardOptions fo;
-  fo.training = false;
   // Per rank: the loss summed over target tokens, and their count.
   struct Partial {
     double sum = 0.0;
@@ -22,12 +29,11 @@ EvalResult evaluate(GPT& model, ParamStore& params, const std::vector<std::files
   } mine;
   int64_t batches = 0;
   // A batch without real rows (a rank whose slice ran out) still runs its
-  // forward: under ZeRO-3 the forward's all-gathers are collective.
+  // forward: under ZeRO-3 and in a pipeline the forward is collective.
   while (loader.next(inputs, targets)) {
     int64_t n = 0;
     for (int32_t t : targets) n += t != -1;
-    const float loss = model.forward(params, inputs.data(), targets.data(), {micro_batch, seq_len}, fo);
-    mine.sum += static_cast<double>(loss) * static_cast<double>(n);
+    mine.sum += loss_sum({inputs.data(), targets.data(), {micro_batch, seq_len}}, n);
     mine.tokens += n;
     if (max_batches > 0 && ++batches >= max_batches) break;
   }
@@ -50,6 +56,27 @@ EvalResult evaluate(GPT& model, ParamStore& params, const std::vector<std::files
   r.loss_per_token = sum / static_cast<double>(tokens);
   r.loss_per_char = chars_per_token > 0 ? r.loss_per_token / chars_per_token : 0.0;
   return r;
+}
+
+}  // namespace
+
+EvalResult evaluate(GPT& model, ParamStore& params, const std::vector<std::filesystem::path>& shards,
+                    int64_t seq_len, int64_t micro_batch, double chars_per_token, int64_t max_batches,
+                    Communicator* dp) {
+  ForwardOptions fo;
+  fo.training = false;
+  return evaluate_windows(shards, seq_len, micro_batch, chars_per_token, max_batches, model.config().vocab_size, dp,
+                          [&](const MicroBatch& mb, int64_t targets) {
+                            const float loss = model.forward(params, mb.tokens, mb.targets, mb.shape, fo);
+                            return static_cast<double>(loss) * static_cast<double>(targets);
+                          });
+}
+
+EvalResult evaluate(Trainer& trainer, const std::vector<std::filesystem::path>& shards, int64_t seq_len,
+                    int64_t micro_batch, double chars_per_token, int64_t max_batches) {
+  return evaluate_windows(shards, seq_len, micro_batch, chars_per_token, max_batches,
+                          trainer.model().config().vocab_size, trainer.data_parallel(),
+                          [&](const MicroBatch& mb, int64_t) { return trainer.loss_sum(mb); });
 }
 
 }  // namespace loom

@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -79,12 +80,14 @@ class MetricsLog {
   std::ofstream out_;
 };
 
-// One rank of a run: `dp` is the data-parallel communicator, or nullptr for
-// the single-rank reference. Rank 0 prints, writes metrics.jsonl and the
-// sample; every rank takes part in every collective (steps, validation,
-// checkpoints, the sample's forwards).
-EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions& run, Communicator* dp) {
-  const bool root = !dp || dp->rank() == 0;
+// One rank of a run: `world` holds every rank of the run, or is nullptr for
+// the single-rank reference. With tensor or pipeline parallelism the ranks
+// form a dp x pp x tp mesh; otherwise the world is the data-parallel
+// communicator. World rank 0 prints, writes metrics.jsonl and the sample;
+// every rank takes part in every collective (steps, validation, checkpoints,
+// the sample's forwards or the gathered state).
+EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions& run, Communicator* world) {
+  const bool root = !world || world->rank() == 0;
   const bool quiet = run.quiet || !root;
   const bool tty = isatty(STDOUT_FILENO) && !quiet;
   auto say = [&](const std::string& line) {
@@ -95,7 +98,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   // Rank 0 prepares the dataset on first use; the others read it once it exists.
   DatasetInfo data;
   if (root) data = ensure_dataset(cfg, plan.seq_len, quiet);
-  if (dp) dp->barrier();
+  if (world) world->barrier();
   if (!root) data = ensure_dataset(cfg, plan.seq_len, true);
   if (data.vocab_size > plan.model.vocab_size)
     throw Error(str("the dataset in '", data.dir.string(), "' was tokenized with a vocabulary of ", data.vocab_size,
@@ -103,18 +106,31 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
                     ": set model.vocab_size >= ", data.vocab_size, " or prepare the data with a smaller vocabulary"));
   const Tokenizer tokenizer = Tokenizer::load(data.tokenizer);
 
+  std::unique_ptr<DeviceMesh> mesh;
+  if (plan.tp > 1 || plan.pp > 1) {
+    MeshShape shape;
+    shape[MeshAxis::dp] = static_cast<int>(plan.dp);
+    shape[MeshAxis::tp] = static_cast<int>(plan.tp);
+    shape[MeshAxis::pp] = static_cast<int>(plan.pp);
+    mesh = std::make_unique<DeviceMesh>(*world, shape);
+  }
+
+  // Every tensor- and pipeline-parallel rank of a replica reads the
+  // replica's batches.
   LoaderOptions lo;
   lo.shards = {data.train.file};
   lo.seq_len = static_cast<int>(plan.seq_len);
   lo.micro_batch = static_cast<int>(plan.micro_batch);
   lo.global_batch = static_cast<int>(plan.global_batch);
-  lo.dp_rank = dp ? dp->rank() : 0;
+  lo.dp_rank = mesh ? mesh->coord(MeshAxis::dp) : world ? world->rank() : 0;
   lo.dp_size = static_cast<int>(plan.dp);
   lo.seed = plan.options.seed;
   TokenLoader loader(lo);
   loader.check_vocab(static_cast<int>(plan.model.vocab_size));
 
-  Trainer trainer(plan.model, plan.options, dp);
+  const std::unique_ptr<Trainer> trainer_on_rank = mesh ? std::make_unique<Trainer>(plan.model, plan.options, *mesh)
+                                                        : std::make_unique<Trainer>(plan.model, plan.options, world);
+  Trainer& trainer = *trainer_on_rank;
   if (root) fs::create_directories(plan.out_dir);
   if (run.resume) {
     auto latest = read_latest(plan.out_dir);
@@ -129,9 +145,9 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   // MFU is against the whole job's peak: each rank measures its own share of
   // the cores at the same time, and the shares add up.
   double sgemm_gflops = cpu::measure_sgemm_gflops(1024, 3);
-  if (dp) {
+  if (world) {
     float share = static_cast<float>(sgemm_gflops);
-    dp->all_reduce(&share, 1, DType::f32, ReduceOp::sum);
+    world->all_reduce(&share, 1, DType::f32, ReduceOp::sum);
     sgemm_gflops = share;
   }
   const double flops_per_step = training_flops_per_step(plan.model, plan.global_batch, plan.seq_len);
@@ -141,12 +157,21 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
           static_cast<double>(plan.model.num_params()) / 1e6, "M parameters"));
   say(str("data: ", data.train.tokens, " train / ", data.val.tokens, " val tokens (", data.val.chars_per_token(),
           " chars/token); ", plan.global_batch, " x ", plan.seq_len, " tokens per step in ", plan.accumulation,
-          " micro-batches", dp ? " per rank" : "", "; ", plan.steps, " steps; threads ", cpu::num_threads(),
-          dp ? " per rank" : ""));
-  if (dp)
-    say(str("parallel: ", plan.dp, " data-parallel ranks (", dp->backend(), " backend), ZeRO stage ",
+          " micro-batches", mesh ? " per replica" : world ? " per rank" : "", "; ", plan.steps, " steps; threads ",
+          cpu::num_threads(), world ? " per rank" : ""));
+  if (mesh) {
+    const ModelParallelOptions& mp = plan.options.model_parallel;
+    say(str("parallel: ", mesh->shape().describe(), " mesh (", world->backend(), " backend)",
+            mp.sequence_parallel ? ", sequence parallel" : "", plan.pp > 1 ? ", schedule " : "",
+            plan.pp > 1 ? pipeline_schedule_name(mp.schedule) : "",
+            mp.virtual_stages > 1 ? str(" with ", mp.virtual_stages, " virtual stages") : "", ", ZeRO stage ",
             plan.options.zero.stage, ", precision ", cfg.get<std::string>("precision"),
             "; memory figures are rank 0's"));
+  } else if (world) {
+    say(str("parallel: ", plan.dp, " data-parallel ranks (", world->backend(), " backend), ZeRO stage ",
+            plan.options.zero.stage, ", precision ", cfg.get<std::string>("precision"),
+            "; memory figures are rank 0's"));
+  }
 
   std::optional<MetricsLog> metrics;
   if (root) metrics.emplace(plan.out_dir / "metrics.jsonl");
@@ -165,12 +190,12 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   Allocator& device = MemoryContext::current().tier(Tier::device);
 
   auto validate = [&](int64_t max_batches) {
-    return evaluate(trainer.model(), trainer.params(), {data.val.file}, plan.seq_len, plan.micro_batch,
-                    data.val.chars_per_token(), max_batches, dp);
+    return evaluate(trainer, {data.val.file}, plan.seq_len, plan.micro_batch, data.val.chars_per_token(),
+                    max_batches);
   };
   auto checkpoint = [&] {
     checkpoint_fields["loader"] = loader.state();
-    const fs::path dir = save_checkpoint(plan.out_dir, trainer, checkpoint_fields, keep_last);
+    const fs::path dir = save_checkpoint(plan.out_dir, trainer, checkpoint_fields, keep_last, mesh.get());
     say(str("checkpoint ", dir.string()));
   };
 
@@ -265,8 +290,6 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
     const std::string prompt = cfg.get<std::string>("train.sample_prompt");
     SampleOptions so;
     so.seed = plan.options.seed;
-    // Every rank generates in lockstep (under ZeRO-3 each forward gathers the
-    // parameters collectively); the draws agree, so rank 0 alone prints.
     std::function<void(const std::string&)> print_piece;
     if (root)
       print_piece = [](const std::string& piece) {
@@ -274,7 +297,21 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
         std::fflush(stdout);
       };
     if (root) std::printf("--- sample ---\n%s", prompt.c_str());
-    generate(trainer.model(), trainer.params(), tokenizer, prompt, sample_tokens, so, print_piece);
+    if (mesh) {
+      // Generation needs the whole model on one rank: every rank gathers the
+      // state (collective) and rank 0 generates with it alone.
+      const Trainer::State state = trainer.gather_state();
+      if (root) {
+        GPT whole(plan.model);
+        ParamStore params(whole.layout(), plan.options.seed);
+        params.flat().copy_from(state.params);
+        generate(whole, params, tokenizer, prompt, sample_tokens, so, print_piece);
+      }
+    } else {
+      // Every rank generates in lockstep (under ZeRO-3 each forward gathers
+      // the parameters collectively); the draws agree, so rank 0 alone prints.
+      generate(trainer.model(), trainer.params(), tokenizer, prompt, sample_tokens, so, print_piece);
+    }
     if (root) std::printf("\n--------------\n");
   }
   return final_eval;

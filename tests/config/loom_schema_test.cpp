@@ -20,7 +20,8 @@ TEST(LoomSchema, HasTheKeysTheTrainerReads) {
         "train.grad_clip", "train.seed", "train.log_interval", "train.eval_interval", "train.eval_batches",
         "train.checkpoint_interval", "train.keep_last", "train.out_dir", "train.activation_checkpointing",
         "train.sample_tokens", "train.sample_prompt", "data.dir", "data.text", "data.vocab_size",
-        "data.val_fraction", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.backend", "parallel.nproc",
+        "data.val_fraction", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.sequence_parallel",
+        "parallel.schedule", "parallel.virtual_stages", "parallel.stage_layers", "parallel.backend", "parallel.nproc",
         "zero.stage", "zero.bucket_mb", "precision", "loss_scale.initial", "loss_scale.growth_interval",
         "loss_scale.hysteresis", "loss_scale.min", "memory.device_budget", "memory.host_budget",
         "memory.nvme_dir", "memory.policy", "memory.offload_param_frac", "memory.offload_optim_frac"}) {
