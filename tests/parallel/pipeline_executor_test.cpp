@@ -248,13 +248,16 @@ MeasuredBubble measure_bubble(PipelineSchedule schedule, int stages, int micro_b
 
 TEST(RunPipeline, MeasuredBubbleIsTheTextbookFraction) {
   const int p = 4, m = 8;
-  const std::chrono::microseconds forward(8000);
+  // Long enough that a late wake-up on a loaded machine (ctest runs other
+  // suites alongside) is a few percent of a unit of work, not a fifth.
+  const std::chrono::microseconds forward(40000);
   const double textbook = static_cast<double>(p - 1) / (m + p - 1);
   const double interleaved_textbook = static_cast<double>(p - 1) / (2 * m + p - 1);
   const MeasuredBubble gpipe = measure_bubble(PipelineSchedule::gpipe, p, m, 1, forward);
   const MeasuredBubble one_f_one_b = measure_bubble(PipelineSchedule::one_f_one_b, p, m, 1, forward);
   const MeasuredBubble interleaved = measure_bubble(PipelineSchedule::interleaved_1f1b, p, m, 2, forward / 2);
-  std::printf("pipeline bubble, p=%d m=%d, forward 8 ms backward 16 ms per stage, mean over ranks:\n", p, m);
+  std::printf("pipeline bubble, p=%d m=%d, forward %lld ms backward %lld ms per stage, mean over ranks:\n", p, m,
+              static_cast<long long>(forward.count() / 1000), static_cast<long long>(2 * forward.count() / 1000));
   std::printf("  gpipe             %.3f (first step %.3f), textbook %.3f\n", gpipe.steady, gpipe.first_step, textbook);
   std::printf("  1f1b              %.3f (first step %.3f), textbook %.3f\n", one_f_one_b.steady, one_f_one_b.first_step,
               textbook);
