@@ -58,6 +58,13 @@ ModelParallel model_parallel_for(const GPTConfig& model, const TrainOptions& opt
   return mp;
 }
 
+// Whether this rank's values of p are the ones its replica saves and counts
+// in the gradient norm: not the tied copy and, for a parameter replicated over
+// the tensor-parallel ranks, tp rank 0's.
+bool owns_values(const ParamSpec& p, int tp_rank) {
+  return !p.parallel.tied_copy && (p.parallel.split.parts > 1 || tp_rank == 0);
+}
+
 // Visits every element of a rank's layout in runs: fn(spec, flat offset in
 // `local`, flat offset in `whole` or -1 for padding, length).
 template <typename Fn>
@@ -102,10 +109,15 @@ class MicroBatchWork final : public PipelineStageWork {
     gs_.set_reduce(reduce_last_ && micro_batch + 1 == static_cast<int>(micro_batches_.size()));
     return model_.backward_chunk(ps_, gs_, states_[static_cast<size_t>(micro_batch)], chunk, grad_output, dloss_);
   }
-  double loss_sum() const {
+  // The micro-batches' loss sum on every rank of `pipeline`: only the last
+  // stage computes losses (its tensor-parallel ranks all the same ones).
+  double loss_sum(Communicator& pipeline) const {
     double sum = 0.0;
     for (const MicroBatchState& s : states_) sum += s.loss_sum;
-    return sum;
+    if (pipeline.size() == 1) return sum;
+    float reduced = static_cast<float>(sum);
+    pipeline.all_reduce(&reduced, 1, DType::f32, ReduceOp::sum);
+    return reduced;
   }
 
  private:
@@ -159,7 +171,7 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, DeviceMesh& m
   build_zero_stores();
   std::vector<FlatRange> duplicates;
   for (const ParamSpec& p : model_.layout().params())
-    if (p.parallel.tied_copy || (p.parallel.split.parts == 1 && tpl.rank() != 0))
+    if (!owns_values(p, tpl.rank()))
       duplicates.push_back({p.offset, p.offset + p.numel()});
   zero_optim_->count_norm_over(*model_parallel_group_, std::move(duplicates));
 }
@@ -248,12 +260,7 @@ double Trainer::run_micro_batches(std::span<const MicroBatch> micro_batches, con
   MicroBatchWork work(model_, *params_, *grads_, micro_batches, base, dloss, !defer_reduction_);
   pipeline_timing_ = run_pipeline(pipeline, o.schedule, static_cast<int>(micro_batches.size()), o.virtual_stages, work);
   if (defer_reduction_) reduce_model_parallel_gradients();
-  // Only the last stage computed losses; the tensor-parallel ranks of a
-  // stage computed the same ones.
-  if (pipeline.size() == 1) return work.loss_sum();
-  float sum = static_cast<float>(work.loss_sum());
-  pipeline.all_reduce(&sum, 1, DType::f32, ReduceOp::sum);
-  return sum;
+  return work.loss_sum(pipeline);
 }
 
 void Trainer::reduce_model_parallel_gradients() {
@@ -279,10 +286,7 @@ double Trainer::loss_sum(const MicroBatch& mb) {
   MicroBatchWork work(model_, *params_, *grads_, {&mb, 1}, fo, 0.0f, false);
   Communicator& pipeline = mesh_->group(MeshAxis::pp);
   run_pipeline(pipeline, PipelineSchedule::gpipe, 1, opts_.model_parallel.virtual_stages, work, true);
-  if (pipeline.size() == 1) return work.loss_sum();
-  float sum = static_cast<float>(work.loss_sum());
-  pipeline.all_reduce(&sum, 1, DType::f32, ReduceOp::sum);
-  return sum;
+  return work.loss_sum(pipeline);
 }
 
 StepStats Trainer::apply_update(StepStats stats) {
@@ -334,7 +338,7 @@ Trainer::State Trainer::gather_state() {
     for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq}) {
       Tensor whole = Tensor::zeros({state_layout().numel()}, DType::f32, Tier::host);
       for_each_whole_run(model_.layout(), state_layout(), [&](const ParamSpec& p, int64_t local, int64_t global, int64_t n) {
-        if (global < 0 || p.parallel.tied_copy || (p.parallel.split.parts == 1 && tp_rank != 0)) return;
+        if (global < 0 || !owns_values(p, tp_rank)) return;
         std::copy_n(t->data<float>() + local, n, whole.data<float>() + global);
       });
       model_parallel_group_->all_reduce(whole);

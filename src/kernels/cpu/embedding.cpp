@@ -6,6 +6,35 @@
 
 namespace loom::cpu {
 
+namespace {
+
+// dst[row(i)] += src[i] for each of the N rows of src; a negative row(i)
+// skips row i. A destination row may receive several source rows (a repeated
+// token, a position in every sequence), so each thread owns a slice of the
+// columns and walks every source row in order: no races, and each element
+// sums its rows in row order whatever the number of threads.
+template <typename Row>
+void scatter_add_rows(float* dst, const float* src, int64_t N, int64_t C, Row row) {
+  constexpr int64_t kAlign = 16;  // 64-byte slices, so threads never share a cache line of a row
+#pragma omp parallel if (N * C >= kMinParallelWork)
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t units = (C + kAlign - 1) / kAlign;
+    const int64_t c0 = units * tid / nt * kAlign;
+    const int64_t c1 = std::min(units * (tid + 1) / nt * kAlign, C);
+    for (int64_t i = 0; i < N && c0 < c1; ++i) {
+      const int64_t r = row(i);
+      if (r < 0) continue;
+      const float* g = src + i * C;
+      float* d = dst + r * C;
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) d[c] += g[c];
+    }
+  }
+}
+
+}  // namespace
+
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
                        int64_t C, int64_t pos0) {
 #pragma omp parallel for schedule(static) if (B * T * C >= kMinParallelWork)
@@ -20,32 +49,9 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
 
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
                         int64_t C, int64_t pos0) {
-  // A token that occurs several times gets several rows added to the same
-  // dwte row. Each thread therefore owns a slice of the columns and walks all
-  // rows in order: no races, and each element sums its rows in row order
-  // whatever the number of threads.
   const int64_t N = B * T;
-  constexpr int64_t kAlign = 16;  // 64-byte slices, so threads never share a cache line of a row
-#pragma omp parallel if (N * C >= kMinParallelWork)
-  {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t units = (C + kAlign - 1) / kAlign;
-    const int64_t c0 = units * tid / nt * kAlign;
-    const int64_t c1 = units * (tid + 1) / nt * kAlign < C ? units * (tid + 1) / nt * kAlign : C;
-    for (int64_t i = 0; i < N && c0 < c1; ++i) {
-      const float* g = dout + i * C;
-      if (dwte != nullptr) {
-        float* w = dwte + static_cast<int64_t>(tokens[i]) * C;
-#pragma omp simd
-        for (int64_t c = c0; c < c1; ++c) w[c] += g[c];
-      }
-      if (dwpe != nullptr) {
-        float* p = dwpe + (pos0 + i % T) * C;
-#pragma omp simd
-        for (int64_t c = c0; c < c1; ++c) p[c] += g[c];
-      }
-    }
-  }
+  if (dwte != nullptr) scatter_add_rows(dwte, dout, N, C, [&](int64_t i) { return static_cast<int64_t>(tokens[i]); });
+  if (dwpe != nullptr) scatter_add_rows(dwpe, dout, N, C, [&](int64_t i) { return pos0 + i % T; });
 }
 
 void embedding_lookup_range(float* out, const int32_t* tokens, const float* wte, int64_t first, int64_t rows,
@@ -66,24 +72,10 @@ void embedding_lookup_range(float* out, const int32_t* tokens, const float* wte,
 
 void embedding_lookup_range_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t first,
                                      int64_t rows, int64_t N, int64_t C) {
-  // As embedding_backward: threads own column slices and walk the rows in
-  // order, so repeated tokens add up in the same order for any thread count.
-  constexpr int64_t kAlign = 16;
-#pragma omp parallel if (N * C >= kMinParallelWork)
-  {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t units = (C + kAlign - 1) / kAlign;
-    const int64_t c0 = units * tid / nt * kAlign;
-    const int64_t c1 = std::min(units * (tid + 1) / nt * kAlign, C);
-    for (int64_t i = 0; i < N && c0 < c1; ++i) {
-      const int64_t row = static_cast<int64_t>(tokens[i]) - first;
-      if (row < 0 || row >= rows) continue;
-      const float* g = dout + i * C;
-      float* w = dwte + row * C;
-#pragma omp simd
-      for (int64_t c = c0; c < c1; ++c) w[c] += g[c];
-    }
-  }
+  scatter_add_rows(dwte, dout, N, C, [&](int64_t i) {
+    const int64_t row = static_cast<int64_t>(tokens[i]) - first;
+    return row < rows ? row : -1;
+  });
 }
 
 void position_embedding_add(float* out, const float* wpe, int64_t row0, int64_t N, int64_t T, int64_t C,
@@ -98,22 +90,7 @@ void position_embedding_add(float* out, const float* wpe, int64_t row0, int64_t 
 }
 
 void position_embedding_backward(float* dwpe, const float* dout, int64_t row0, int64_t N, int64_t T, int64_t C) {
-  // Every position may occur in several rows: split the columns over the
-  // threads, as above.
-  constexpr int64_t kAlign = 16;
-#pragma omp parallel if (N * C >= kMinParallelWork)
-  {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t units = (C + kAlign - 1) / kAlign;
-    const int64_t c0 = units * tid / nt * kAlign;
-    const int64_t c1 = std::min(units * (tid + 1) / nt * kAlign, C);
-    for (int64_t i = 0; i < N && c0 < c1; ++i) {
-      const float* g = dout + i * C;
-      float* p = dwpe + ((row0 + i) % T) * C;
-#pragma omp simd
-      for (int64_t c = c0; c < c1; ++c) p[c] += g[c];
-    }
-  }
+  scatter_add_rows(dwpe, dout, N, C, [&](int64_t i) { return (row0 + i) % T; });
 }
 
 }  // namespace loom::cpu
