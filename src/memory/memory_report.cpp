@@ -1,0 +1,46 @@
+#include "loom/memory.h"
+
+namespace loom {
+
+namespace {
+
+std::string throughput(int64_t bytes, double seconds) {
+  return seconds > 0.0 ? str(" at ", format_bytes(static_cast<double>(bytes) / seconds), "/s") : std::string();
+}
+
+}  // namespace
+
+std::string describe(const MemoryReport& r) {
+  std::string out = str("memory policy ", memory_policy_name(r.policy), ": ", r.num_chunks, " chunks of ",
+                        r.chunk_numel, " elements\n");
+  for (int i = 0; i < kNumTiers; ++i) {
+    const Tier t = static_cast<Tier>(i);
+    out += str("  ", tier_name(t), ": model state ", format_bytes(static_cast<double>(r.model_state[t])), ", peak ",
+               format_bytes(static_cast<double>(r.peak[t])), ", budget ",
+               r.budget[t] < 0 ? std::string("unlimited") : format_bytes(static_cast<double>(r.budget[t])), "\n");
+  }
+  if (r.traced_non_model >= 0)
+    out +=
+        str("  traced device peak besides model state: ", format_bytes(static_cast<double>(r.traced_non_model)), "\n");
+  std::string moved;
+  for (int from = 0; from < kNumTiers; ++from)
+    for (int to = 0; to < kNumTiers; ++to) {
+      const int64_t bytes = r.traffic.at(static_cast<Tier>(from), static_cast<Tier>(to));
+      if (bytes == 0) continue;
+      moved += str(moved.empty() ? "" : ", ", tier_name(static_cast<Tier>(from)), "->",
+                   tier_name(static_cast<Tier>(to)), " ", format_bytes(static_cast<double>(bytes)));
+    }
+  if (!moved.empty()) out += str("  moved: ", moved, "\n");
+  std::string io;
+  if (r.nvme.reads > 0)
+    io = str(r.nvme.reads, " reads of ", format_bytes(static_cast<double>(r.nvme.bytes_read)),
+             throughput(r.nvme.bytes_read, r.nvme.read_seconds));
+  if (r.nvme.writes > 0)
+    io += str(io.empty() ? "" : ", ", r.nvme.writes, " writes of ",
+              format_bytes(static_cast<double>(r.nvme.bytes_written)),
+              throughput(r.nvme.bytes_written, r.nvme.write_seconds));
+  if (!io.empty()) out += str("  nvme I/O: ", io, "\n");
+  return out;
+}
+
+}  // namespace loom
