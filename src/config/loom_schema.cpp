@@ -85,6 +85,10 @@ ConfigSchema build_loom_schema() {
                "placement: none (all on device), static (the offload fractions), auto (fit the budgets)");
   s.add_float("memory.offload_param_frac", 0.0, "fraction of parameters held off-device under the static policy", 0.0, 1.0);
   s.add_float("memory.offload_optim_frac", 0.0, "fraction of optimizer state held off-device under the static policy", 0.0, 1.0);
+  s.add_bytes("memory.chunk_bytes", "0",
+              "capacity of a parameter chunk in working-precision bytes, e.g. \"4MiB\"; 0 = searched for the least waste");
+  s.add_int("memory.prefetch", 2, "chunks fetched to the device ahead of use", 0, 1024);
+  s.add_bool("memory.nvme_io_uring", true, "NVMe I/O through io_uring; false = a pool of threads doing pread/pwrite");
   return s;
 }
 

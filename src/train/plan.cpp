@@ -1,11 +1,17 @@
 // A run's config turned into a validated plan: every cross-field rule is
 // checked here, before a byte is allocated or a file is read.
+#include <unistd.h>
+
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 
 #include "loom/comm.h"
 #include "loom/config.h"
+#include "loom/memory.h"
+#include "loom/planner.h"
 #include "loom/train.h"
 
 namespace loom {
@@ -254,6 +260,137 @@ ModelParallelOptions plan_model_parallel(const Config& cfg, const TrainPlan& p) 
   return mp;
 }
 
+// memory.* as MemoryOptions, held to the rules that tie them to each other
+// and to the layout. `p` holds the layout, the batch and the ZeRO options.
+MemoryOptions plan_memory_options(const Config& cfg, const TrainPlan& p) {
+  MemoryOptions m;
+  const std::string policy_name = cfg.get<std::string>("memory.policy");
+  m.policy = parse_memory_policy(policy_name);
+  m.offload_param_frac = cfg.get<double>("memory.offload_param_frac");
+  m.offload_optim_frac = cfg.get<double>("memory.offload_optim_frac");
+  m.nvme_dir = cfg.get<std::string>("memory.nvme_dir");
+  m.nvme_io_uring = cfg.get<bool>("memory.nvme_io_uring");
+  m.prefetch = static_cast<int>(cfg.get<int64_t>("memory.prefetch"));
+  m.micro_batches = p.accumulation;
+  const size_t chunk_bytes = cfg.get_bytes("memory.chunk_bytes");
+  if (chunk_bytes > static_cast<size_t>(std::numeric_limits<int64_t>::max()))
+    throw ConfigError(cfg, "memory.chunk_bytes", "is the capacity of one chunk and cannot be unlimited",
+                      "set memory.chunk_bytes = 0 (the size that wastes least is searched) or a size such as \"4MiB\"");
+  m.chunk_bytes = static_cast<int64_t>(chunk_bytes);
+
+  const char* const fractions[] = {"memory.offload_param_frac", "memory.offload_optim_frac"};
+  if (m.policy == MemoryPolicy::none) {
+    // Without a policy there are no chunks: these keys would be ignored.
+    for (const char* key : fractions)
+      if (cfg.get<double>(key) > 0)
+        throw ConfigError(cfg, key,
+                          "applies only under memory.policy = \"static\", and memory.policy = \"none\" keeps all "
+                          "model state on the device",
+                          str("set memory.policy = \"static\", or ", key, " = 0"));
+    if (!m.nvme_dir.empty())
+      throw ConfigError(cfg, "memory.nvme_dir",
+                        "applies only under memory.policy = \"static\" or \"auto\", and memory.policy = \"none\" "
+                        "keeps all model state on the device",
+                        "set memory.policy = \"static\" or \"auto\", or memory.nvme_dir = \"\"");
+    if (m.chunk_bytes != 0)
+      throw ConfigError(cfg, "memory.chunk_bytes",
+                        "applies only under memory.policy = \"static\" or \"auto\", and memory.policy = \"none\" "
+                        "packs no chunks",
+                        "set memory.policy = \"static\" or \"auto\", or memory.chunk_bytes = 0");
+    return m;
+  }
+
+  if (m.policy != MemoryPolicy::fixed)
+    for (const char* key : fractions)
+      if (cfg.get<double>(key) > 0)
+        throw ConfigError(cfg, key,
+                          str("applies only under memory.policy = \"static\", and memory.policy = \"", policy_name,
+                              "\" places the chunks itself"),
+                          str("set ", key, " = 0, or memory.policy = \"static\""));
+  // The chunk manager gathers and reduces chunks over the data-parallel
+  // group alone; it has no notion of a parameter split over tp or pp.
+  for (const auto& [key, ranks] : {std::pair<const char*, int64_t>{"parallel.tp", p.tp}, {"parallel.pp", p.pp}})
+    if (ranks > 1)
+      throw ConfigError(cfg, "memory.policy",
+                        str("shards the chunks over the data-parallel ranks only, and ", key, " = ", ranks),
+                        str("set ", key, " = 1 (parallel.dp gives the ranks), or memory.policy = \"none\""));
+  const int stage = p.options.zero.stage;
+  if (stage != 3 && (p.dp > 1 || stage != 0))
+    throw ConfigError(cfg, "zero.stage",
+                      str("under memory.policy = \"", policy_name,
+                          "\" the chunks shard the parameters, gradients and optimizer state over the data-parallel "
+                          "ranks as stage 3 does",
+                          p.dp > 1 ? str(", and parallel.dp = ", p.dp) : std::string(" (on one rank, stage 0 is the same)")),
+                      str("set zero.stage = 3", p.dp > 1 ? "" : " or 0", ", or memory.policy = \"none\""));
+
+  if (!m.nvme_dir.empty()) {
+    const std::string or_host = "or set memory.nvme_dir = \"\" to keep the offloaded state in host memory";
+    std::error_code ec;
+    const std::filesystem::file_status st = std::filesystem::status(m.nvme_dir, ec);
+    if (!std::filesystem::exists(st))
+      throw ConfigError(cfg, "memory.nvme_dir",
+                        "must be an existing directory for the NVMe tier's scratch files, and it does not exist",
+                        str("create it (mkdir -p ", m.nvme_dir.string(), "), ", or_host));
+    if (!std::filesystem::is_directory(st))
+      throw ConfigError(cfg, "memory.nvme_dir",
+                        "must be an existing directory for the NVMe tier's scratch files, and it is not a directory",
+                        str("point memory.nvme_dir at a directory, ", or_host));
+    if (::access(m.nvme_dir.c_str(), W_OK | X_OK) != 0)
+      throw ConfigError(cfg, "memory.nvme_dir",
+                        "must be a directory this process can create the NVMe tier's scratch files in, and it is "
+                        "not writable",
+                        str("make it writable, ", or_host));
+  }
+  return m;
+}
+
+// memory.chunk_bytes against the largest parameter, which a chunk holds
+// whole. plan_memory rounds the capacity up to whole shards of
+// kChunkShardAlign elements per data-parallel rank, so the rule is on the
+// rounded capacity.
+void check_chunk_bytes(const Config& cfg, const TrainPlan& p, const ParamLayout& layout) {
+  const int64_t chunk_bytes = p.options.memory.chunk_bytes;
+  if (chunk_bytes == 0) return;
+  const int64_t element = static_cast<int64_t>(dtype_size(p.options.zero.precision));
+  const int64_t step = p.dp * kChunkShardAlign;
+  const int64_t capacity = ((chunk_bytes + element - 1) / element + step - 1) / step * step;
+  const ParamSpec* largest = &layout.param(0);
+  for (const ParamSpec& spec : layout.params())
+    if (spec.numel() > largest->numel()) largest = &spec;
+  if (capacity < largest->numel())
+    throw ConfigError(cfg, "memory.chunk_bytes",
+                      str("must hold the largest parameter whole, ", largest->name, " of ", largest->numel(),
+                          " elements = ", largest->numel() * element, " bytes in ", cfg.get<std::string>("precision")),
+                      str("set memory.chunk_bytes >= ", largest->numel() * element, ", or 0 (searched)"));
+}
+
+// Whether the model state and the step fit the memory budgets under the
+// placement the chunk manager will start from, from shapes alone (memory.h,
+// plan_memory): a run that cannot fit fails here, before anything is
+// allocated. Throws plan_memory's Error, which names the tier, what it needs
+// and its budget.
+void check_memory_fits(const Config& cfg, const TrainPlan& p) {
+  // GPT's constructor declares the layout and allocates no parameters.
+  const GPT whole(p.model);
+  check_chunk_bytes(cfg, p, whole.layout());
+  // What the step holds besides the model state, which plan_memory places itself.
+  const StepMemoryEstimate step =
+      estimate_step_memory(p.model, p.micro_batch, p.seq_len, p.options.checkpoint_activations);
+  double activations = step.total();
+  for (const MemoryTerm& term : step.terms)
+    if (term.name == "parameters" || term.name == "gradients" || term.name == "adamw moments")
+      activations -= term.bytes;
+  auto budget = [&](std::string_view key) {
+    return static_cast<int64_t>(std::min(cfg.get_bytes(key), static_cast<size_t>(std::numeric_limits<int64_t>::max())));
+  };
+  TierBytes budgets;
+  budgets[Tier::device] = budget("memory.device_budget");
+  budgets[Tier::host] = budget("memory.host_budget");
+  budgets[Tier::nvme] = std::numeric_limits<int64_t>::max();
+  plan_memory(whole.layout(), p.options.memory, p.options.zero.precision, static_cast<int>(p.dp),
+              static_cast<int64_t>(std::ceil(activations)), budgets);
+}
+
 }  // namespace
 
 GPTConfig model_config_from(const Config& cfg) {
@@ -284,8 +421,6 @@ TrainPlan plan_training(const Config& cfg) {
 
   const int64_t dp = cfg.get<int64_t>("parallel.dp"), tp = cfg.get<int64_t>("parallel.tp"),
                 pp = cfg.get<int64_t>("parallel.pp");
-  if (cfg.get<std::string>("memory.policy") != "none")
-    throw ConfigError(cfg, "memory.policy", "offload policies are not available yet", "set memory.policy = \"none\"");
   p.dp = dp;
   p.tp = tp;
   p.pp = pp;
@@ -343,6 +478,7 @@ TrainPlan plan_training(const Config& cfg) {
   o.zero.stage = static_cast<int>(cfg.get<int64_t>("zero.stage"));
   o.zero.precision = parse_dtype(cfg.get<std::string>("precision"));
   o.zero.bucket_bytes = cfg.get<int64_t>("zero.bucket_mb") << 20;
+  o.memory = plan_memory_options(cfg, p);
   if (o.zero.stage >= 2 && pp > 1)
     throw ConfigError(cfg, "zero.stage",
                       str("stages 2 and 3 shard the gradients as each micro-batch produces them, and a pipeline "
@@ -360,6 +496,7 @@ TrainPlan plan_training(const Config& cfg) {
   if (o.zero.precision == DType::f16 && o.loss_scale.min_scale > o.loss_scale.initial_scale)
     throw ConfigError(cfg, "loss_scale.min", str("may not exceed loss_scale.initial = ", o.loss_scale.initial_scale),
                       str("set loss_scale.min <= ", o.loss_scale.initial_scale, " or raise loss_scale.initial"));
+  if (o.memory.policy != MemoryPolicy::none) check_memory_fits(cfg, p);
   return p;
 }
 

@@ -94,6 +94,11 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
     if (!quiet) std::printf("%s\n", line.c_str());
     std::fflush(stdout);
   };
+  // The budgets hold for every rank's allocators, under any memory policy.
+  Allocator& device = MemoryContext::current().tier(Tier::device);
+  Allocator& host = MemoryContext::current().tier(Tier::host);
+  device.set_budget(cfg.get_bytes("memory.device_budget"));
+  host.set_budget(cfg.get_bytes("memory.host_budget"));
 
   // Rank 0 prepares the dataset on first use; the others read it once it exists.
   DatasetInfo data;
@@ -172,6 +177,16 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
             plan.options.zero.stage, ", precision ", cfg.get<std::string>("precision"),
             "; memory figures are rank 0's"));
   }
+  // Where the bytes live: said once the model state is placed, and again at
+  // the end with the step's high-water marks.
+  auto say_memory = [&] {
+    if (!quiet) {
+      std::string text = describe(trainer.memory_report());
+      while (!text.empty() && text.back() == '\n') text.pop_back();
+      say(text);
+    }
+  };
+  say_memory();
 
   std::optional<MetricsLog> metrics;
   if (root) metrics.emplace(plan.out_dir / "metrics.jsonl");
@@ -187,7 +202,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   const int64_t ckpt_interval = cfg.get<int64_t>("train.checkpoint_interval");
   const int64_t keep_last = cfg.get<int64_t>("train.keep_last");
   const bool fp16 = plan.options.zero.precision == DType::f16;
-  Allocator& device = MemoryContext::current().tier(Tier::device);
+  const bool placed = plan.options.memory.policy != MemoryPolicy::none;
 
   auto validate = [&](int64_t max_batches) {
     return evaluate(trainer, {data.val.file}, plan.seq_len, plan.micro_batch, data.val.chars_per_token(),
@@ -214,11 +229,16 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
       const int64_t first_sequence = loader.next(in, tg);  // within the global batch, so dropout is layout-free
       micro[static_cast<size_t>(m)] = {in.data(), tg.data(), {plan.micro_batch, plan.seq_len}, first_sequence};
     }
+    const int64_t done = step + 1;
+    const bool logged = root && (done % log_interval == 0 || done == plan.steps || done == first_step + 1);
+    // The bytes a logged step moves between tiers: the difference of the
+    // manager's cumulative traffic across it.
+    TierTraffic before;
+    if (logged && placed) before = trainer.memory_report().traffic;
     const StepStats st = trainer.step(micro);
     ++window_steps;
-    const int64_t done = step + 1;
 
-    if (root && (done % log_interval == 0 || done == plan.steps || done == first_step + 1)) {
+    if (logged) {
       const double now = seconds_now();
       const double step_time = (now - t_window) / static_cast<double>(window_steps);
       const double tok_s = static_cast<double>(tokens_per_step) / step_time;
@@ -231,12 +251,21 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
                                {"tokens_per_s", tok_s},
                                {"mfu", mfu},
                                {"device_peak_bytes", device.peak()},
+                               {"host_peak_bytes", host.peak()},
                                {"elapsed_s", now - t_start},
                                {"eta_s", eta}};
+      if (placed) {
+        const TierTraffic after = trainer.memory_report().traffic;
+        auto moved = [&](Tier from, Tier to) { return after.at(from, to) - before.at(from, to); };
+        record["host_to_device_bytes"] = moved(Tier::host, Tier::device);
+        record["device_to_host_bytes"] = moved(Tier::device, Tier::host);
+        record["nvme_read_bytes"] = moved(Tier::nvme, Tier::host) + moved(Tier::nvme, Tier::device);
+        record["nvme_write_bytes"] = moved(Tier::host, Tier::nvme) + moved(Tier::device, Tier::nvme);
+      }
       std::string line = str("step ", done, "/", plan.steps, "  loss ", st.loss);
       if (fp16) {
         // Skipped steps ran but applied no update; the counters say how many.
-        const int64_t skipped = trainer.steps_done() - trainer.optimizer().steps();
+        const int64_t skipped = trainer.steps_done() - trainer.optimizer_steps();
         record["loss_scale"] = st.loss_scale;
         record["skipped"] = skipped;
         char scale[32];  // powers of two, printed whole up to 2^33
@@ -246,6 +275,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
       metrics->write(record);
       line += str("  lr ", st.lr, "  ", static_cast<int64_t>(tok_s), " tok/s  MFU ",
                   static_cast<int>(mfu * 100 + 0.5), "%  mem ", format_bytes(static_cast<double>(device.peak())),
+                  placed ? str(" (host ", format_bytes(static_cast<double>(host.peak())), ")") : std::string(),
                   "  ETA ", format_duration(eta));
       if (tty) {
         std::printf("\r\033[K%s", line.c_str());
@@ -284,6 +314,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
                     {"train_seconds", seconds_now() - t_start}});
   say(str("final validation loss: ", final_eval.loss_per_token, " nats/token, ", final_eval.loss_per_char,
           " nats/char over ", final_eval.tokens, " tokens; trained in ", format_duration(seconds_now() - t_start)));
+  say_memory();
 
   const int64_t sample_tokens = cfg.get<int64_t>("train.sample_tokens");
   if (sample_tokens > 0 && !run.quiet) {
@@ -321,8 +352,14 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
 
 EvalResult run_training(const Config& cfg, const RunOptions& run) {
   const TrainPlan plan = plan_training(cfg);
-  // The reference run stays on this thread, exactly as without parallelism.
-  if (plan.reference() && plan.backend == "local") return train_rank(cfg, plan, run, nullptr);
+  // The reference run stays on this thread, exactly as without parallelism,
+  // with allocators of its own as every launched rank has: the run's budgets
+  // and high-water marks are its own, not the process's.
+  if (plan.reference() && plan.backend == "local") {
+    MemoryContext memory;
+    MemoryContext::Install install(memory);
+    return train_rank(cfg, plan, run, nullptr);
+  }
   EvalResult result;
   launch(plan.backend, plan.nproc, [&](Communicator& world) {
     const EvalResult r = train_rank(cfg, plan, run, plan.reference() ? nullptr : &world);

@@ -24,7 +24,8 @@ TEST(LoomSchema, HasTheKeysTheTrainerReads) {
         "parallel.schedule", "parallel.virtual_stages", "parallel.stage_layers", "parallel.backend", "parallel.nproc",
         "zero.stage", "zero.bucket_mb", "precision", "loss_scale.initial", "loss_scale.growth_interval",
         "loss_scale.hysteresis", "loss_scale.min", "memory.device_budget", "memory.host_budget",
-        "memory.nvme_dir", "memory.policy", "memory.offload_param_frac", "memory.offload_optim_frac"}) {
+        "memory.nvme_dir", "memory.policy", "memory.offload_param_frac", "memory.offload_optim_frac",
+        "memory.chunk_bytes", "memory.prefetch", "memory.nvme_io_uring"}) {
     EXPECT_NE(s.find(name), nullptr) << name;
   }
   for (const ConfigKey& k : s.keys()) EXPECT_FALSE(k.doc.empty()) << k.name;

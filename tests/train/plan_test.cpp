@@ -1,6 +1,6 @@
 // plan_training: the cross-field rules of data, tensor, sequence and pipeline
-// parallelism, ZeRO and mixed precision, each error naming the field, the rule
-// and the fix.
+// parallelism, ZeRO, mixed precision and memory placement, each error naming
+// the field, the rule and the fix.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -108,10 +108,125 @@ TEST(PlanTraining, BatchMustSplitIntoMicroBatchesOfEveryRank) {
   EXPECT_CONTAINS(e, "set train.batch_size to 4 or 6");
 }
 
-TEST(PlanTraining, OffloadPoliciesAreRefused) {
-  const std::string e = error_of([] { plan_training(tiny({"memory.policy=auto"})); });
+TEST(PlanTraining, MemoryPoliciesFillTheMemoryOptions) {
+  testing::TempDir nvme;
+  Config c = tiny({"memory.policy=static", "memory.offload_param_frac=0.5", "memory.offload_optim_frac=1",
+                   "memory.chunk_bytes=128KiB", "memory.prefetch=3", "memory.nvme_io_uring=false"});
+  c.set_override("memory.nvme_dir=" + nvme.path().string());
+  const TrainPlan p = plan_training(c);
+  const MemoryOptions& m = p.options.memory;
+  EXPECT_EQ(m.policy, MemoryPolicy::fixed);
+  EXPECT_EQ(m.offload_param_frac, 0.5);
+  EXPECT_EQ(m.offload_optim_frac, 1.0);
+  EXPECT_EQ(m.nvme_dir, nvme.path());
+  EXPECT_FALSE(m.nvme_io_uring);
+  EXPECT_EQ(m.chunk_bytes, 128 << 10);
+  EXPECT_EQ(m.prefetch, 3);
+  EXPECT_EQ(m.micro_batches, p.accumulation);
+
+  const TrainPlan a = plan_training(tiny({"memory.policy=auto"}));
+  EXPECT_EQ(a.options.memory.policy, MemoryPolicy::automatic);
+  EXPECT_EQ(a.options.memory.chunk_bytes, 0);
+  EXPECT_TRUE(a.options.memory.nvme_io_uring);
+  EXPECT_EQ(a.options.memory.prefetch, 2);
+  const TrainPlan none = plan_training(tiny());
+  EXPECT_EQ(none.options.memory.policy, MemoryPolicy::none);
+  // Chunks shard as ZeRO-3 does: stage 3 over dp ranks, 0 or 3 on one.
+  EXPECT_EQ(plan_training(tiny({"memory.policy=auto", "zero.stage=3"})).options.zero.stage, 3);
+  EXPECT_EQ(plan_training(tiny({"memory.policy=static", "parallel.dp=2", "zero.stage=3", "train.batch_size=8",
+                                "precision=bf16"}))
+                .options.memory.policy,
+            MemoryPolicy::fixed);
+}
+
+TEST(PlanTraining, MemoryKeysOfThePoliciesAreErrorsWithoutOne) {
+  std::string e = error_of([] { plan_training(tiny({"memory.offload_param_frac=0.5"})); });
+  EXPECT_CONTAINS(e, "memory.offload_param_frac = 0.5");
+  EXPECT_CONTAINS(e, "applies only under memory.policy = \"static\"");
+  EXPECT_CONTAINS(e, "set memory.policy = \"static\", or memory.offload_param_frac = 0");
+  e = error_of([] { plan_training(tiny({"memory.offload_optim_frac=1"})); });
+  EXPECT_CONTAINS(e, "memory.offload_optim_frac = 1.0");
+  e = error_of([] { plan_training(tiny({"memory.nvme_dir=/tmp"})); });
+  EXPECT_CONTAINS(e, "memory.nvme_dir = \"/tmp\"");
+  EXPECT_CONTAINS(e, "applies only under memory.policy = \"static\" or \"auto\"");
+  EXPECT_CONTAINS(e, "or memory.nvme_dir = \"\"");
+  e = error_of([] { plan_training(tiny({"memory.chunk_bytes=64KiB"})); });
+  EXPECT_CONTAINS(e, "memory.chunk_bytes = \"64KiB\"");
+  EXPECT_CONTAINS(e, "or memory.chunk_bytes = 0");
+  // The fractions are the static policy's alone.
+  e = error_of([] { plan_training(tiny({"memory.policy=auto", "memory.offload_optim_frac=0.5"})); });
+  EXPECT_CONTAINS(e, "memory.offload_optim_frac = 0.5");
+  EXPECT_CONTAINS(e, "memory.policy = \"auto\" places the chunks itself");
+  EXPECT_CONTAINS(e, "set memory.offload_optim_frac = 0, or memory.policy = \"static\"");
+}
+
+TEST(PlanTraining, MemoryPoliciesShardOverDataParallelismOnlyAsZero3Does) {
+  std::string e = error_of([] { plan_training(tiny({"memory.policy=static", "parallel.tp=2"})); });
+  EXPECT_CONTAINS(e, "memory.policy = \"static\"");
+  EXPECT_CONTAINS(e, "over the data-parallel ranks only, and parallel.tp = 2");
+  EXPECT_CONTAINS(e, "set parallel.tp = 1");
+  e = error_of([] { plan_training(tiny({"memory.policy=auto", "parallel.pp=2"})); });
   EXPECT_CONTAINS(e, "memory.policy = \"auto\"");
-  EXPECT_CONTAINS(e, "set memory.policy = \"none\"");
+  EXPECT_CONTAINS(e, "parallel.pp = 2");
+  EXPECT_CONTAINS(e, "or memory.policy = \"none\"");
+
+  e = error_of([] {
+    plan_training(tiny({"memory.policy=static", "parallel.dp=2", "zero.stage=1", "train.batch_size=8"}));
+  });
+  EXPECT_CONTAINS(e, "zero.stage = 1");
+  EXPECT_CONTAINS(e, "as stage 3 does, and parallel.dp = 2");
+  EXPECT_CONTAINS(e, "set zero.stage = 3, or memory.policy = \"none\"");
+  e = error_of([] { plan_training(tiny({"memory.policy=static", "parallel.dp=2", "train.batch_size=8"})); });
+  EXPECT_CONTAINS(e, "zero.stage = 0");
+  e = error_of([] { plan_training(tiny({"memory.policy=auto", "zero.stage=2"})); });
+  EXPECT_CONTAINS(e, "zero.stage = 2");
+  EXPECT_CONTAINS(e, "set zero.stage = 3 or 0, or memory.policy = \"none\"");
+}
+
+TEST(PlanTraining, NvmeDirMustBeAnExistingDirectory) {
+  testing::TempDir dir;
+  Config missing = tiny({"memory.policy=static", "memory.offload_optim_frac=1"});
+  missing.set_override("memory.nvme_dir=" + (dir / "absent").string());
+  std::string e = error_of([&] { plan_training(missing); });
+  EXPECT_CONTAINS(e, "memory.nvme_dir = \"" + (dir / "absent").string() + "\"");
+  EXPECT_CONTAINS(e, "it does not exist");
+  EXPECT_CONTAINS(e, "mkdir -p " + (dir / "absent").string());
+  Config file = tiny({"memory.policy=auto"});
+  file.set_override("memory.nvme_dir=" + dir.write("a-file", "x").string());
+  e = error_of([&] { plan_training(file); });
+  EXPECT_CONTAINS(e, "memory.nvme_dir");
+  EXPECT_CONTAINS(e, "it is not a directory");
+}
+
+TEST(PlanTraining, ChunksMustHoldTheLargestParameter) {
+  // The tiny model's largest parameter is wte.weight, 512 x 32 elements.
+  std::string e = error_of([] { plan_training(tiny({"memory.policy=auto", "memory.chunk_bytes=32KiB"})); });
+  EXPECT_CONTAINS(e, "memory.chunk_bytes = \"32KiB\"");
+  EXPECT_CONTAINS(e, "must hold the largest parameter whole, wte.weight of 16384 elements = 65536 bytes in fp32");
+  EXPECT_CONTAINS(e, "set memory.chunk_bytes >= 65536, or 0 (searched)");
+  e = error_of([] { plan_training(tiny({"memory.policy=static", "memory.chunk_bytes=20000", "precision=bf16"})); });
+  EXPECT_CONTAINS(e, "16384 elements = 32768 bytes in bf16");
+  // A capacity is rounded up to whole shards (2048 elements per rank).
+  EXPECT_EQ(plan_training(tiny({"memory.policy=static", "memory.chunk_bytes=30000", "parallel.dp=2", "zero.stage=3",
+                                "train.batch_size=8", "precision=bf16"}))
+                .options.memory.chunk_bytes,
+            30000);
+  e = error_of([] { plan_training(tiny({"memory.policy=auto", "memory.chunk_bytes=unlimited"})); });
+  EXPECT_CONTAINS(e, "memory.chunk_bytes = \"unlimited\"");
+  EXPECT_CONTAINS(e, "cannot be unlimited");
+  EXPECT_EQ(plan_training(tiny({"memory.policy=auto", "memory.chunk_bytes=64KiB"})).options.memory.chunk_bytes,
+            64 << 10);
+}
+
+TEST(PlanTraining, ModelStateThatCannotFitTheBudgetsFailsBeforeAllocating) {
+  const std::string e = error_of([] {
+    plan_training(tiny({"memory.policy=auto", "memory.device_budget=64KiB", "memory.host_budget=64KiB"}));
+  });
+  EXPECT_CONTAINS(e, "memory.policy = \"auto\" cannot fit this model");
+  EXPECT_CONTAINS(e, "but its budget is " + format_bytes(64 << 10) + " (memory.device_budget)");
+  EXPECT_CONTAINS(e, "but its budget is " + format_bytes(64 << 10) + " (memory.host_budget)");
+  // The same budgets without a policy are not planned: the allocators hold them.
+  plan_training(tiny({"memory.device_budget=64KiB", "memory.host_budget=64KiB"}));
 }
 
 TEST(PlanTraining, NprocMustMatchTheLayout) {

@@ -1,7 +1,8 @@
 // The main job end to end on a small slice of the corpus: resume; data,
-// tensor, sequence and pipeline parallelism, ZeRO and mixed precision against
-// the single-rank run; checkpoints across layouts, checkpoint corruption, bad
-// data and config, export, generation and evaluation.
+// tensor, sequence and pipeline parallelism, ZeRO, mixed precision and memory
+// placement against the single-rank run; memory budgets; checkpoints across
+// layouts, checkpoint corruption, bad data and config, export, generation and
+// evaluation.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -64,11 +65,7 @@ class MainJob : public ::testing::Test {
     return out;
   }
 
-  static std::vector<double> losses(const fs::path& metrics) {
-    std::vector<double> out;
-    for (const nlohmann::json& j : step_records(metrics)) out.push_back(j.at("loss").get<double>());
-    return out;
-  }
+  static std::vector<double> losses(const fs::path& metrics) { return losses_of(step_records(metrics)); }
 
   // Losses of `a` and `b` agree step by step within `tolerance` (absolute).
   static void expect_losses_near(const std::vector<double>& a, const std::vector<double>& b, double tolerance) {
@@ -80,6 +77,20 @@ class MainJob : public ::testing::Test {
     RunOptions r;
     r.quiet = true;
     return r;
+  }
+
+  // A quiet run of config(out) with `overrides`: its step records.
+  std::vector<nlohmann::json> train(const std::string& out, std::initializer_list<std::string> overrides) const {
+    Config c = config(out);
+    for (const std::string& o : overrides) c.set_override(o);
+    run_training(c, quiet());
+    return step_records(*dir_ / out / "metrics.jsonl");
+  }
+
+  static std::vector<double> losses_of(const std::vector<nlohmann::json>& records) {
+    std::vector<double> out;
+    for (const nlohmann::json& j : records) out.push_back(j.at("loss").get<double>());
+    return out;
   }
 
   static TempDir* dir_;
@@ -222,6 +233,85 @@ TEST_F(MainJob, Fp16LogsItsLossScaleAndSkippedSteps) {
   EXPECT_EQ(info.fields.at("optimizer_steps").get<int64_t>(), 12 - skipped);
   EXPECT_EQ(info.fields.at("loss_scale").at("scale").get<double>(), last.at("loss_scale").get<double>());
   EXPECT_EQ(info.fields.at("layout").at("precision"), "f16");
+}
+
+// Six steps of the tiny model under each memory placement against the same
+// steps with everything on the device: the step records of metrics.jsonl.
+TEST_F(MainJob, MemoryPoliciesReproduceTheDeviceOnlyLosses) {
+  const std::vector<nlohmann::json> device_only = train("mem-none", {"train.steps=6"});
+  ASSERT_EQ(device_only.size(), 6u);
+  EXPECT_TRUE(device_only.back().contains("host_peak_bytes"));
+  EXPECT_FALSE(device_only.back().contains("host_to_device_bytes"));
+  const std::vector<double> want = losses_of(device_only);
+
+  const std::vector<nlohmann::json> offloaded =
+      train("mem-static-1",
+            {"train.steps=6", "memory.policy=static", "memory.offload_param_frac=1", "memory.offload_optim_frac=1"});
+  expect_losses_near(losses_of(offloaded), want, 1e-6);
+  // Every step brings the parameters from the host; nothing goes to NVMe.
+  for (const nlohmann::json& j : offloaded) {
+    EXPECT_GT(j.at("host_to_device_bytes").get<int64_t>(), 0) << j.dump();
+    EXPECT_EQ(j.at("nvme_read_bytes").get<int64_t>() + j.at("nvme_write_bytes").get<int64_t>(), 0) << j.dump();
+  }
+  EXPECT_LT(offloaded.back().at("device_peak_bytes").get<int64_t>(),
+            device_only.back().at("device_peak_bytes").get<int64_t>());
+
+  expect_losses_near(losses_of(train("mem-static-half", {"train.steps=6", "memory.policy=static",
+                                                         "memory.offload_param_frac=0.5",
+                                                         "memory.offload_optim_frac=0.5"})),
+                     want, 1e-6);
+  expect_losses_near(losses_of(train("mem-auto", {"train.steps=6", "memory.policy=auto"})), want, 1e-6);
+  // The checkpoint holds the whole state in the usual format.
+  EXPECT_EQ(read_checkpoint_info(resolve_checkpoint(*dir_ / "mem-auto")).step, 6);
+}
+
+TEST_F(MainJob, NvmeOffloadReproducesTheDeviceOnlyLosses) {
+  const std::vector<double> want = losses_of(train("nvme-reference", {"train.steps=4"}));
+  ASSERT_EQ(want.size(), 4u);
+  TempDir nvme;
+  for (const bool io_uring : {true, false}) {
+    const std::string engine = io_uring ? "io_uring" : "threads";
+    const std::vector<nlohmann::json> records =
+        train("nvme-" + engine, {"train.steps=4", "memory.policy=static", "memory.offload_param_frac=1",
+                                 "memory.offload_optim_frac=1", "memory.nvme_dir=" + nvme.path().string(),
+                                 str("memory.nvme_io_uring=", io_uring ? "true" : "false")});
+    ASSERT_EQ(records.size(), 4u) << engine;
+    for (const nlohmann::json& j : records) {
+      EXPECT_GT(j.at("nvme_read_bytes").get<int64_t>(), 0) << engine << " " << j.dump();
+      EXPECT_GT(j.at("nvme_write_bytes").get<int64_t>(), 0) << engine << " " << j.dump();
+    }
+    expect_losses_near(losses_of(records), want, 1e-6);
+    // The tier's scratch files are unlinked as soon as they are created.
+    EXPECT_TRUE(fs::is_empty(nvme.path())) << engine;
+  }
+}
+
+TEST_F(MainJob, ShardedChunksReproduceTheSingleRankLosses) {
+  const std::vector<double> want = losses_of(train("chunks-reference", {"train.steps=4"}));
+  const std::vector<nlohmann::json> sharded =
+      train("chunks-dp2", {"train.steps=4", "parallel.dp=2", "zero.stage=3", "memory.policy=static",
+                           "memory.offload_param_frac=0.5", "memory.offload_optim_frac=1"});
+  // The reduction over two ranks sums in another order.
+  expect_losses_near(losses_of(sharded), want, 1e-5);
+}
+
+TEST_F(MainJob, MemoryBudgetsHoldBeforeAndDuringTheRun) {
+  // Under a policy the plan finds that the model state cannot fit, before a
+  // file or a byte of the run exists.
+  Config c = config("over-budget");
+  for (const char* o : {"memory.policy=auto", "memory.device_budget=64KiB", "memory.host_budget=64KiB"})
+    c.set_override(o);
+  std::string e = error_of([&] { run_training(c, quiet()); });
+  EXPECT_CONTAINS(e, "(memory.device_budget)");
+  EXPECT_CONTAINS(e, "(memory.host_budget)");
+  EXPECT_CONTAINS(e, format_bytes(64 << 10));
+  EXPECT_FALSE(fs::exists(*dir_ / "over-budget"));
+  // Without one the device allocator holds the budget.
+  Config none = config("over-device-budget");
+  none.set_override("memory.device_budget=64KiB");
+  e = error_of([&] { run_training(none, quiet()); });
+  EXPECT_CONTAINS(e, "out of device memory");
+  EXPECT_CONTAINS(e, "memory.device_budget");
 }
 
 TEST_F(MainJob, TensorSequenceAndPipelineParallelRunReproducesTheSingleRankLosses) {
