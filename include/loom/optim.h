@@ -48,6 +48,9 @@ class AdamW {
   // update(i, ...) updates range i from pointers to its first element.
   void begin_step(float lr, float grad_scale);
   void update(size_t range, float* params, const float* grads);
+  // The same for the flat elements `r` (not one of ranges()) with moments the
+  // caller keeps (offloaded optimizer state); begin_step first.
+  void update(FlatRange r, float* params, const float* grads, float* m, float* v) const;
 
   int64_t steps() const { return t_; }
   void set_steps(int64_t t) { t_ = t; }

@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom/memory.h"
 #include "loom/nn.h"
 #include "loom/optim.h"
 #include "loom/parallel.h"
@@ -39,6 +40,10 @@ struct TrainOptions {
   ZeroOptions zero;
   LossScaleOptions loss_scale;  // fp16 only
   ModelParallelOptions model_parallel;  // used by the mesh constructor
+  // Chunk-based placement over the device, host and NVMe tiers (memory.h);
+  // any policy but none replaces the ZeRO stores with chunk stores, sharded
+  // over dp as ZeRO-3 is. Not with tensor or pipeline parallelism.
+  MemoryOptions memory;
   // Called on every rank once the step's gradients are reduced, before they
   // are checked and applied (tests inject faults here).
   std::function<void(GradStore&)> on_gradients;
@@ -89,6 +94,14 @@ class Trainer {
   // Collective over the mesh's tp and pp groups (and dp under ZeRO-3).
   double loss_sum(const MicroBatch& micro_batch);
 
+  // Where this rank's bytes live: the chunk manager's report under a memory
+  // policy, the allocators' figures otherwise.
+  MemoryReport memory_report() const;
+  // The chunk manager under a memory policy (nullptr otherwise).
+  const ChunkManager* memory_manager() const { return chunk_memory_.get(); }
+  // AdamW updates applied (fp16 skips excluded).
+  int64_t optimizer_steps() const;
+
   GPT& model() { return model_; }
   ParamStore& params() { return *params_; }
   GradStore& grads() { return *grads_; }
@@ -122,6 +135,8 @@ class Trainer {
  private:
   // The ZeRO stores over dp_, for the model's (local) layout.
   void build_zero_stores();
+  // The chunk stores of memory.h under a memory policy.
+  void build_chunk_stores();
   // The mesh step: this rank's micro-batches through the pipeline schedule.
   double run_micro_batches(std::span<const MicroBatch> micro_batches, const ForwardOptions& base, float dloss);
   // Tensor-parallel partial gradients and the tied embedding's copies are
@@ -143,6 +158,7 @@ class Trainer {
   std::unique_ptr<GradStore> grads_;
   std::unique_ptr<AdamW> reference_optim_;
   std::unique_ptr<ZeroOptimizer> zero_optim_;
+  std::unique_ptr<ChunkManager> chunk_memory_;
   std::unique_ptr<LossScaler> scaler_;
   int64_t steps_ = 0;
 };

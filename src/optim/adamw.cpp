@@ -33,9 +33,10 @@ void AdamW::begin_step(float lr, float grad_scale) {
 }
 
 void AdamW::update(size_t range, float* params, const float* grads) {
-  const FlatRange r = ranges_.at(range);
-  float* m = m_.data<float>() + offsets_[range];
-  float* v = v_.data<float>() + offsets_[range];
+  update(ranges_.at(range), params, grads, m_.data<float>() + offsets_[range], v_.data<float>() + offsets_[range]);
+}
+
+void AdamW::update(FlatRange r, float* params, const float* grads, float* m, float* v) const {
   // Walk the parameters overlapping the range: each is decayed or not.
   for (const ParamSpec& p : layout_.params()) {
     const int64_t lo = std::max(r.begin, p.offset), hi = std::min(r.end, p.offset + p.numel());

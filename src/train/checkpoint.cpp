@@ -57,9 +57,10 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
              "a Trainer whose model is split over tp or pp ranks saves with the mesh it was built on");
   Communicator* ranks = mesh ? &mesh->world() : dp;
   // The reference trainer's own tensors are its whole state already; under
-  // dp every rank gathers it (collective) and rank 0 writes it.
+  // dp every rank gathers it (collective) and rank 0 writes it, and chunks
+  // are gathered from wherever they are placed.
   const Trainer::State state =
-      dp ? t.gather_state()
+      dp || t.options().memory.policy != MemoryPolicy::none ? t.gather_state()
          : Trainer::State{t.params().flat(), t.optimizer().exp_avg(), t.optimizer().exp_avg_sq(), t.steps_done(),
                           t.optimizer().steps(), {}};
   const std::string name = checkpoint_dir_name(state.steps);

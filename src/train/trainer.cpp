@@ -139,6 +139,10 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, Communicator*
   validate(opts_.zero);
   const ZeroOptions& z = opts_.zero;
   const ParamLayout& layout = model_.layout();
+  if (opts_.memory.policy != MemoryPolicy::none) {
+    build_chunk_stores();
+    return;
+  }
   if (!dp_) {
     if (z.stage != 0 || z.precision != DType::f32)
       throw Error(str("ZeRO stage ", z.stage, " with precision ", dtype_name(z.precision),
@@ -157,6 +161,10 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, DeviceMesh& m
       mesh_(&mesh),
       model_(model, model_parallel_for(model, opts, mesh)) {
   const int pp = mesh.size(MeshAxis::pp), tp = mesh.size(MeshAxis::tp);
+  if (opts_.memory.policy != MemoryPolicy::none)
+    throw Error(str("memory.policy = \"", memory_policy_name(opts_.memory.policy), "\" with ", mesh.shape().describe(),
+                    ": chunk placement shards over data parallelism only; use parallel.tp = 1 and parallel.pp = 1, "
+                    "or memory.policy = \"none\""));
   const TensorParallel& tpl = model_.parallel().tp;
   whole_ = std::make_unique<GPT>(model);
   Communicator& world = mesh.world();
@@ -191,12 +199,52 @@ void Trainer::build_zero_stores() {
   grads_ = std::move(grads);
 }
 
+void Trainer::build_chunk_stores() {
+  const ZeroOptions& z = opts_.zero;
+  if (dp_ && dp_->size() > 1 && z.stage != 3)
+    throw Error(str("memory.policy = \"", memory_policy_name(opts_.memory.policy), "\" on ", dp_->size(),
+                    " data-parallel ranks with zero.stage = ", z.stage,
+                    ": chunks shard parameters, gradients and optimizer state as ZeRO-3 does; set zero.stage = 3"));
+  if (z.precision == DType::f16) scaler_ = std::make_unique<LossScaler>(opts_.loss_scale);
+  // The activations are not known before the first batch: the manager
+  // checks the model state and its own working set against the budgets,
+  // plan_training the whole step.
+  chunk_memory_ = std::make_unique<ChunkManager>(model_.layout(), opts_.memory, z.precision, dp_, opts_.adamw,
+                                                 opts_.seed, 0);
+  params_ = std::make_unique<ChunkParamStore>(*chunk_memory_);
+  grads_ = std::make_unique<ChunkGradStore>(*chunk_memory_);
+}
+
 Trainer::~Trainer() = default;
 
-AdamW& Trainer::optimizer() { return reference_optim_ ? *reference_optim_ : zero_optim_->adamw(); }
+AdamW& Trainer::optimizer() {
+  LOOM_CHECK(!chunk_memory_, "a chunk-placed optimizer keeps its moments in the chunks: use optimizer_steps() "
+                             "and gather_state()");
+  return reference_optim_ ? *reference_optim_ : zero_optim_->adamw();
+}
+
+int64_t Trainer::optimizer_steps() const {
+  if (chunk_memory_) return chunk_memory_->optimizer_steps();
+  return reference_optim_ ? reference_optim_->steps() : zero_optim_->adamw().steps();
+}
+
+MemoryReport Trainer::memory_report() const {
+  if (chunk_memory_) return chunk_memory_->report();
+  MemoryReport r;
+  for (int t = 0; t < kNumTiers; ++t) {
+    const Allocator& a = MemoryContext::current().tier(static_cast<Tier>(t));
+    r.peak.bytes[static_cast<size_t>(t)] = static_cast<int64_t>(a.peak());
+    r.budget.bytes[static_cast<size_t>(t)] = a.budget() == kUnlimited ? -1 : static_cast<int64_t>(a.budget());
+  }
+  return r;
+}
 
 StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
   LOOM_CHECK(!micro_batches.empty(), "a step needs at least one micro-batch");
+  if (chunk_memory_ && static_cast<int64_t>(micro_batches.size()) > opts_.memory.micro_batches)
+    throw Error(str("a step of ", micro_batches.size(), " micro-batches on a Trainer whose memory manager was built for ",
+                    opts_.memory.micro_batches, " (MemoryOptions::micro_batches): with one, gradients reuse the "
+                    "parameters' memory and cannot accumulate"));
   StepStats stats;
   // The objective is the mean over every target token of the global batch, so
   // each position's loss weighs 1 / (target tokens in the whole batch); the
@@ -303,7 +351,7 @@ StepStats Trainer::apply_update(StepStats stats) {
     ++steps_;
     return stats;
   }
-  const GradientCheck check = zero_optim_->check_gradients();
+  const GradientCheck check = chunk_memory_ ? chunk_memory_->check_gradients() : zero_optim_->check_gradients();
   stats.grad_norm = std::sqrt(check.sum_squares) / static_cast<double>(stats.loss_scale);
   const bool overflow = check.non_finite > 0 || !std::isfinite(stats.grad_norm);
   if (overflow && !scaler_) throw diverged();
@@ -313,21 +361,28 @@ StepStats Trainer::apply_update(StepStats stats) {
     // fp16: every rank saw the same count, so every rank skips this update
     // and its parameters and optimizer state stay as they were.
     stats.skipped = true;
+    if (chunk_memory_) chunk_memory_->restore_parameters();
     return stats;
   }
-  zero_optim_->step(stats.lr, clip_scale(stats.grad_norm, opts_.grad_clip) / stats.loss_scale);
+  const float scale = clip_scale(stats.grad_norm, opts_.grad_clip) / stats.loss_scale;
+  if (chunk_memory_)
+    chunk_memory_->step(stats.lr, scale);
+  else
+    zero_optim_->step(stats.lr, scale);
   return stats;
 }
 
 Trainer::State Trainer::gather_state() {
   State s;
   s.steps = steps_;
-  s.optimizer_steps = optimizer().steps();
+  s.optimizer_steps = optimizer_steps();
   if (scaler_) s.loss_scale = scaler_->state();
   if (reference_optim_) {
     s.params = params_->flat().clone(Tier::host);
     s.exp_avg = reference_optim_->exp_avg().clone(Tier::host);
     s.exp_avg_sq = reference_optim_->exp_avg_sq().clone(Tier::host);
+  } else if (chunk_memory_) {
+    chunk_memory_->gather_state(s.params, s.exp_avg, s.exp_avg_sq);
   } else {
     zero_optim_->gather_state(s.params, s.exp_avg, s.exp_avg_sq);
   }
@@ -353,6 +408,8 @@ void Trainer::load_state(const State& s) {
     params_->flat().copy_from(s.params);
     reference_optim_->exp_avg().copy_from(s.exp_avg);
     reference_optim_->exp_avg_sq().copy_from(s.exp_avg_sq);
+  } else if (chunk_memory_) {
+    chunk_memory_->load_state(s.params, s.exp_avg, s.exp_avg_sq);
   } else if (whole_) {
     State local;
     for (auto [from, to] : {std::pair{&s.params, &local.params}, {&s.exp_avg, &local.exp_avg},
@@ -366,7 +423,10 @@ void Trainer::load_state(const State& s) {
   } else {
     zero_optim_->load_state(s.params, s.exp_avg, s.exp_avg_sq);
   }
-  optimizer().set_steps(s.optimizer_steps);
+  if (chunk_memory_)
+    chunk_memory_->set_optimizer_steps(s.optimizer_steps);
+  else
+    optimizer().set_steps(s.optimizer_steps);
   steps_ = s.steps;
   // A state saved without fp16 has no scaler state: the scaler starts afresh.
   if (scaler_ && s.loss_scale.scale > 0.0f) scaler_->restore(s.loss_scale);

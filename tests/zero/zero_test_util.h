@@ -28,6 +28,9 @@ struct DataParallelRun {
   bool checkpoint_activations = false;
   ModelParallelOptions model_parallel;
   int n_layer = 2, n_head = 2;
+  // Chunk placement (memory.h) and the per-rank budgets it runs under.
+  MemoryOptions memory;
+  size_t device_budget = kUnlimited, host_budget = kUnlimited;
   bool uses_mesh() const { return mesh || tp > 1 || pp > 1; }
 };
 
@@ -36,6 +39,8 @@ struct RunResult {
   std::vector<StepStats> stats;  // rank 0's, per step
   std::vector<float> params;     // the final weights (master weights), layout order
   std::vector<float> exp_avg, exp_avg_sq;
+  MemoryReport memory;  // rank 0's, after the last step
+  ChunkPlacement placement;  // rank 0's final placement under a memory policy
 };
 
 inline DataParallelRun layout(int dp, int stage, DType precision = DType::f32, int accumulation = 1) {
@@ -66,6 +71,8 @@ inline TrainOptions small_options(const DataParallelRun& r) {
   o.zero.bucket_bytes = 8192;  // several buckets even in this small model
   o.checkpoint_activations = r.checkpoint_activations;
   o.model_parallel = r.model_parallel;
+  o.memory = r.memory;
+  o.memory.micro_batches = r.accumulation;
   return o;
 }
 
@@ -94,6 +101,12 @@ inline std::vector<float> to_vector(const Tensor& t) {
 
 // Trains on `comm` (nullptr: the reference); rank 0's figures land in `result`.
 inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& result) {
+  // Budgets apply to a context of the run's own (each rank thread already
+  // has one; the single-rank run would otherwise change the process's).
+  MemoryContext context;
+  MemoryContext::Install install(context);
+  context.tier(Tier::device).set_budget(r.device_budget);
+  context.tier(Tier::host).set_budget(r.host_budget);
   const GPTConfig cfg = small_gpt(r.dropout, r.n_layer, r.n_head);
   TrainOptions opts = small_options(r);
   int step = 0;
@@ -115,8 +128,14 @@ inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& re
     const std::vector<int32_t> data = step_tokens(step, cfg.vocab_size);
     stats.push_back(trainer->step(rank_micro_batches(data, dp, rank, r.accumulation)));
   }
+  const MemoryReport report = trainer->memory_report();
+  // The whole state is gathered on the host, which the run's budget need
+  // not hold.
+  context.tier(Tier::host).set_budget(kUnlimited);
   Trainer::State s = trainer->gather_state();
   if (!comm || comm->rank() == 0) {
+    result.memory = report;
+    if (r.memory.policy != MemoryPolicy::none) result.placement = trainer->memory_manager()->placement();
     result.model = cfg;
     result.stats = stats;
     result.params = to_vector(s.params);

@@ -1,0 +1,174 @@
+#include <algorithm>
+#include <cstring>
+#include <deque>
+
+#include "memory/chunk_manager_impl.h"
+
+namespace loom {
+
+GradientCheck ChunkManager::Impl::check_gradients() {
+  GradientCheck local;
+  for (const ChunkState& s : cs) {
+    local.sum_squares += s.sum_squares;
+    local.non_finite += s.non_finite;
+  }
+  if (!dp) return local;
+  // Every rank decides from the same reduced figures, so all skip or all
+  // step together.
+  float both[2] = {static_cast<float>(local.sum_squares), static_cast<float>(local.non_finite)};
+  dp->all_reduce(both, 2, DType::f32, ReduceOp::sum);
+  return {static_cast<double>(both[0]), static_cast<int64_t>(both[1])};
+}
+
+void ChunkManager::Impl::publish(int c, const float* master, Tier on) {
+  ChunkState& s = cs[static_cast<size_t>(c)];
+  const int64_t S = chunks.shard_numel(), len = chunks.owned(c, rank).numel();
+  s.holds_grads = false;
+  if (s.param.tier == on) {
+    convert(master, DType::f32, s.param.mem.raw(), precision, len);
+    return;
+  }
+  // The padding past the real elements is zero in every payload.
+  Tensor rounded = Tensor::zeros({S}, precision, on);
+  convert(master, DType::f32, rounded.raw(), precision, len);
+  store(s.param, rounded.raw(), on);
+}
+
+void ChunkManager::Impl::step(float lr, float grad_scale) {
+  adamw.begin_step(lr, grad_scale);
+  const int n = chunks.num_chunks();
+  const int64_t S = chunks.shard_numel();
+  // Optimizer state on NVMe is read a chunk ahead of the update and written
+  // behind it, so the disk works while the CPU updates.
+  struct Ahead {
+    int chunk;
+    IoBuffer buffer;
+    uint64_t ticket;
+  };
+  std::deque<Ahead> ahead;
+  int next_read = 0;
+  const auto read_ahead = [&] {
+    for (; next_read < n && ahead.size() < 2; ++next_read) {
+      const ChunkState& s = cs[static_cast<size_t>(next_read)];
+      if (s.optim.tier != Tier::nvme || chunks.owned(next_read, rank).numel() == 0) continue;
+      wait_writes(s.optim.slot);
+      IoBuffer b(static_cast<size_t>(s.optim.bytes));
+      const uint64_t ticket = nvme->read(b.data(), b.bytes(), *s.optim.slot);
+      count(Tier::nvme, Tier::host, s.optim.bytes);
+      ahead.push_back({next_read, std::move(b), ticket});
+    }
+  };
+  Tensor grads[kNumTiers], staged[kNumTiers];  // fp32 gradients and working-precision staging per tier
+  const auto scratch = [&](Tensor* per_tier, Tier t, DType dt) -> Tensor& {
+    Tensor& x = per_tier[static_cast<int>(t)];
+    if (!x.defined()) x = Tensor::empty({S}, dt, t);
+    return x;
+  };
+  for (int c = 0; c < n; ++c) {
+    ChunkState& s = cs[static_cast<size_t>(c)];
+    const FlatRange r = chunks.owned(c, rank);
+    if (r.numel() == 0) continue;
+    read_ahead();
+    // The update runs where the optimizer state lives: on the device, or on
+    // the host (the CPU AdamW) for host and NVMe state.
+    const Tier on = s.optim.tier == Tier::device ? Tier::device : Tier::host;
+    IoBuffer state;
+    float* o = nullptr;
+    if (s.optim.tier == Tier::nvme) {
+      LOOM_CHECK(!ahead.empty() && ahead.front().chunk == c, "NVMe reads out of order at chunk ", c);
+      nvme->wait(ahead.front().ticket);
+      state = std::move(ahead.front().buffer);
+      ahead.pop_front();
+      o = static_cast<float*>(state.data());
+    } else {
+      o = s.optim.mem.data<float>();
+    }
+    // The gradient in fp32 where the update runs: from the parameters'
+    // memory (reused) or from the shard's own gradient.
+    float* g = scratch(grads, on, DType::f32).data<float>();
+    if (reuse) {
+      const void* src = nullptr;
+      if (s.param.tier == on) {
+        src = s.param.mem.raw();
+      } else {
+        Tensor& stage = scratch(staged, on, precision);
+        load(s.param, stage.raw(), on);
+        src = stage.raw();
+      }
+      convert(src, precision, g, DType::f32, r.numel());
+    } else {
+      LOOM_CHECK(s.grad_shard.tier() == on, "chunk ", c, "'s gradient shard is not where its update runs");
+      convert(s.grad_shard.raw(), precision, g, DType::f32, r.numel());
+    }
+    adamw.update(r, o, g, o + S, o + 2 * S);
+    publish(c, o, on);
+    if (s.optim.tier == Tier::nvme) write_behind(s.optim, std::move(state));
+  }
+  // Gathered copies of the old parameters are stale (a chunk computing on
+  // its own payload was updated in place).
+  for (int c = 0; c < n; ++c) {
+    ChunkState& s = cs[static_cast<size_t>(c)];
+    LOOM_CHECK(s.refs == 0, "parameters updated while chunk ", c, " is acquired");
+    if (!s.aliased) drop(c);
+  }
+  end_update();
+}
+
+void ChunkManager::Impl::end_update() {
+  // The warm-up step is over once its update is applied (or skipped).
+  if (++steps_seen == 1 && opts.policy == MemoryPolicy::automatic) place_after_warm_up();
+}
+
+void ChunkManager::Impl::restore_parameters() {
+  Tensor state = Tensor::empty({3 * chunks.shard_numel()}, DType::f32, Tier::host);
+  for (int c = 0; c < chunks.num_chunks(); ++c) {
+    ChunkState& s = cs[static_cast<size_t>(c)];
+    if (!s.holds_grads) continue;
+    load(s.optim, state.raw(), Tier::host);
+    publish(c, state.data<float>(), Tier::host);
+  }
+  end_update();
+}
+
+void ChunkManager::Impl::gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_avg_sq) {
+  const int64_t S = chunks.shard_numel();
+  Tensor* outs[3] = {&params, &exp_avg, &exp_avg_sq};
+  // Staged on the host tier: a checkpoint must not need a device budget for
+  // a whole model that only fits sharded.
+  for (Tensor* t : outs) *t = Tensor::zeros({layout.numel()}, DType::f32, Tier::host);
+  Tensor state = Tensor::empty({3 * S}, DType::f32, Tier::host);
+  Tensor whole = Tensor::empty({chunks.chunk_numel()}, DType::f32, Tier::host);
+  for (int c = 0; c < chunks.num_chunks(); ++c) {
+    const Chunk& ch = chunks.chunk(c);
+    load(cs[static_cast<size_t>(c)].optim, state.raw(), Tier::host);
+    for (int k = 0; k < 3; ++k) {
+      const float* mine = state.data<float>() + k * S;
+      if (ranks > 1) {
+        dp->all_gather(mine, whole.raw(), S, DType::f32);
+        mine = whole.data<float>();
+      }
+      std::copy_n(mine, ch.numel(), outs[k]->data<float>() + ch.begin);
+    }
+  }
+}
+
+void ChunkManager::Impl::load_state(const Tensor& params, const Tensor& exp_avg, const Tensor& exp_avg_sq) {
+  const int64_t n = layout.numel(), S = chunks.shard_numel();
+  LOOM_CHECK(params.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n, "state of ", params.numel(),
+             " elements for a model of ", n);
+  Tensor state = Tensor::empty({3 * S}, DType::f32, Tier::host);
+  for (int c = 0; c < chunks.num_chunks(); ++c) {
+    ChunkState& s = cs[static_cast<size_t>(c)];
+    LOOM_CHECK(s.refs == 0, "state loaded while chunk ", c, " is acquired");
+    if (!s.aliased) drop(c);
+    const FlatRange r = chunks.owned(c, rank);
+    state.zero_();
+    const Tensor* ins[3] = {&params, &exp_avg, &exp_avg_sq};
+    for (int k = 0; k < 3; ++k)
+      std::copy_n(ins[k]->data<float>() + r.begin, r.numel(), state.data<float>() + k * S);
+    store(s.optim, state.raw(), Tier::host);
+    publish(c, state.data<float>(), Tier::host);
+  }
+}
+
+}  // namespace loom
