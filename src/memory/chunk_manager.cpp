@@ -126,9 +126,9 @@ void ChunkManager::Impl::write_behind(const Payload& p, IoBuffer buffer) {
   const uint64_t ticket = nvme->write(buffer.data(), buffer.bytes(), *p.slot);
   count(Tier::host, Tier::nvme, p.bytes);
   writes.push_back({std::move(buffer), ticket, *p.slot});
-  // Two writes stay in flight behind the computation (memory_needs counts
-  // their buffers).
-  while (writes.size() > 2) {
+  // One write stays in flight behind the computation (memory_needs counts
+  // its buffer).
+  while (writes.size() > 1) {
     nvme->wait(writes.front().ticket);
     writes.pop_front();
   }

@@ -82,9 +82,9 @@ MemoryNeeds memory_needs(const ChunkLayout& chunks, const ChunkPlacement& placem
   // writes behind.
   n.host_working = 5 * S * 4;
   if (any_nvme_param) n.host_working += 2 * (gathered + 2) * round_up(S * w, int64_t(kIoAlign));
-  // The update holds the chunk it updates, one read ahead and up to three
-  // writes behind (the newest waits for the oldest).
-  if (any_nvme_optim) n.host_working += 5 * optim_payload_bytes(S);
+  // The update holds the chunk it updates, one read ahead and one write
+  // behind.
+  if (any_nvme_optim) n.host_working += 3 * optim_payload_bytes(S);
   return n;
 }
 
