@@ -327,6 +327,9 @@ void ChunkManager::Impl::acquire(int group) {
     }
     materialize(c, true);
     ++s.refs;
+    const Chunk& ch = chunks.chunk(c);
+    for (int id = ch.first_param; id < ch.end_param; ++id)
+      if (states[static_cast<size_t>(id)] == TensorState::free) states[static_cast<size_t>(id)] = TensorState::hold;
   }
   for (int id : group_params[static_cast<size_t>(group)]) {
     TensorState& st = states[static_cast<size_t>(id)];

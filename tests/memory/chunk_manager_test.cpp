@@ -1,0 +1,113 @@
+// The chunk manager's bookkeeping driven by hand: tensor states through a
+// forward and a backward, reduction only once a chunk's tensors are all
+// ready, and the checks that keep a chunk from being used while it holds
+// gradients.
+#include <gtest/gtest.h>
+
+#include "loom/memory.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+// Two groups whose three parameters share one chunk of 4096 elements.
+struct TwoGroups {
+  TwoGroups() {
+    const int a = layout.add_group("a");
+    a0 = layout.add("a0", {1000}, ParamInit::normal_(0.02f), true, a);
+    a1 = layout.add("a1", {1000}, ParamInit::constant(1.0f), false, a);
+    const int b = layout.add_group("b");
+    b0 = layout.add("b0", {1000}, ParamInit::normal_(0.02f), true, b);
+    opts.policy = MemoryPolicy::fixed;
+    opts.chunk_bytes = 4096 * 4;
+  }
+  ParamLayout layout;
+  int a0 = 0, a1 = 0, b0 = 0;
+  MemoryOptions opts;
+};
+
+TEST(ChunkManager, TensorStatesFollowTheStepAndAChunkReducesOnceAllItsTensorsAreReady) {
+  TwoGroups m;
+  for (double offload : {0.0, 1.0}) {
+    m.opts.offload_param_frac = offload;
+    ChunkManager mgr(m.layout, m.opts, DType::f32, nullptr, AdamWConfig{}, 7, 0);
+    ChunkParamStore ps(mgr);
+    ChunkGradStore gs(mgr);
+    ASSERT_EQ(mgr.chunks().num_chunks(), 1);
+    const auto state = [&](int id) { return mgr.state(id); };
+    EXPECT_EQ(state(m.a0), TensorState::free);
+
+    ps.begin_step();
+    gs.zero();
+    ps.acquire(0);
+    EXPECT_EQ(state(m.a0), TensorState::compute);
+    EXPECT_EQ(state(m.b0), TensorState::hold) << "gathered with its chunk, not in use";
+    const float before = ps.param(m.a1).data<float>()[0];
+    EXPECT_EQ(before, 1.0f);
+    ps.release(0);
+    // Computed on in place, the chunk stays; a staged copy is dropped.
+    const TensorState released = offload == 0.0 ? TensorState::hold : TensorState::free;
+    EXPECT_EQ(state(m.a0), released);
+
+    // Backward: b's group, then a's.
+    ps.acquire(1);
+    gs.grad(m.b0).fill_(0.5f);
+    EXPECT_EQ(state(m.b0), TensorState::hold_after_backward);
+    ps.release(1);
+    gs.group_ready(1);
+    EXPECT_EQ(state(m.b0), TensorState::ready_for_reduce) << "a's tensors are not ready: no reduction yet";
+    ps.acquire(0);
+    gs.grad(m.a0).fill_(0.25f);
+    gs.grad(m.a1).fill_(1.0f);
+    ps.release(0);
+    gs.group_ready(0);
+    // The chunk was reduced: its tensors are back to hold or free.
+    EXPECT_EQ(state(m.a0), released);
+    EXPECT_EQ(state(m.b0), released);
+    gs.finish();
+    ps.end_step();
+
+    // The gradient now sits in the parameters' memory until the update.
+    EXPECT_DEATH(ps.acquire(0), "holds gradients");
+    const GradientCheck check = mgr.check_gradients();
+    EXPECT_DOUBLE_EQ(check.sum_squares, 1000 * (0.5 * 0.5 + 0.25 * 0.25 + 1.0));
+    EXPECT_EQ(check.non_finite, 0);
+    mgr.step(0.1f, 1.0f);
+    ps.acquire(0);
+    EXPECT_LT(ps.param(m.a1).data<float>()[0], before) << "a positive gradient lowers the parameter";
+    ps.release(0);
+    EXPECT_EQ(mgr.optimizer_steps(), 1);
+  }
+}
+
+TEST(ChunkManager, GradientsAfterTheGroupIsReadyAndUnbalancedReleasesAreChecks) {
+  TwoGroups m;
+  ChunkManager mgr(m.layout, m.opts, DType::f32, nullptr, AdamWConfig{}, 7, 0);
+  ChunkParamStore ps(mgr);
+  ChunkGradStore gs(mgr);
+  gs.zero();
+  gs.grad(m.a0);
+  gs.group_ready(0);
+  EXPECT_DEATH(gs.grad(m.a1), "written after its group a was reported ready");
+  EXPECT_DEATH(gs.group_ready(0), "reported ready twice");
+  EXPECT_DEATH(ps.release(1), "not acquired");
+  EXPECT_DEATH(ps.param(m.b0), "is not acquired");
+  EXPECT_DEATH(gs.set_reduce(false), "gradient accumulation over several micro-batches");
+}
+
+TEST(ChunkManager, ReportsWhereTheBytesLive) {
+  TwoGroups m;
+  m.opts.offload_optim_frac = 1.0;
+  m.opts.chunk_bytes = 4096 * 2;  // in the working precision
+  ChunkManager mgr(m.layout, m.opts, DType::bf16, nullptr, AdamWConfig{}, 7, 0);
+  const MemoryReport r = mgr.report();
+  EXPECT_EQ(r.num_chunks, 1);
+  EXPECT_EQ(r.chunk_numel, 4096);
+  EXPECT_EQ(r.model_state[Tier::device], 4096 * 2) << "bf16 parameters";
+  EXPECT_EQ(r.model_state[Tier::host], 4096 * 12) << "fp32 master weights, m and v";
+  EXPECT_EQ(r.model_state[Tier::nvme], 0);
+  EXPECT_CONTAINS(describe(r), "host");
+}
+
+}  // namespace
+}  // namespace loom
