@@ -282,6 +282,8 @@ struct MemoryReport {
   TierBytes peak;                 // the allocators' high-water marks
   TierBytes budget;               // kUnlimited shows as -1
   int64_t traced_non_model = -1;  // auto: the warm-up step's peak device bytes besides model state
+  // auto: the same per module (parameter group), at its boundaries
+  std::vector<std::pair<std::string, int64_t>> traced_modules;
   TierTraffic traffic;
   NvmeStats nvme;
 };

@@ -554,6 +554,9 @@ MemoryReport ChunkManager::report() const {
     r.budget.bytes[static_cast<size_t>(t)] = a.budget() == kUnlimited ? -1 : static_cast<int64_t>(a.budget());
   }
   r.traced_non_model = m.traced;
+  for (int g = 0; g < m.layout.num_groups(); ++g)
+    if (m.traced_per_group[static_cast<size_t>(g)] >= 0)
+      r.traced_modules.emplace_back(m.layout.group_name(g), m.traced_per_group[static_cast<size_t>(g)]);
   r.traffic = m.traffic;
   if (m.nvme) r.nvme = m.nvme->stats();
   return r;

@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "loom/memory.h"
 
 namespace loom {
@@ -19,9 +21,13 @@ std::string describe(const MemoryReport& r) {
                format_bytes(static_cast<double>(r.peak[t])), ", budget ",
                r.budget[t] < 0 ? std::string("unlimited") : format_bytes(static_cast<double>(r.budget[t])), "\n");
   }
-  if (r.traced_non_model >= 0)
-    out +=
-        str("  traced device peak besides model state: ", format_bytes(static_cast<double>(r.traced_non_model)), "\n");
+  if (r.traced_non_model >= 0) {
+    out += str("  traced device peak besides model state: ", format_bytes(static_cast<double>(r.traced_non_model)));
+    const auto largest = std::max_element(r.traced_modules.begin(), r.traced_modules.end(),
+                                          [](const auto& a, const auto& b) { return a.second < b.second; });
+    if (largest != r.traced_modules.end()) out += str(" (largest at ", largest->first, ")");
+    out += "\n";
+  }
   std::string moved;
   for (int from = 0; from < kNumTiers; ++from)
     for (int to = 0; to < kNumTiers; ++to) {

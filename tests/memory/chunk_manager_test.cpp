@@ -111,3 +111,64 @@ TEST(ChunkManager, ReportsWhereTheBytesLive) {
 
 }  // namespace
 }  // namespace loom
+
+namespace loom {
+namespace {
+
+// auto with room for two of four chunks: the cache follows Belady's rule on
+// the recorded order a b c d d c b a (a forward and a backward).
+TEST(ChunkManager, AutoEvictsTheChunkWhoseNextUseIsFurthest) {
+  ParamLayout layout;
+  for (const char* name : {"a", "b", "c", "d"}) {
+    const int g = layout.add_group(name);
+    layout.add(str(name, ".w"), {2048}, ParamInit::normal_(0.02f), true, g);
+  }
+  MemoryOptions opts;
+  opts.policy = MemoryPolicy::automatic;
+  opts.chunk_bytes = 2048 * 4;
+  opts.prefetch = 0;  // only the accesses themselves move chunks
+  MemoryContext context;
+  MemoryContext::Install install(context);
+  ChunkManager mgr(layout, opts, DType::f32, nullptr, AdamWConfig{}, 7, 0);
+  ChunkParamStore ps(mgr);
+  ChunkGradStore gs(mgr);
+  ASSERT_EQ(mgr.chunks().num_chunks(), 4);
+  const auto run_step = [&] {
+    ps.begin_step();
+    gs.zero();
+    for (int g = 0; g < 4; ++g) {
+      ps.acquire(g);
+      ps.release(g);
+    }
+    for (int g = 4; g-- > 0;) {
+      ps.acquire(g);
+      gs.grad(g).fill_(0.01f);
+      ps.release(g);
+      gs.group_ready(g);
+    }
+    gs.finish();
+    ps.end_step();
+  };
+  run_step();  // the traced warm-up, everything on the host
+  // Room for two chunks' parameters once the traced peak and the working
+  // set are set aside (place_after_warm_up's arithmetic).
+  const int64_t P = 2048 * 4;
+  ChunkPlacement staged = mgr.placement();
+  const int64_t working = memory_needs(mgr.chunks(), staged, DType::f32, opts).device_working;
+  const int64_t traced = mgr.report().traced_non_model;
+  ASSERT_GE(traced, 0);
+  context.tier(Tier::device).set_budget(static_cast<size_t>(traced + working + 2 * P + P / 2));
+  mgr.step(1e-3f, 1.0f);
+
+  const TierTraffic before = mgr.report().traffic;
+  run_step();
+  // a, b cached; c evicts a (used last), d evicts b, b evicts d (next used
+  // after c and b), a evicts c: a and b end on the device.
+  EXPECT_EQ(mgr.placement().param, (std::vector<Tier>{Tier::device, Tier::device, Tier::host, Tier::host}));
+  const TierTraffic after = mgr.report().traffic;
+  EXPECT_EQ(after.at(Tier::host, Tier::device) - before.at(Tier::host, Tier::device), 6 * P);
+  EXPECT_EQ(after.at(Tier::device, Tier::host) - before.at(Tier::device, Tier::host), 4 * P);
+}
+
+}  // namespace
+}  // namespace loom

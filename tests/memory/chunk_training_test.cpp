@@ -133,6 +133,13 @@ TEST_P(ChunkPlacementEquivalence, TrainsLikeEverythingOnTheDevice) {
       EXPECT_GT(count(a.placement.optim, Tier::host), 0);
     }
   } else {
+    // The tracer saw every module of the warm-up, the largest of them is the
+    // step's peak.
+    ASSERT_EQ(a.memory.traced_modules.size(), static_cast<size_t>(GPT(a.model).layout().num_groups()));
+    int64_t largest = 0;
+    for (const auto& [module, bytes] : a.memory.traced_modules) largest = std::max(largest, bytes);
+    EXPECT_EQ(largest, a.memory.traced_non_model);
+    EXPECT_GT(largest, 0);
     // Unlimited budgets: everything ends on the device.
     EXPECT_EQ(count(a.placement.param, Tier::device), n);
     EXPECT_EQ(count(a.placement.optim, Tier::device), n);
