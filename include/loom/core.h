@@ -111,6 +111,9 @@ class Allocator {
   // Lowering the budget below what is in use is an Error.
   void set_budget(size_t bytes);
   void reset_peak() { peak_.store(used_.load()); }
+  // Raises the high-water mark to at least `bytes`: a peak measured in
+  // intervals (reset_peak at each boundary) is put back together.
+  void raise_peak(size_t bytes);
 
  private:
   Tier tier_;

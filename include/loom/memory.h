@@ -19,6 +19,7 @@
 
 #include <array>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -291,6 +292,12 @@ std::string describe(const MemoryReport& r);  // a few lines for the console
 
 class ChunkManager;
 
+// A piece of the whole model's fp32 state: the flat elements `range` (whole
+// parameters) with their weights and AdamW moments.
+using StateVisitor =
+    std::function<void(FlatRange range, const float* params, const float* exp_avg, const float* exp_avg_sq)>;
+using StateFiller = std::function<void(FlatRange range, float* params, float* exp_avg, float* exp_avg_sq)>;
+
 // ParamStore over chunks: acquire(group) brings the group's chunks to the
 // device (gathered over dp), release lets the manager keep or drop them.
 class ChunkParamStore final : public ParamStore {
@@ -353,10 +360,14 @@ class ChunkManager {
   int64_t optimizer_steps() const;
   void set_optimizer_steps(int64_t t);
 
-  // Collective: the whole model's fp32 weights and moments in flat order on
-  // every rank (host tier); load_state takes this rank's shards back.
-  void gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_avg_sq);
-  void load_state(const Tensor& params, const Tensor& exp_avg, const Tensor& exp_avg_sq);
+  // Collective: the whole model's fp32 weights (master weights) and moments,
+  // chunk by chunk in flat order, each chunk gathered from the ranks' shards
+  // into host memory valid during the call. A model larger than the host
+  // streams through one chunk (checkpoints).
+  void visit_state(const StateVisitor& visit);
+  // Every rank takes its shards from `fill`, which writes the whole state of
+  // each chunk's range.
+  void load_state(const StateFiller& fill);
 
  private:
   friend class ChunkParamStore;

@@ -131,6 +131,14 @@ class Trainer {
   State gather_state();
   // Collective under dp (the whole mesh): every rank takes its part of `state`.
   void load_state(const State& state);
+  // Collective: the whole state in pieces of whole parameters in flat order:
+  // one piece (gathered on the host), or one chunk at a time under a memory
+  // policy, so that a model larger than the host streams through (checkpoints
+  // are written from it).
+  void visit_state(const StateVisitor& visit);
+  // Collective: the counters of `counters` (its tensors are not read) and the
+  // weights and moments from `fill`, in the same pieces.
+  void load_state(const State& counters, const StateFiller& fill);
 
  private:
   // The ZeRO stores over dp_, for the model's (local) layout.
@@ -143,6 +151,8 @@ class Trainer {
   // summed over their groups, then the data-parallel reduction starts.
   void reduce_model_parallel_gradients();
   StepStats apply_update(StepStats stats);
+  // The step counters and the loss scaler's state of a State.
+  void load_counters(const State& s);
 
   TrainOptions opts_;
   Communicator* dp_;

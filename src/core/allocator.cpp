@@ -38,10 +38,7 @@ void Allocator::reserve(size_t bytes) {
                       "; raise memory.", tier_name(tier_), "_budget or offload more"));
     }
   } while (!used_.compare_exchange_weak(used, used + bytes));
-  size_t now = used + bytes;
-  size_t peak = peak_.load();
-  while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
-  }
+  raise_peak(used + bytes);
 }
 
 void Allocator::release(size_t bytes) {
@@ -64,6 +61,12 @@ void* Allocator::allocate(size_t bytes) {
 void Allocator::deallocate(void* p, size_t bytes) {
   std::free(p);
   release(bytes);
+}
+
+void Allocator::raise_peak(size_t bytes) {
+  size_t peak = peak_.load();
+  while (bytes > peak && !peak_.compare_exchange_weak(peak, bytes)) {
+  }
 }
 
 void Allocator::set_budget(size_t bytes) {

@@ -398,6 +398,7 @@ void ChunkManager::Impl::begin_step() {
     // modules' boundaries besides the manager's own bytes.
     tracing = true;
     traced = 0;
+    traced_device_peak = MemoryContext::current().tier(Tier::device).peak();
     MemoryContext::current().tier(Tier::device).reset_peak();
     traced_manager_bytes = manager_device_bytes();
   }
@@ -408,6 +409,9 @@ void ChunkManager::Impl::end_step() {
   in_step = false;
   for (int c = 0; c < chunks.num_chunks(); ++c)
     if (cs[static_cast<size_t>(c)].refs == 0 && !cs[static_cast<size_t>(c)].aliased) drop(c);
+  // The device's high-water mark, measured in intervals while tracing, is
+  // whole again.
+  if (tracing) MemoryContext::current().tier(Tier::device).raise_peak(traced_device_peak);
   tracing = false;
 }
 
@@ -441,6 +445,7 @@ void ChunkManager::Impl::trace(int group) {
   // the non-model figure errs on the high side.
   const int64_t non_model = static_cast<int64_t>(device.peak()) - std::min(manager, traced_manager_bytes);
   traced = std::max(traced, non_model);
+  traced_device_peak = std::max(traced_device_peak, device.peak());
   int64_t& g = traced_per_group[static_cast<size_t>(group)];
   g = std::max(g, non_model);
   device.reset_peak();
@@ -530,12 +535,8 @@ void ChunkManager::step(float lr, float grad_scale) { impl_->step(lr, grad_scale
 void ChunkManager::restore_parameters() { impl_->restore_parameters(); }
 int64_t ChunkManager::optimizer_steps() const { return impl_->adamw.steps(); }
 void ChunkManager::set_optimizer_steps(int64_t t) { impl_->adamw.set_steps(t); }
-void ChunkManager::gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_avg_sq) {
-  impl_->gather_state(params, exp_avg, exp_avg_sq);
-}
-void ChunkManager::load_state(const Tensor& params, const Tensor& exp_avg, const Tensor& exp_avg_sq) {
-  impl_->load_state(params, exp_avg, exp_avg_sq);
-}
+void ChunkManager::visit_state(const StateVisitor& visit) { impl_->visit_state(visit); }
+void ChunkManager::load_state(const StateFiller& fill) { impl_->load_state(fill); }
 
 MemoryReport ChunkManager::report() const {
   const Impl& m = *impl_;

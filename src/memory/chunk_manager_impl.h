@@ -116,8 +116,8 @@ struct ChunkManager::Impl {
   void publish(int c, const float* master, Tier on);
   void restore_parameters();
   void end_update();
-  void gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_avg_sq);
-  void load_state(const Tensor& params, const Tensor& exp_avg, const Tensor& exp_avg_sq);
+  void visit_state(const StateVisitor& visit);
+  void load_state(const StateFiller& fill);
 
   const ParamLayout& layout;
   MemoryOptions opts;
@@ -152,6 +152,7 @@ struct ChunkManager::Impl {
   bool tracing = false;
   int64_t traced = -1;
   int64_t traced_manager_bytes = 0;
+  size_t traced_device_peak = 0;  // the device's high-water mark across the traced intervals
   std::vector<int64_t> traced_per_group;
 
   TierTraffic traffic;

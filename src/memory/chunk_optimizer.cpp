@@ -130,42 +130,43 @@ void ChunkManager::Impl::restore_parameters() {
   end_update();
 }
 
-void ChunkManager::Impl::gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_avg_sq) {
-  const int64_t S = chunks.shard_numel();
-  Tensor* outs[3] = {&params, &exp_avg, &exp_avg_sq};
-  // Staged on the host tier: a checkpoint must not need a device budget for
-  // a whole model that only fits sharded.
-  for (Tensor* t : outs) *t = Tensor::zeros({layout.numel()}, DType::f32, Tier::host);
+void ChunkManager::Impl::visit_state(const StateVisitor& visit) {
+  const int64_t S = chunks.shard_numel(), C = chunks.chunk_numel();
+  // Host staging for one chunk at a time: this rank's shard of the three
+  // kinds, and the whole chunk of each once gathered.
   Tensor state = Tensor::empty({3 * S}, DType::f32, Tier::host);
-  Tensor whole = Tensor::empty({chunks.chunk_numel()}, DType::f32, Tier::host);
+  Tensor whole = ranks > 1 ? Tensor::empty({3 * C}, DType::f32, Tier::host) : Tensor();
   for (int c = 0; c < chunks.num_chunks(); ++c) {
     const Chunk& ch = chunks.chunk(c);
     load(cs[static_cast<size_t>(c)].optim, state.raw(), Tier::host);
-    for (int k = 0; k < 3; ++k) {
-      const float* mine = state.data<float>() + k * S;
-      if (ranks > 1) {
-        dp->all_gather(mine, whole.raw(), S, DType::f32);
-        mine = whole.data<float>();
-      }
-      std::copy_n(mine, ch.numel(), outs[k]->data<float>() + ch.begin);
+    const float* kinds = state.data<float>();
+    int64_t stride = S;
+    if (ranks > 1) {
+      for (int k = 0; k < 3; ++k)
+        dp->all_gather(state.data<float>() + k * S, whole.data<float>() + k * C, S, DType::f32);
+      kinds = whole.data<float>();
+      stride = C;
     }
+    visit({ch.begin, ch.end}, kinds, kinds + stride, kinds + 2 * stride);
   }
 }
 
-void ChunkManager::Impl::load_state(const Tensor& params, const Tensor& exp_avg, const Tensor& exp_avg_sq) {
-  const int64_t n = layout.numel(), S = chunks.shard_numel();
-  LOOM_CHECK(params.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n, "state of ", params.numel(),
-             " elements for a model of ", n);
+void ChunkManager::Impl::load_state(const StateFiller& fill) {
+  const int64_t S = chunks.shard_numel();
+  Tensor whole = Tensor::empty({3 * chunks.chunk_numel()}, DType::f32, Tier::host);
   Tensor state = Tensor::empty({3 * S}, DType::f32, Tier::host);
   for (int c = 0; c < chunks.num_chunks(); ++c) {
     ChunkState& s = cs[static_cast<size_t>(c)];
     LOOM_CHECK(s.refs == 0, "state loaded while chunk ", c, " is acquired");
     if (!s.aliased) drop(c);
+    const Chunk& ch = chunks.chunk(c);
+    const int64_t n = ch.numel();
+    float* w = whole.data<float>();
+    fill({ch.begin, ch.end}, w, w + n, w + 2 * n);
+    // This rank's elements of each kind; the padding is zero.
     const FlatRange r = chunks.owned(c, rank);
     state.zero_();
-    const Tensor* ins[3] = {&params, &exp_avg, &exp_avg_sq};
-    for (int k = 0; k < 3; ++k)
-      std::copy_n(ins[k]->data<float>() + r.begin, r.numel(), state.data<float>() + k * S);
+    for (int k = 0; k < 3; ++k) std::copy_n(w + k * n + (r.begin - ch.begin), r.numel(), state.data<float>() + k * S);
     store(s.optim, state.raw(), Tier::host);
     publish(c, state.data<float>(), Tier::host);
   }

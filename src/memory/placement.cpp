@@ -114,12 +114,13 @@ void check_budgets(const MemoryNeeds& needs, int64_t device_activations, const T
   if (needs.model_state[Tier::nvme] == 0 && state > device_and_host)
     msg += str(", more than the device and host budgets hold together (", format_bytes(double(budgets[Tier::device])),
                " + ", format_bytes(double(budgets[Tier::host])), ")");
-  msg += "; ";
-  if (opts.nvme_dir.empty())
-    msg += "set memory.nvme_dir to a directory on a fast disk to place state on NVMe, ";
+  std::vector<std::string> fixes;
+  if (opts.nvme_dir.empty()) fixes.push_back("set memory.nvme_dir to a directory on a fast disk to place state on NVMe");
   if (opts.policy == MemoryPolicy::fixed)
-    msg += "raise memory.offload_param_frac / memory.offload_optim_frac or try memory.policy = \"auto\", ";
-  msg += "or raise the budgets";
+    fixes.push_back("raise memory.offload_param_frac / memory.offload_optim_frac or try memory.policy = \"auto\"");
+  fixes.push_back(device_activations > 0 ? "lower train.micro_batch_size or raise the budgets" : "raise the budgets");
+  msg += "; ";
+  for (size_t i = 0; i < fixes.size(); ++i) msg += (i == 0 ? "" : i + 1 == fixes.size() ? ", or " : ", ") + fixes[i];
   throw Error(msg);
 }
 

@@ -1,6 +1,9 @@
 // Checkpoints: weights and optimizer state in safetensors under global
 // parameter names and shapes, plus a manifest with the run's config, step,
 // data position and the SHA-256 of every file; committed atomically.
+#include <map>
+#include <optional>
+
 #include <nlohmann/json.hpp>
 
 #include "loom/comm.h"
@@ -15,27 +18,43 @@ namespace {
 constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 
-void write_params(const fs::path& path, const ParamLayout& layout, const Tensor& flat, const std::string& prefix) {
+std::vector<SafetensorsSpec> model_specs(const ParamLayout& layout) {
   std::vector<SafetensorsSpec> specs;
-  for (const ParamSpec& p : layout.params()) specs.push_back({prefix + p.name, DType::f32, p.shape});
-  SafetensorsWriter w(path, specs, {{"format", "loom"}});
+  for (const ParamSpec& p : layout.params()) specs.push_back({p.name, DType::f32, p.shape});
+  return specs;
+}
+
+std::vector<SafetensorsSpec> optimizer_specs(const ParamLayout& layout) {
+  std::vector<SafetensorsSpec> specs;
+  for (const ParamSpec& p : layout.params()) {
+    specs.push_back({"exp_avg." + p.name, DType::f32, p.shape});
+    specs.push_back({"exp_avg_sq." + p.name, DType::f32, p.shape});
+  }
+  return specs;
+}
+
+// The parameters whose first element lies in `r` (a piece of the state holds
+// whole parameters), with their offset into the piece.
+template <typename Fn>
+void for_each_param_in(const ParamLayout& layout, FlatRange r, Fn fn) {
   for (const ParamSpec& p : layout.params())
-    w.write(prefix + p.name, flat.flat(p.offset, p.numel()).raw());
-  w.finish();
+    if (p.offset >= r.begin && p.offset < r.end) fn(p, p.offset - r.begin);
+}
+
+void read_param(const SafetensorsReader& r, const ParamSpec& p, const std::string& prefix, float* dst) {
+  const std::string name = prefix + p.name;
+  if (!r.contains(name))
+    throw Error(str("checkpoint file '", r.path().string(), "' has no tensor '", name,
+                    "': it was saved from a different model"));
+  const auto& e = r.entry(name);
+  if (e.dtype != DType::f32 || e.shape != p.shape)
+    throw Error(str("tensor '", name, "' in '", r.path().string(), "' is ", dtype_name(e.dtype), " ",
+                    shape_str(e.shape), ", the model needs f32 ", shape_str(p.shape)));
+  r.read(name, dst, static_cast<size_t>(p.numel()) * 4);
 }
 
 void read_params(const SafetensorsReader& r, const ParamLayout& layout, Tensor& flat, const std::string& prefix) {
-  for (const ParamSpec& p : layout.params()) {
-    const std::string name = prefix + p.name;
-    if (!r.contains(name))
-      throw Error(str("checkpoint file '", r.path().string(), "' has no tensor '", name,
-                      "': it was saved from a different model"));
-    const auto& e = r.entry(name);
-    if (e.dtype != DType::f32 || e.shape != p.shape)
-      throw Error(str("tensor '", name, "' in '", r.path().string(), "' is ", dtype_name(e.dtype), " ",
-                      shape_str(e.shape), ", the model needs f32 ", shape_str(p.shape)));
-    r.read(name, flat.flat(p.offset, p.numel()).raw(), static_cast<size_t>(p.numel()) * 4);
-  }
+  for (const ParamSpec& p : layout.params()) read_param(r, p, prefix, flat.data<float>() + p.offset);
 }
 
 // An integer field of `object` (the manifest or a part of it).
@@ -56,50 +75,50 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
   LOOM_CHECK(mesh || (mp.tp.size() == 1 && mp.first_stage && mp.last_stage),
              "a Trainer whose model is split over tp or pp ranks saves with the mesh it was built on");
   Communicator* ranks = mesh ? &mesh->world() : dp;
-  // The reference trainer's own tensors are its whole state already; under
-  // dp every rank gathers it (collective) and rank 0 writes it, and chunks
-  // are gathered from wherever they are placed.
-  const Trainer::State state =
-      dp || t.options().memory.policy != MemoryPolicy::none ? t.gather_state()
-         : Trainer::State{t.params().flat(), t.optimizer().exp_avg(), t.optimizer().exp_avg_sq(), t.steps_done(),
-                          t.optimizer().steps(), {}};
-  const std::string name = checkpoint_dir_name(state.steps);
-  if (!ranks || ranks->rank() == 0) {
+  const std::string name = checkpoint_dir_name(t.steps_done());
+  const bool writes = !ranks || ranks->rank() == 0;
+  const ParamLayout& layout = t.state_layout();
+  // The state streams from the Trainer (collective) into the files on rank
+  // 0: in one piece, or a chunk at a time under a memory policy.
+  std::optional<AtomicDirWriter> dir;
+  std::optional<SafetensorsWriter> model_file, optimizer_file;
+  if (writes) {
     fs::create_directories(root);
-    AtomicDirWriter dir(root / name);
-    const ParamLayout& layout = t.state_layout();
-    write_params(dir.path(kModelFile), layout, state.params, "");
-    {
-      std::vector<SafetensorsSpec> specs;
-      for (const ParamSpec& p : layout.params()) {
-        specs.push_back({"exp_avg." + p.name, DType::f32, p.shape});
-        specs.push_back({"exp_avg_sq." + p.name, DType::f32, p.shape});
-      }
-      SafetensorsWriter w(dir.path(kOptimizerFile), specs, {{"format", "loom"}});
-      for (const ParamSpec& p : layout.params()) {
-        w.write("exp_avg." + p.name, state.exp_avg.flat(p.offset, p.numel()).raw());
-        w.write("exp_avg_sq." + p.name, state.exp_avg_sq.flat(p.offset, p.numel()).raw());
-      }
-      w.finish();
-    }
+    dir.emplace(root / name);
+    const std::map<std::string, std::string> metadata{{"format", "loom"}};
+    model_file.emplace(dir->path(kModelFile), model_specs(layout), metadata);
+    optimizer_file.emplace(dir->path(kOptimizerFile), optimizer_specs(layout), metadata);
+  }
+  t.visit_state([&](FlatRange r, const float* params, const float* exp_avg, const float* exp_avg_sq) {
+    if (!writes) return;
+    for_each_param_in(layout, r, [&](const ParamSpec& p, int64_t at) {
+      model_file->write(p.name, params + at);
+      optimizer_file->write("exp_avg." + p.name, exp_avg + at);
+      optimizer_file->write("exp_avg_sq." + p.name, exp_avg_sq + at);
+    });
+  });
+  if (writes) {
+    model_file->finish();
+    optimizer_file->finish();
     nlohmann::json f = fields;
-    f["step"] = state.steps;
-    f["optimizer_steps"] = state.optimizer_steps;
+    f["step"] = t.steps_done();
+    f["optimizer_steps"] = t.optimizer_steps();
     const ZeroOptions& zero = t.options().zero;
     f["layout"] = {{"dp", dp ? dp->size() : 1},
                    {"tp", mesh ? mesh->size(MeshAxis::tp) : 1},
                    {"pp", mesh ? mesh->size(MeshAxis::pp) : 1},
                    {"zero_stage", zero.stage},
                    {"precision", dtype_name(zero.precision)}};
-    if (t.loss_scaler())
-      f["loss_scale"] = {{"scale", state.loss_scale.scale},
-                         {"clean_steps", state.loss_scale.clean_steps},
-                         {"hysteresis_left", state.loss_scale.hysteresis_left}};
+    if (const LossScaler* scaler = t.loss_scaler()) {
+      const LossScaler::State ls = scaler->state();
+      f["loss_scale"] = {
+          {"scale", ls.scale}, {"clean_steps", ls.clean_steps}, {"hysteresis_left", ls.hysteresis_left}};
+    }
     const GPTConfig& mc = t.model().config();
     f["model"] = {{"n_layer", mc.n_layer},       {"n_head", mc.n_head},         {"n_embd", mc.n_embd},
                   {"vocab_size", mc.vocab_size}, {"block_size", mc.block_size}, {"dropout", mc.dropout}};
-    write_manifest(dir.temp_dir(), f);
-    dir.commit();
+    write_manifest(dir->temp_dir(), f);
+    dir->commit();
     write_latest(root, name);
     apply_retention(root, keep_last);
   }
@@ -152,17 +171,8 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
                     "; the config asks for ", mc.n_layer, ", ", mc.n_embd, ", ", mc.vocab_size, ", ",
                     mc.block_size, ": resume with the config the run was started with"));
   const ParamLayout& layout = trainer.state_layout();
-  // Staged on the host tier: the device high-water mark stays the training's.
+  const SafetensorsReader model_file(dir / kModelFile), optimizer_file(dir / kOptimizerFile);
   Trainer::State state;
-  state.params = Tensor::empty({layout.numel()}, DType::f32, Tier::host);
-  state.exp_avg = Tensor::empty({layout.numel()}, DType::f32, Tier::host);
-  state.exp_avg_sq = Tensor::empty({layout.numel()}, DType::f32, Tier::host);
-  read_params(SafetensorsReader(dir / kModelFile), layout, state.params, "");
-  {
-    SafetensorsReader r(dir / kOptimizerFile);
-    read_params(r, layout, state.exp_avg, "exp_avg.");
-    read_params(r, layout, state.exp_avg_sq, "exp_avg_sq.");
-  }
   state.steps = info.step;
   state.optimizer_steps = manifest_int(info, info.fields, "optimizer_steps");
   // Saved without fp16, a checkpoint has no scaler state (scale 0 in the
@@ -175,7 +185,15 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
     state.loss_scale.clean_steps = manifest_int(info, ls, "clean_steps");
     state.loss_scale.hysteresis_left = static_cast<int>(manifest_int(info, ls, "hysteresis_left"));
   }
-  trainer.load_state(state);
+  // Read in the pieces the Trainer takes them in (staged on the host tier, so
+  // the device high-water mark stays the training's).
+  trainer.load_state(state, [&](FlatRange r, float* params, float* exp_avg, float* exp_avg_sq) {
+    for_each_param_in(layout, r, [&](const ParamSpec& p, int64_t at) {
+      read_param(model_file, p, "", params + at);
+      read_param(optimizer_file, p, "exp_avg.", exp_avg + at);
+      read_param(optimizer_file, p, "exp_avg_sq.", exp_avg_sq + at);
+    });
+  });
   return info;
 }
 

@@ -382,7 +382,13 @@ Trainer::State Trainer::gather_state() {
     s.exp_avg = reference_optim_->exp_avg().clone(Tier::host);
     s.exp_avg_sq = reference_optim_->exp_avg_sq().clone(Tier::host);
   } else if (chunk_memory_) {
-    chunk_memory_->gather_state(s.params, s.exp_avg, s.exp_avg_sq);
+    for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq})
+      *t = Tensor::empty({model_.layout().numel()}, DType::f32, Tier::host);
+    chunk_memory_->visit_state([&](FlatRange r, const float* p, const float* m, const float* v) {
+      std::copy_n(p, r.numel(), s.params.data<float>() + r.begin);
+      std::copy_n(m, r.numel(), s.exp_avg.data<float>() + r.begin);
+      std::copy_n(v, r.numel(), s.exp_avg_sq.data<float>() + r.begin);
+    });
   } else {
     zero_optim_->gather_state(s.params, s.exp_avg, s.exp_avg_sq);
   }
@@ -409,7 +415,11 @@ void Trainer::load_state(const State& s) {
     reference_optim_->exp_avg().copy_from(s.exp_avg);
     reference_optim_->exp_avg_sq().copy_from(s.exp_avg_sq);
   } else if (chunk_memory_) {
-    chunk_memory_->load_state(s.params, s.exp_avg, s.exp_avg_sq);
+    chunk_memory_->load_state([&](FlatRange r, float* p, float* m, float* v) {
+      std::copy_n(s.params.data<float>() + r.begin, r.numel(), p);
+      std::copy_n(s.exp_avg.data<float>() + r.begin, r.numel(), m);
+      std::copy_n(s.exp_avg_sq.data<float>() + r.begin, r.numel(), v);
+    });
   } else if (whole_) {
     State local;
     for (auto [from, to] : {std::pair{&s.params, &local.params}, {&s.exp_avg, &local.exp_avg},
@@ -423,6 +433,10 @@ void Trainer::load_state(const State& s) {
   } else {
     zero_optim_->load_state(s.params, s.exp_avg, s.exp_avg_sq);
   }
+  load_counters(s);
+}
+
+void Trainer::load_counters(const State& s) {
   if (chunk_memory_)
     chunk_memory_->set_optimizer_steps(s.optimizer_steps);
   else
@@ -430,6 +444,34 @@ void Trainer::load_state(const State& s) {
   steps_ = s.steps;
   // A state saved without fp16 has no scaler state: the scaler starts afresh.
   if (scaler_ && s.loss_scale.scale > 0.0f) scaler_->restore(s.loss_scale);
+}
+
+void Trainer::visit_state(const StateVisitor& visit) {
+  if (chunk_memory_) {
+    chunk_memory_->visit_state(visit);
+    return;
+  }
+  // The reference's own tensors are its whole state already.
+  if (reference_optim_) {
+    visit({0, params_->flat().numel()}, params_->flat().data<float>(), reference_optim_->exp_avg().data<float>(),
+          reference_optim_->exp_avg_sq().data<float>());
+    return;
+  }
+  const State s = gather_state();
+  visit({0, s.params.numel()}, s.params.data<float>(), s.exp_avg.data<float>(), s.exp_avg_sq.data<float>());
+}
+
+void Trainer::load_state(const State& counters, const StateFiller& fill) {
+  if (chunk_memory_) {
+    chunk_memory_->load_state(fill);
+    load_counters(counters);
+    return;
+  }
+  State s = counters;
+  const int64_t n = state_layout().numel();
+  for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq}) *t = Tensor::empty({n}, DType::f32, Tier::host);
+  fill({0, n}, s.params.data<float>(), s.exp_avg.data<float>(), s.exp_avg_sq.data<float>());
+  load_state(s);
 }
 
 }  // namespace loom

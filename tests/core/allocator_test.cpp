@@ -18,6 +18,10 @@ TEST(Allocator, TracksUsageAndHighWaterMark) {
   a.deallocate(q, 300);
   a.reset_peak();
   EXPECT_EQ(a.peak(), 0u);
+  // A peak measured in intervals is put back together; it never lowers.
+  a.raise_peak(700);
+  a.raise_peak(500);
+  EXPECT_EQ(a.peak(), 700u);
 }
 
 TEST(Allocator, OverBudgetIsAnErrorNamingTierAndBudget) {

@@ -208,7 +208,7 @@ GPTConfig deep_gpt() {
 }
 
 std::vector<float> train_deep(const MemoryOptions& memory, size_t device_budget, size_t host_budget, int steps,
-                              MemoryReport* report = nullptr) {
+                              MemoryReport* report = nullptr, const fs::path& checkpoint_root = {}) {
   MemoryContext context;
   MemoryContext::Install install(context);
   context.tier(Tier::device).set_budget(device_budget);
@@ -228,6 +228,8 @@ std::vector<float> train_deep(const MemoryOptions& memory, size_t device_budget,
     losses.push_back(t.step(testing::rank_micro_batches(data, 1, 0, kAccumulation)).loss);
   }
   if (report) *report = t.memory_report();
+  // Under the same budgets: the state streams to the files a chunk at a time.
+  if (!checkpoint_root.empty()) save_checkpoint(checkpoint_root, t, {}, 0);
   return losses;
 }
 
@@ -263,16 +265,25 @@ TEST(ChunkTraining, StateBeyondDeviceAndHostTrainsOnlyWithNvme) {
   EXPECT_CONTAINS(msg, "more than the device and host budgets hold together");
   EXPECT_CONTAINS(msg, "memory.nvme_dir");
 
-  testing::TempDir nvme;
+  testing::TempDir nvme, checkpoints;
   m.nvme_dir = nvme.path();
   MemoryReport report;
   const std::vector<float> ref = train_deep({}, kUnlimited, kUnlimited, 2);
-  const std::vector<float> losses = train_deep(m, device, host, 2, &report);
+  const std::vector<float> losses = train_deep(m, device, host, 2, &report, checkpoints.path());
   for (size_t s = 0; s < ref.size(); ++s) EXPECT_NEAR(losses[s], ref[s], 1e-6 * std::fabs(ref[s])) << "step " << s;
   EXPECT_GT(report.model_state[Tier::nvme], static_cast<int64_t>(device + host) / 2);
   EXPECT_LE(report.peak[Tier::host], static_cast<int64_t>(host));
   EXPECT_GT(report.nvme.bytes_written, 0);
   EXPECT_EQ(files_in(nvme.path()), 0);
+  // The checkpoint, written under a host budget that could not hold the
+  // gathered state, resumes a Trainer with everything on the device.
+  EXPECT_LT(host, static_cast<size_t>(12 * deep_gpt().num_params()));
+  TrainOptions o;
+  o.memory.micro_batches = 4;
+  Trainer resumed(deep_gpt(), o);
+  load_checkpoint(resolve_checkpoint(checkpoints.path()), resumed);
+  EXPECT_EQ(resumed.optimizer_steps(), 2);
+  EXPECT_EQ(resumed.steps_done(), 2);
 }
 
 TEST(ChunkTraining, OutOfBudgetIsAnErrorBeforeAnythingIsAllocated) {
