@@ -13,12 +13,29 @@ std::string throughput(int64_t bytes, double seconds) {
 }  // namespace
 
 std::string describe(const MemoryReport& r) {
+  if (r.policy == MemoryPolicy::none) {
+    // No chunks: the allocators' figures, every tier's model state unknown.
+    std::string out = "memory (policy none):";
+    for (int i = 0; i < kNumTiers; ++i) {
+      const Tier t = static_cast<Tier>(i);
+      out += str(" ", tier_name(t), " peak ", format_bytes(static_cast<double>(r.peak[t])), " of ",
+                 r.budget[t] < 0 ? std::string("unlimited") : format_bytes(static_cast<double>(r.budget[t])),
+                 i + 1 < kNumTiers ? "," : "\n");
+    }
+    return out;
+  }
   std::string out = str("memory policy ", memory_policy_name(r.policy), ": ", r.num_chunks, " chunks of ",
                         r.chunk_numel, " elements\n");
   for (int i = 0; i < kNumTiers; ++i) {
     const Tier t = static_cast<Tier>(i);
+    // What the tier held at its high-water mark besides model state:
+    // activations and working buffers (on the device), staging (host).
+    const int64_t other = std::max<int64_t>(0, r.peak[t] - r.model_state[t]);
     out += str("  ", tier_name(t), ": model state ", format_bytes(static_cast<double>(r.model_state[t])), ", peak ",
-               format_bytes(static_cast<double>(r.peak[t])), ", budget ",
+               format_bytes(static_cast<double>(r.peak[t])),
+               t == Tier::nvme ? std::string()
+                               : str(" (", format_bytes(static_cast<double>(other)), " besides model state)"),
+               ", budget ",
                r.budget[t] < 0 ? std::string("unlimited") : format_bytes(static_cast<double>(r.budget[t])), "\n");
   }
   if (r.traced_non_model >= 0) {

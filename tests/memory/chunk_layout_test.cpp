@@ -343,8 +343,8 @@ TEST(MemoryReport, DescribeShowsEveryTierAndTheTraffic) {
   EXPECT_CONTAINS(d, "static");
   EXPECT_CONTAINS(d, "12 chunks");
   EXPECT_CONTAINS(d, str(64 * A, " elements"));
-  EXPECT_CONTAINS(d, "device: model state 3.00 MiB, peak 9.00 MiB, budget 16.00 MiB");
-  EXPECT_CONTAINS(d, "host: model state 5.00 MiB, peak 0 B, budget unlimited");
+  EXPECT_CONTAINS(d, "device: model state 3.00 MiB, peak 9.00 MiB (6.00 MiB besides model state), budget 16.00 MiB");
+  EXPECT_CONTAINS(d, "host: model state 5.00 MiB, peak 0 B (0 B besides model state), budget unlimited");
   EXPECT_CONTAINS(d, "nvme: model state 7.00 MiB");
   EXPECT_CONTAINS(d, "host->device 12.00 MiB");
   EXPECT_CONTAINS(d, "nvme->host 2.00 MiB");
@@ -357,6 +357,10 @@ TEST(MemoryReport, DescribeShowsEveryTierAndTheTraffic) {
   EXPECT_EQ(d.find("traced"), std::string::npos) << d;
   r.traced_non_model = 3 * MiB / 2;
   EXPECT_CONTAINS(describe(r), "traced device peak besides model state: 1.50 MiB");
+  // Without a policy only the allocators' figures are known.
+  r.policy = MemoryPolicy::none;
+  EXPECT_EQ(describe(r), "memory (policy none): device peak 9.00 MiB of 16.00 MiB, host peak 0 B of unlimited, "
+                         "nvme peak 0 B of unlimited\n");
 }
 
 }  // namespace
