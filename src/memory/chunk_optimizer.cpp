@@ -45,7 +45,20 @@ void ChunkManager::Impl::step(float lr, float grad_scale) {
     IoBuffer buffer;
     uint64_t ticket;
   };
-  std::deque<Ahead> ahead;
+  // The kernel writes into these buffers: if the update throws, the reads
+  // end before the buffers are freed.
+  struct AheadReads : std::deque<Ahead> {
+    NvmeFile* file = nullptr;
+    ~AheadReads() {
+      for (const Ahead& a : *this) {
+        try {
+          file->wait(a.ticket);
+        } catch (const Error&) {
+        }
+      }
+    }
+  } ahead;
+  ahead.file = nvme.get();
   int next_read = 0;
   const auto read_ahead = [&] {
     for (; next_read < n && ahead.size() < 2; ++next_read) {
