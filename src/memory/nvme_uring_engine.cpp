@@ -2,8 +2,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
-#include <deque>
+#include <mutex>
 #include <thread>
 #include <unordered_map>
 
@@ -17,18 +18,49 @@ namespace {
 // stays aligned for O_DIRECT.
 constexpr uint64_t kMaxSubmission = uint64_t(1) << 30;
 
-// One ring, used by the file's thread alone: start() submits at once, and
-// completions are reaped when the ring is full, opportunistically after each
-// submission, and in await(). At most `depth` submissions are in the ring, so
-// its completion queue (twice that) never overflows.
+// The user data of the no-op that tells the completion thread to leave.
+// Tickets count up from 1 and never reach it.
+constexpr uint64_t kStopData = ~uint64_t(0);
+
+// One ring, two threads. The file's thread submits new requests; the engine's
+// completion thread blocks on the completion queue and finishes each request
+// the moment the kernel reports it, so the tracker's busy time is the disk's
+// and not stretched to the file's thread's next call (the ChunkManager
+// computes for milliseconds between them), and the rest of a short transfer
+// goes back to the disk at once. Both threads submit, so the submission queue
+// is guarded by `mu_`; the completion queue is the completion thread's alone.
+// At most `depth` requests are in the ring (a new one waits for a slot), so
+// the completion queue (twice that) never overflows, and a resubmission, which
+// takes over the slot of the completion it follows, always finds a free
+// submission entry.
 class UringEngine final : public IoEngine {
  public:
   UringEngine(const ScratchFile& file, IoTracker& tracker, int depth)
       : file_(file), tracker_(tracker), depth_(depth) {
     init_ = io_uring_queue_init(static_cast<unsigned>(depth), &ring_, 0);
+    if (!ready()) return;
+    try {
+      completer_ = std::thread([this] { complete_until_stopped(); });
+    } catch (...) {
+      io_uring_queue_exit(&ring_);
+      throw;
+    }
   }
+  // Lets the requests in the ring finish first: the kernel may still be
+  // moving their buffers.
   ~UringEngine() override {
-    if (ready()) io_uring_queue_exit(&ring_);
+    if (!ready()) return;
+    {
+      std::unique_lock lock(mu_);
+      slot_cv_.wait(lock, [&] { return in_ring_ == 0; });
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+      LOOM_CHECK(sqe != nullptr, "io_uring submission queue full with nothing in flight");
+      io_uring_prep_nop(sqe);
+      io_uring_sqe_set_data64(sqe, kStopData);
+      submit_prepared();
+    }
+    completer_.join();
+    io_uring_queue_exit(&ring_);
   }
   UringEngine(const UringEngine&) = delete;
   UringEngine& operator=(const UringEngine&) = delete;
@@ -36,21 +68,15 @@ class UringEngine final : public IoEngine {
   bool ready() const { return init_ == 0; }
 
   void start(uint64_t ticket, IoKind kind, char* buf, uint64_t bytes, uint64_t offset) override {
-    transfers_.emplace(ticket, Transfer{kind, buf, bytes, offset, 0});
-    queued_.push_back(ticket);
-    pump();
-    while (io_uring_cqe* cqe = peek()) handle(cqe);
-    pump();
+    std::unique_lock lock(mu_);
+    slot_cv_.wait(lock, [&] { return in_ring_ < depth_; });
+    auto [it, inserted] = transfers_.emplace(ticket, Transfer{kind, buf, bytes, offset, 0});
+    LOOM_CHECK(inserted, "NVMe ticket ", ticket, " started twice");
+    ++in_ring_;
+    submit(ticket, it->second);
   }
 
-  void await(uint64_t ticket) override {
-    while (!tracker_.finished(ticket)) {
-      pump();
-      if (tracker_.finished(ticket)) break;
-      LOOM_CHECK(in_ring_ > 0, "NVMe ticket ", ticket, " is not in the ring");
-      reap_one();
-    }
-  }
+  void await(uint64_t ticket) override { tracker_.await(ticket); }
 
  private:
   struct Transfer {
@@ -60,82 +86,73 @@ class UringEngine final : public IoEngine {
     uint64_t done = 0;
   };
 
-  // Moves queued transfers into the ring, reaping completions while it is full.
-  void pump() {
-    while (!queued_.empty()) {
-      if (in_ring_ == depth_) {
-        reap_one();
-        continue;
-      }
-      uint64_t ticket = queued_.front();
-      queued_.pop_front();
-      const Transfer& t = transfers_.at(ticket);
-      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-      LOOM_CHECK(sqe != nullptr, "io_uring submission queue full with ", in_ring_, " of ", depth_, " in flight");
-      auto n = static_cast<unsigned>(std::min(t.bytes - t.done, kMaxSubmission));
-      if (t.kind == IoKind::read)
-        io_uring_prep_read(sqe, file_.fd(), t.buf + t.done, n, t.offset + t.done);
-      else
-        io_uring_prep_write(sqe, file_.fd(), t.buf + t.done, n, t.offset + t.done);
-      io_uring_sqe_set_data64(sqe, ticket);
-      submit();
-      ++in_ring_;
-    }
+  // Puts what is left of the transfer into the ring. Called with `mu_` held.
+  void submit(uint64_t ticket, const Transfer& t) {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+    LOOM_CHECK(sqe != nullptr, "io_uring submission queue full with ", in_ring_, " of ", depth_, " in flight");
+    auto n = static_cast<unsigned>(std::min(t.bytes - t.done, kMaxSubmission));
+    if (t.kind == IoKind::read)
+      io_uring_prep_read(sqe, file_.fd(), t.buf + t.done, n, t.offset + t.done);
+    else
+      io_uring_prep_write(sqe, file_.fd(), t.buf + t.done, n, t.offset + t.done);
+    io_uring_sqe_set_data64(sqe, ticket);
+    submit_prepared();
   }
 
   // Submits the one prepared entry. Interrupted or short of kernel memory, it
-  // tries again once something in flight has completed.
-  void submit() {
+  // tries again; the kernel frees that memory as requests in flight complete,
+  // without waiting for anyone to reap them.
+  void submit_prepared() {
     for (;;) {
       int rc = io_uring_submit(&ring_);
       if (rc > 0) return;
       LOOM_CHECK(rc == -EINTR || rc == -EAGAIN || rc == -EBUSY, "io_uring_submit failed: ", std::strerror(-rc));
-      if (rc != -EINTR && in_ring_ > 0)
-        reap_one();
-      else
-        std::this_thread::yield();
+      std::this_thread::yield();
     }
   }
 
-  io_uring_cqe* peek() {
-    io_uring_cqe* cqe = nullptr;
-    return io_uring_peek_cqe(&ring_, &cqe) == 0 ? cqe : nullptr;
+  // The completion thread. An entry is marked seen before `mu_` is taken, so
+  // the completion queue drains even while the file's thread holds the lock.
+  void complete_until_stopped() {
+    for (;;) {
+      io_uring_cqe* cqe = nullptr;
+      int rc = io_uring_wait_cqe(&ring_, &cqe);
+      if (rc == -EINTR) continue;
+      LOOM_CHECK(rc == 0, "io_uring_wait_cqe failed: ", std::strerror(-rc));
+      uint64_t data = io_uring_cqe_get_data64(cqe);
+      int res = cqe->res;
+      io_uring_cqe_seen(&ring_, cqe);
+      if (data == kStopData) return;
+      handle(data, res);
+    }
   }
 
-  void reap_one() {
-    io_uring_cqe* cqe = nullptr;
-    int rc;
-    while ((rc = io_uring_wait_cqe(&ring_, &cqe)) == -EINTR) {
-    }
-    LOOM_CHECK(rc == 0, "io_uring_wait_cqe failed: ", std::strerror(-rc));
-    handle(cqe);
-  }
-
-  // Finishes a transfer, or queues the rest of a short or interrupted one.
-  void handle(io_uring_cqe* cqe) {
-    uint64_t ticket = io_uring_cqe_get_data64(cqe);
-    int res = cqe->res;
-    io_uring_cqe_seen(&ring_, cqe);
-    --in_ring_;
-    auto it = transfers_.find(ticket);
-    LOOM_CHECK(it != transfers_.end(), "io_uring completed unknown NVMe ticket ", ticket);
-    Transfer& t = it->second;
-    if (res == -EINTR || res == -EAGAIN) {
-      queued_.push_back(ticket);
-      return;
-    }
+  // Finishes a transfer, or resubmits the rest of a short or interrupted one.
+  void handle(uint64_t ticket, int res) {
     std::string failure;
-    if (res < 0)
-      failure = std::strerror(-res);
-    else if (res == 0)
-      failure = str("the file ended after ", t.done, " bytes");
-    else
-      t.done += static_cast<uint64_t>(res);
-    if (failure.empty() && t.done < t.bytes) {
-      queued_.push_back(ticket);
-      return;
+    {
+      std::lock_guard lock(mu_);
+      auto it = transfers_.find(ticket);
+      LOOM_CHECK(it != transfers_.end(), "io_uring completed unknown NVMe ticket ", ticket);
+      Transfer& t = it->second;
+      if (res == -EINTR || res == -EAGAIN) {
+        submit(ticket, t);
+        return;
+      }
+      if (res < 0)
+        failure = std::strerror(-res);
+      else if (res == 0)
+        failure = str("the file ended after ", t.done, " bytes");
+      else
+        t.done += static_cast<uint64_t>(res);
+      if (failure.empty() && t.done < t.bytes) {
+        submit(ticket, t);
+        return;
+      }
+      transfers_.erase(it);
+      --in_ring_;
     }
-    transfers_.erase(it);
+    slot_cv_.notify_all();
     tracker_.complete(ticket, std::move(failure));
   }
 
@@ -144,9 +161,11 @@ class UringEngine final : public IoEngine {
   int depth_;
   io_uring ring_{};
   int init_ = -1;
+  std::mutex mu_;                    // the submission queue, in_ring_ and transfers_
+  std::condition_variable slot_cv_;  // a request left the ring
   int in_ring_ = 0;
   std::unordered_map<uint64_t, Transfer> transfers_;
-  std::deque<uint64_t> queued_;  // waiting for a submission slot
+  std::thread completer_;
 };
 
 }  // namespace
