@@ -67,8 +67,6 @@ class IoEngine {
   // Starts moving `bytes` between `buf` and the file at `offset`; reports the
   // completion to the tracker under `ticket`.
   virtual void start(uint64_t ticket, IoKind kind, char* buf, uint64_t bytes, uint64_t offset) = 0;
-  // Returns once the tracker holds `ticket` finished.
-  virtual void await(uint64_t ticket) = 0;
 };
 
 // nullptr when the kernel refuses io_uring (too old, or a seccomp profile).

@@ -89,7 +89,8 @@ uint64_t NvmeFile::write(const void* buf, uint64_t bytes, uint64_t offset) {
 }
 
 void NvmeFile::wait(uint64_t ticket) {
-  impl_->io->await(ticket);
+  // Both engines report completions to the tracker from their own threads.
+  impl_->tracker.await(ticket);
   impl_->tracker.retire(ticket);
 }
 

@@ -35,7 +35,6 @@ class ThreadEngine final : public IoEngine {
     jobs_cv_.notify_one();
   }
 
-  void await(uint64_t ticket) override { tracker_.await(ticket); }
 
  private:
   struct Job {

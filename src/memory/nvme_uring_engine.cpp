@@ -76,7 +76,6 @@ class UringEngine final : public IoEngine {
     submit(ticket, it->second);
   }
 
-  void await(uint64_t ticket) override { tracker_.await(ticket); }
 
  private:
   struct Transfer {
