@@ -66,6 +66,7 @@
 #include "loom/train.h"
 
 using namespace loom;
+using bench::median;
 namespace fs = std::filesystem;
 
 namespace {
@@ -78,12 +79,6 @@ struct Settings {
   int steps = 7;
   uint64_t disk_bytes = uint64_t(256) << 20;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 
 std::string bytes(double b) { return format_bytes(b); }
 

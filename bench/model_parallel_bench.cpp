@@ -46,6 +46,7 @@
 #include "loom/train.h"
 
 using namespace loom;
+using bench::median;
 
 namespace {
 
@@ -106,12 +107,6 @@ struct Figures {
   double load_balance = 1;  // mean / max of the pipeline ranks' loads
   float loss = 0;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 
 TrainOptions options(const Settings& s, const Layout& l) {
   TrainOptions o;

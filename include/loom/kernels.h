@@ -11,6 +11,7 @@
 // - Kernels never throw on user input; callers validate (token ids, shapes).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace loom::cpu {
@@ -104,6 +105,10 @@ void add(float* out, const float* a, const float* b, int64_t n);
 void accumulate(float* y, const float* x, int64_t n);
 // x *= s
 void scale(float* x, int64_t n, float s);
+// dst = src over `bytes`, split across the threads: one thread does not
+// saturate memory bandwidth, and moving chunks between tiers is the CPU's
+// stand-in for a DMA copy.
+void copy_bytes(void* dst, const void* src, std::size_t bytes);
 // Sum of squares in double, in a fixed order (for gradient-norm clipping).
 double sum_squares(const float* x, int64_t n);
 

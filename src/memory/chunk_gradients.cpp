@@ -1,6 +1,6 @@
 #include <algorithm>
-#include <cstring>
 
+#include "loom/kernels.h"
 #include "memory/chunk_manager_impl.h"
 #include "zero/working_precision.h"
 
@@ -118,7 +118,7 @@ void ChunkManager::Impl::write_gradient(int c, const float* shard) {
   Tensor moved;
   if (at_tier != Tier::device) {
     moved = Tensor::empty({S}, DType::f32, at_tier);
-    std::memcpy(moved.raw(), shard, static_cast<size_t>(S) * 4);
+    cpu::copy_bytes(moved.raw(), shard, static_cast<size_t>(S) * 4);
     count(Tier::device, at_tier, S * 4);
     src = moved.data<float>();
   }

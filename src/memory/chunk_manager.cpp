@@ -1,7 +1,7 @@
 #include <algorithm>
 #include <climits>
-#include <cstring>
 
+#include "loom/kernels.h"
 #include "memory/chunk_manager_impl.h"
 #include "zero/working_precision.h"
 
@@ -148,23 +148,23 @@ void ChunkManager::Impl::wait_writes(std::optional<uint64_t> slot) {
 void ChunkManager::Impl::load(const Payload& p, void* dst, Tier to) {
   if (p.tier == Tier::nvme) {
     const IoBuffer b = read_now(p);
-    std::memcpy(dst, b.data(), static_cast<size_t>(p.bytes));
+    cpu::copy_bytes(dst, b.data(), static_cast<size_t>(p.bytes));
     count(Tier::host, to, p.bytes);
     return;
   }
-  std::memcpy(dst, p.mem.raw(), static_cast<size_t>(p.bytes));
+  cpu::copy_bytes(dst, p.mem.raw(), static_cast<size_t>(p.bytes));
   count(p.tier, to, p.bytes);
 }
 
 void ChunkManager::Impl::store(Payload& p, const void* src, Tier from) {
   if (p.tier == Tier::nvme) {
     IoBuffer b(static_cast<size_t>(p.bytes));
-    std::memcpy(b.data(), src, static_cast<size_t>(p.bytes));
+    cpu::copy_bytes(b.data(), src, static_cast<size_t>(p.bytes));
     count(from, Tier::host, p.bytes);
     write_behind(p, std::move(b));
     return;
   }
-  if (p.mem.raw() != src) std::memcpy(p.mem.raw(), src, static_cast<size_t>(p.bytes));
+  if (p.mem.raw() != src) cpu::copy_bytes(p.mem.raw(), src, static_cast<size_t>(p.bytes));
   count(from, p.tier, p.bytes);
 }
 
@@ -173,7 +173,7 @@ void ChunkManager::Impl::migrate(Payload& p, Tier to) {
   if (to == Tier::nvme) {
     LOOM_CHECK(p.slot.has_value(), "payloads move to NVMe only into the slot they started in");
     IoBuffer b(static_cast<size_t>(p.bytes));
-    std::memcpy(b.data(), p.mem.raw(), static_cast<size_t>(p.bytes));
+    cpu::copy_bytes(b.data(), p.mem.raw(), static_cast<size_t>(p.bytes));
     count(p.tier, Tier::host, p.bytes);
     p.mem = Tensor();
     p.tier = Tier::nvme;
@@ -223,7 +223,7 @@ void ChunkManager::Impl::materialize(int c, bool wait) {
       nvme->wait(*s.read_ticket);
       s.read_ticket.reset();
       s.full = Tensor::empty({S}, precision, Tier::device);
-      std::memcpy(s.full.raw(), s.read_buffer.data(), static_cast<size_t>(s.param.bytes));
+      cpu::copy_bytes(s.full.raw(), s.read_buffer.data(), static_cast<size_t>(s.param.bytes));
       count(Tier::host, Tier::device, s.param.bytes);
       s.read_buffer = IoBuffer();
       return;

@@ -40,3 +40,21 @@ TEST(Elementwise, SumSquaresIsAccurateAndThreadInvariant) {
 
 }  // namespace
 }  // namespace loom::cpu
+
+namespace loom {
+namespace {
+
+TEST(Elementwise, CopyBytesCopiesEveryByteOfAnySize) {
+  // Empty, below a block, a block and one byte past it, and enough blocks
+  // for the copy to split over the threads with a ragged end.
+  for (size_t bytes : {size_t(0), size_t(1), size_t(1) << 18, (size_t(1) << 18) + 1, (size_t(5) << 18) + 12345}) {
+    std::vector<unsigned char> src(bytes), dst(bytes + 1, 0xAB);
+    for (size_t i = 0; i < bytes; ++i) src[i] = static_cast<unsigned char>(i * 131 + 7);
+    cpu::copy_bytes(dst.data(), src.data(), bytes);
+    EXPECT_TRUE(std::equal(src.begin(), src.end(), dst.begin())) << bytes << " bytes";
+    EXPECT_EQ(dst[bytes], 0xAB) << "nothing written past the end";
+  }
+}
+
+}  // namespace
+}  // namespace loom

@@ -1,4 +1,6 @@
+#include <algorithm>
 #include <cstddef>
+#include <cstring>
 #include <vector>
 
 #include "kernels/cpu/partition.h"
@@ -14,6 +16,18 @@ void add(float* out, const float* a, const float* b, int64_t n) {
 void accumulate(float* y, const float* x, int64_t n) {
 #pragma omp parallel for simd schedule(static) if (n >= kMinParallelWork)
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+void copy_bytes(void* dst, const void* src, size_t bytes) {
+  // Blocks of 256 KiB: below a few of them the threads cost more than they save.
+  constexpr size_t kBlock = size_t(1) << 18;
+  const int64_t blocks = static_cast<int64_t>((bytes + kBlock - 1) / kBlock);
+#pragma omp parallel for schedule(static) if (blocks >= 4)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const size_t begin = static_cast<size_t>(b) * kBlock;
+    std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin,
+                std::min(kBlock, bytes - begin));
+  }
 }
 
 void scale(float* x, int64_t n, float s) {
