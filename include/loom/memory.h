@@ -122,6 +122,10 @@ class ChunkLayout {
   std::vector<std::vector<int>> chunks_of_group_;
 };
 
+// The capacity memory.chunk_bytes gives (in working-precision bytes): whole
+// elements, rounded up to whole shards of kChunkShardAlign elements per rank.
+int64_t chunk_capacity(int64_t chunk_bytes, DType precision, int ranks);
+
 // Gemini's chunk size search: every capacity from the smallest that holds the
 // largest parameter up to `max_numel` (at least that smallest), in steps of
 // ranks * kChunkShardAlign, and the one that wastes the fewest elements; ties
@@ -344,7 +348,7 @@ class ChunkManager {
   ChunkManager& operator=(const ChunkManager&) = delete;
 
   const ChunkLayout& chunks() const;
-  const ChunkPlacement& placement() const;
+  ChunkPlacement placement() const;  // where each payload is now
   TensorState state(int param) const;
   MemoryReport report() const;
 

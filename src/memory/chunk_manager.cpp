@@ -36,7 +36,6 @@ ChunkManager::Impl::Impl(const ParamLayout& layout_, const MemoryOptions& opts_,
       rank(dp_ ? dp_->rank() : 0),
       plan(plan_memory(layout_, opts_, precision_, ranks, device_activations, available_budgets())),
       chunks(layout_, plan.search.chunk_numel, ranks),
-      placement(plan.placement),
       cs(static_cast<size_t>(chunks.num_chunks())),
       states(layout_.params().size(), TensorState::free),
       group_params(static_cast<size_t>(layout_.num_groups())),
@@ -45,7 +44,8 @@ ChunkManager::Impl::Impl(const ParamLayout& layout_, const MemoryOptions& opts_,
       adamw(layout_, adamw_cfg, {}),
       reuse(opts_.micro_batches == 1),
       traced_per_group(static_cast<size_t>(layout_.num_groups()), -1) {
-  for (const ParamSpec& p : layout.params()) group_params[static_cast<size_t>(p.group)].push_back(layout.find(p.name));
+  for (int id = 0; id < static_cast<int>(layout.params().size()); ++id)
+    group_params[static_cast<size_t>(layout.param(id).group)].push_back(id);
   initialize(seed);
 }
 
@@ -72,8 +72,8 @@ void ChunkManager::Impl::initialize(uint64_t seed) {
   uint64_t file_bytes = 0;
   for (int c = 0; c < chunks.num_chunks(); ++c) {
     ChunkState& s = cs[static_cast<size_t>(c)];
-    s.param = {placement.param[static_cast<size_t>(c)], Tensor(), precision, S * w, std::nullopt};
-    s.optim = {placement.optim[static_cast<size_t>(c)], Tensor(), DType::f32, optim_payload_bytes(S), std::nullopt};
+    s.param = {plan.placement.param[static_cast<size_t>(c)], Tensor(), precision, S * w, std::nullopt};
+    s.optim = {plan.placement.optim[static_cast<size_t>(c)], Tensor(), DType::f32, optim_payload_bytes(S), std::nullopt};
     for (Payload* p : {&s.param, &s.optim}) {
       if (p->tier != Tier::nvme) continue;
       p->slot = file_bytes;
@@ -97,7 +97,7 @@ void ChunkManager::Impl::initialize(uint64_t seed) {
     if (r.numel() > 0) layout.initialize(values.data<float>(), r.begin, r.numel(), seed);
     convert(values.raw(), DType::f32, working.raw(), precision, S);
     for (Payload* p : {&s.param, &s.optim})
-      if (p->tier != Tier::nvme) p->mem = Tensor::empty({p->bytes / int64_t(dtype_size(p->dtype))}, p->dtype, p->tier);
+      p->mem = payload_memory(*p, p->tier);
     store(s.param, working.raw(), Tier::host);
     store(s.optim, values.raw(), Tier::host);
     if (!reuse)
@@ -168,29 +168,31 @@ void ChunkManager::Impl::store(Payload& p, const void* src, Tier from) {
   count(from, p.tier, p.bytes);
 }
 
-void ChunkManager::Impl::migrate(Payload& p, Tier to) {
-  if (p.tier == to) return;
-  if (to == Tier::nvme) {
-    LOOM_CHECK(p.slot.has_value(), "payloads move to NVMe only into the slot they started in");
-    IoBuffer b(static_cast<size_t>(p.bytes));
-    cpu::copy_bytes(b.data(), p.mem.raw(), static_cast<size_t>(p.bytes));
-    count(p.tier, Tier::host, p.bytes);
-    p.mem = Tensor();
-    p.tier = Tier::nvme;
-    write_behind(p, std::move(b));
-    return;
-  }
-  Tensor moved = Tensor::empty({p.bytes / int64_t(dtype_size(p.dtype))}, p.dtype, to);
-  load(p, moved.raw(), to);
-  p.mem = std::move(moved);
-  p.tier = to;
+Tensor ChunkManager::Impl::payload_memory(const Payload& p, Tier tier) const {
+  if (tier == Tier::nvme) return Tensor();
+  return Tensor::empty({p.bytes / static_cast<int64_t>(dtype_size(p.dtype))}, p.dtype, tier);
 }
 
-void ChunkManager::Impl::sync_placement() {
-  for (size_t c = 0; c < cs.size(); ++c) {
-    placement.param[c] = cs[c].param.tier;
-    placement.optim[c] = cs[c].optim.tier;
+void ChunkManager::Impl::migrate(Payload& p, Tier to) {
+  if (p.tier == to) return;
+  LOOM_CHECK(to != Tier::nvme || p.slot.has_value(), "payloads move to NVMe only into the slot they started in");
+  Payload moved = p;
+  moved.tier = to;
+  moved.mem = payload_memory(p, to);
+  if (p.tier == Tier::nvme)
+    load(p, moved.mem.raw(), to);
+  else
+    store(moved, p.mem.raw(), p.tier);
+  p = std::move(moved);
+}
+
+ChunkPlacement ChunkManager::Impl::placement() const {
+  ChunkPlacement out;
+  for (const ChunkState& s : cs) {
+    out.param.push_back(s.param.tier);
+    out.optim.push_back(s.optim.tier);
   }
+  return out;
 }
 
 // ---------------------------------------------------------------------------
@@ -304,7 +306,6 @@ bool ChunkManager::Impl::cache(int c) {
   }
   migrate(s.param, Tier::device);
   cache_used += bytes;
-  sync_placement();
   return true;
 }
 
@@ -463,7 +464,7 @@ void ChunkManager::Impl::place_after_warm_up() {
   const int64_t grad_shard = reuse ? 0 : chunks.shard_numel() * w;
   // The device keeps what the budget leaves after the traced non-model peak
   // and the working set of a placement that stages chunks.
-  ChunkPlacement staged = placement;
+  ChunkPlacement staged = placement();
   std::fill(staged.param.begin(), staged.param.end(), Tier::host);
   const MemoryNeeds working = memory_needs(chunks, staged, precision, opts);
   int64_t room = budget(device) - traced - working.device_working;
@@ -514,7 +515,6 @@ void ChunkManager::Impl::place_after_warm_up() {
       }
     }
   }
-  sync_placement();
 }
 
 // ---------------------------------------------------------------------------
@@ -528,7 +528,7 @@ ChunkManager::ChunkManager(const ParamLayout& layout, const MemoryOptions& opts,
 ChunkManager::~ChunkManager() = default;
 
 const ChunkLayout& ChunkManager::chunks() const { return impl_->chunks; }
-const ChunkPlacement& ChunkManager::placement() const { return impl_->placement; }
+ChunkPlacement ChunkManager::placement() const { return impl_->placement(); }
 TensorState ChunkManager::state(int param) const { return impl_->states.at(static_cast<size_t>(param)); }
 GradientCheck ChunkManager::check_gradients() { return impl_->check_gradients(); }
 void ChunkManager::step(float lr, float grad_scale) { impl_->step(lr, grad_scale); }

@@ -71,7 +71,9 @@ struct ChunkManager::Impl {
   void store(Payload& p, const void* src, Tier from);
   // Moves a payload to another tier (NVMe only back to its own slot).
   void migrate(Payload& p, Tier to);
-  void sync_placement();  // placement <- the payloads' tiers
+  // A tier's memory for payload p.
+  Tensor payload_memory(const Payload& p, Tier tier) const;
+  ChunkPlacement placement() const;  // the payloads' tiers
   IoBuffer read_now(const Payload& p);
   void write_behind(const Payload& p, IoBuffer buffer);
   void wait_writes(std::optional<uint64_t> slot);  // nullopt: all
@@ -127,7 +129,6 @@ struct ChunkManager::Impl {
   int ranks, rank;
   MemoryPlan plan;
   ChunkLayout chunks;
-  ChunkPlacement placement;
   std::vector<ChunkState> cs;
   std::vector<TensorState> states;  // per parameter
   std::vector<std::vector<int>> group_params;  // parameter ids per group

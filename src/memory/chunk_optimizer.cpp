@@ -1,5 +1,4 @@
 #include <algorithm>
-#include <cstring>
 #include <deque>
 
 #include "memory/chunk_manager_impl.h"

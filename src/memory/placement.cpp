@@ -124,16 +124,21 @@ void check_budgets(const MemoryNeeds& needs, int64_t device_activations, const T
   throw Error(msg);
 }
 
+int64_t chunk_capacity(int64_t chunk_bytes, DType precision, int ranks) {
+  const int64_t w = static_cast<int64_t>(dtype_size(precision));
+  return round_up((chunk_bytes + w - 1) / w, ranks * kChunkShardAlign);
+}
+
 MemoryPlan plan_memory(const ParamLayout& layout, const MemoryOptions& opts, DType precision, int ranks,
                        int64_t device_activations, const TierBytes& budgets) {
   validate(opts);
   LOOM_CHECK(opts.policy != MemoryPolicy::none, "plan_memory needs a placement policy");
   if (precision != DType::f32 && precision != DType::bf16 && precision != DType::f16)
     throw Error(str("chunks hold working parameters in f32, bf16 or f16, not ", dtype_name(precision)));
-  const int64_t w = int64_t(dtype_size(precision)), step = ranks * kChunkShardAlign;
+  const int64_t step = ranks * kChunkShardAlign;
   MemoryPlan plan;
   if (opts.chunk_bytes > 0) {
-    plan.search.chunk_numel = round_up((opts.chunk_bytes + w - 1) / w, step);
+    plan.search.chunk_numel = chunk_capacity(opts.chunk_bytes, precision, ranks);
     plan.search.candidates = 1;
   } else {
     // Up to twice the smallest capacity: larger chunks waste less at the

@@ -345,15 +345,12 @@ MemoryOptions plan_memory_options(const Config& cfg, const TrainPlan& p) {
 }
 
 // memory.chunk_bytes against the largest parameter, which a chunk holds
-// whole. plan_memory rounds the capacity up to whole shards of
-// kChunkShardAlign elements per data-parallel rank, so the rule is on the
-// rounded capacity.
+// whole: the rule is on the capacity plan_memory will use (chunk_capacity).
 void check_chunk_bytes(const Config& cfg, const TrainPlan& p, const ParamLayout& layout) {
   const int64_t chunk_bytes = p.options.memory.chunk_bytes;
   if (chunk_bytes == 0) return;
   const int64_t element = static_cast<int64_t>(dtype_size(p.options.zero.precision));
-  const int64_t step = p.dp * kChunkShardAlign;
-  const int64_t capacity = ((chunk_bytes + element - 1) / element + step - 1) / step * step;
+  const int64_t capacity = chunk_capacity(chunk_bytes, p.options.zero.precision, static_cast<int>(p.dp));
   const ParamSpec* largest = &layout.param(0);
   for (const ParamSpec& spec : layout.params())
     if (spec.numel() > largest->numel()) largest = &spec;

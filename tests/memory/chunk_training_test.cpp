@@ -201,13 +201,8 @@ TEST(ChunkTraining, MixedPrecisionAndAccumulationMatchZeroStage3) {
 // A model with enough layers that its state dwarfs one layer's working set:
 // 16 layers of width 128 (3.2M parameters, 63 MiB of fp32 model state).
 GPTConfig deep_gpt() {
-  GPTConfig c;
-  c.n_layer = 16;
-  c.n_head = 4;
+  GPTConfig c = testing::small_gpt(0.0f, 16, 4);
   c.n_embd = 128;
-  c.vocab_size = 61;
-  c.block_size = 16;
-  c.dropout = 0.0f;
   return c;
 }
 
@@ -228,7 +223,7 @@ std::vector<float> train_deep(const MemoryOptions& memory, size_t device_budget,
   Trainer t(deep_gpt(), o);
   std::vector<float> losses;
   for (int s = 0; s < steps; ++s) {
-    const std::vector<int32_t> data = testing::step_tokens(s, 61);
+    const std::vector<int32_t> data = testing::step_tokens(s, deep_gpt().vocab_size);
     losses.push_back(t.step(testing::rank_micro_batches(data, 1, 0, kAccumulation)).loss);
   }
   if (report) *report = t.memory_report();
