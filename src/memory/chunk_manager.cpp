@@ -509,9 +509,11 @@ void ChunkManager::Impl::place_after_warm_up() {
       const Tier t = optim_tier[static_cast<size_t>(c)];
       if (t != pass || s.optim.tier == t) continue;
       migrate(s.optim, t);
-      if (s.grad_shard.defined()) {
-        const Tier gt = t == Tier::device ? Tier::device : Tier::host;
-        if (s.grad_shard.tier() != gt) s.grad_shard = s.grad_shard.clone(gt);
+      // A gradient shard of its own lives where the update reads it.
+      const Tier gt = t == Tier::device ? Tier::device : Tier::host;
+      if (s.grad_shard.defined() && s.grad_shard.tier() != gt) {
+        count(s.grad_shard.tier(), gt, static_cast<int64_t>(s.grad_shard.nbytes()));
+        s.grad_shard = s.grad_shard.clone(gt);
       }
     }
   }
