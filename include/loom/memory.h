@@ -293,6 +293,8 @@ struct MemoryReport {
   NvmeStats nvme;
 };
 std::string describe(const MemoryReport& r);  // a few lines for the console
+// The calling thread's allocators: their peaks and budgets, no policy.
+MemoryReport allocator_report();
 
 class ChunkManager;
 

@@ -542,7 +542,7 @@ void ChunkManager::load_state(const StateFiller& fill) { impl_->load_state(fill)
 
 MemoryReport ChunkManager::report() const {
   const Impl& m = *impl_;
-  MemoryReport r;
+  MemoryReport r = allocator_report();
   r.policy = m.opts.policy;
   r.num_chunks = m.chunks.num_chunks();
   r.chunk_numel = m.chunks.chunk_numel();
@@ -550,11 +550,6 @@ MemoryReport ChunkManager::report() const {
     r.model_state[s.param.tier] += s.param.bytes;
     r.model_state[s.optim.tier] += s.optim.bytes;
     if (s.grad_shard.defined()) r.model_state[s.grad_shard.tier()] += static_cast<int64_t>(s.grad_shard.nbytes());
-  }
-  for (int t = 0; t < kNumTiers; ++t) {
-    const Allocator& a = MemoryContext::current().tier(static_cast<Tier>(t));
-    r.peak.bytes[static_cast<size_t>(t)] = static_cast<int64_t>(a.peak());
-    r.budget.bytes[static_cast<size_t>(t)] = a.budget() == kUnlimited ? -1 : static_cast<int64_t>(a.budget());
   }
   r.traced_non_model = m.traced;
   for (int g = 0; g < m.layout.num_groups(); ++g)

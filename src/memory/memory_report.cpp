@@ -12,6 +12,16 @@ std::string throughput(int64_t bytes, double seconds) {
 
 }  // namespace
 
+MemoryReport allocator_report() {
+  MemoryReport r;
+  for (int t = 0; t < kNumTiers; ++t) {
+    const Allocator& a = MemoryContext::current().tier(static_cast<Tier>(t));
+    r.peak.bytes[static_cast<size_t>(t)] = static_cast<int64_t>(a.peak());
+    r.budget.bytes[static_cast<size_t>(t)] = a.budget() == kUnlimited ? -1 : static_cast<int64_t>(a.budget());
+  }
+  return r;
+}
+
 std::string describe(const MemoryReport& r) {
   if (r.policy == MemoryPolicy::none) {
     // No chunks: the allocators' figures, every tier's model state unknown.

@@ -229,14 +229,7 @@ int64_t Trainer::optimizer_steps() const {
 }
 
 MemoryReport Trainer::memory_report() const {
-  if (chunk_memory_) return chunk_memory_->report();
-  MemoryReport r;
-  for (int t = 0; t < kNumTiers; ++t) {
-    const Allocator& a = MemoryContext::current().tier(static_cast<Tier>(t));
-    r.peak.bytes[static_cast<size_t>(t)] = static_cast<int64_t>(a.peak());
-    r.budget.bytes[static_cast<size_t>(t)] = a.budget() == kUnlimited ? -1 : static_cast<int64_t>(a.budget());
-  }
-  return r;
+  return chunk_memory_ ? chunk_memory_->report() : allocator_report();
 }
 
 StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
