@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -74,6 +75,32 @@ void convert(const void* src, DType src_dt, void* dst, DType dst_dt, int64_t n);
 // Rounds f32 values in place to what `dt` can represent (identity for f32).
 void round_to(float* x, int64_t n, DType dt);
 
+// Writes `value`, rounded to `dt`, into n elements of a floating dtype.
+void fill(void* dst, DType dt, int64_t n, float value);
+
+// ---------------------------------------------------------------------------
+// Devices
+// ---------------------------------------------------------------------------
+
+// What a rank computes on. Streams, events and the kernel dispatch that run
+// work on it are in device.h.
+enum class DeviceKind : uint8_t { cpu, cuda };
+
+struct Device {
+  DeviceKind kind = DeviceKind::cpu;
+  int index = 0;
+
+  static Device cpu() { return {DeviceKind::cpu, 0}; }
+  static Device cuda(int index) { return {DeviceKind::cuda, index}; }
+  // "cpu", "cuda:0".
+  std::string name() const;
+  friend bool operator==(const Device&, const Device&) = default;
+};
+
+namespace detail {
+class StreamImpl;
+}
+
 // ---------------------------------------------------------------------------
 // Memory tiers and accounted allocators
 // ---------------------------------------------------------------------------
@@ -103,6 +130,11 @@ class Allocator {
   // Accounting without memory, for bytes that live elsewhere (NVMe files).
   void reserve(size_t bytes);
   void release(size_t bytes);
+  // Returns the memory of an allocation whose bytes were already released:
+  // a free in stream order (the asynchronous CPU streams) counts the bytes
+  // free when the host lets go of them, as a GPU's stream-ordered allocator
+  // does, and returns the memory once the stream's earlier work has run.
+  void free_memory(void* p, size_t bytes);
 
   Tier tier() const { return tier_; }
   size_t used() const { return used_.load(); }
@@ -122,12 +154,22 @@ class Allocator {
   std::atomic<size_t> peak_{0};
 };
 
-// The allocators of one rank, one per tier. Under the local backend every rank
-// thread installs its own, so budgets and high-water marks are per rank.
+// The allocators of one rank, one per tier, its device and its streams. Under
+// the local backend every rank thread installs its own, so budgets,
+// high-water marks and streams are per rank.
 class MemoryContext {
  public:
   MemoryContext();
+  ~MemoryContext();
   Allocator& tier(Tier t) { return *tiers_[static_cast<int>(t)]; }
+
+  // The device whose memory the device tier is and whose backend runs the
+  // rank's kernels (the CPU unless a backend says otherwise).
+  Device device() const { return device_; }
+
+  // The rank's streams, created at first use (device.h).
+  enum class StreamRole : uint8_t { compute, copy };
+  const std::shared_ptr<detail::StreamImpl>& stream(StreamRole role);
 
   // The calling thread's context: the one installed with `Install`, or the
   // process-wide default.
@@ -147,6 +189,9 @@ class MemoryContext {
 
  private:
   std::array<std::unique_ptr<Allocator>, kNumTiers> tiers_;
+  Device device_;
+  std::mutex streams_mu_;
+  std::array<std::shared_ptr<detail::StreamImpl>, 2> streams_;
 };
 
 // Human-readable byte count ("1.50 GiB").
@@ -175,6 +220,9 @@ class Storage {
   Allocator& alloc_;
   size_t bytes_;
   void* data_;
+  // Set when the rank's streams are asynchronous: the memory is returned in
+  // the compute stream's order, after the work enqueued before the free.
+  std::shared_ptr<detail::StreamImpl> stream_;
 };
 
 // A contiguous, row-major n-d array. Views share storage. Tensors describe
@@ -186,6 +234,8 @@ class Tensor {
   // Allocated from the calling thread's MemoryContext.
   static Tensor empty(const Shape& shape, DType dt = DType::f32, Tier tier = Tier::device);
   static Tensor zeros(const Shape& shape, DType dt = DType::f32, Tier tier = Tier::device);
+  // A copy of `shape` elements of host memory (a blocking copy).
+  static Tensor from_host(const void* data, const Shape& shape, DType dt, Tier tier = Tier::device);
   // A non-owning view over memory someone else keeps alive.
   static Tensor borrow(void* data, const Shape& shape, DType dt, Tier tier);
 
@@ -196,6 +246,8 @@ class Tensor {
   int64_t numel() const { return shape_numel(shape_); }
   DType dtype() const { return dtype_; }
   Tier tier() const { return tier_; }
+  // The device of the device tier's memory; the CPU for host and NVMe.
+  Device device() const { return device_; }
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
 
   void* raw() const { return data_; }
@@ -228,6 +280,7 @@ class Tensor {
   Shape shape_;
   DType dtype_ = DType::f32;
   Tier tier_ = Tier::device;
+  Device device_;
 };
 
 template <typename T>

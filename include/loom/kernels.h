@@ -14,6 +14,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "loom/core.h"
+
 namespace loom::cpu {
 
 // ---------------------------------------------------------------------------
@@ -112,6 +114,16 @@ void copy_bytes(void* dst, const void* src, std::size_t bytes);
 // Sum of squares in double, in a fixed order (for gradient-norm clipping).
 double sum_squares(const float* x, int64_t n);
 
+// Buffers in a working precision dt (f32, bf16 or f16), computed in fp32:
+// dst = round(dst + src), one rounding to dt per call (a micro-batch's fp32
+// gradient added into a working-precision accumulator); the same with src in
+// dt too; the number of elements that are not finite; the sum of squares in
+// double.
+void add_rounded(void* dst, DType dt, const float* src, int64_t n);
+void add_rounded(void* dst, const void* src, DType dt, int64_t n);
+int64_t count_non_finite(const void* x, DType dt, int64_t n);
+double sum_squares(const void* x, DType dt, int64_t n);
+
 // ---------------------------------------------------------------------------
 // Causal self-attention, flash-attention style.
 // qkv[B,T,3C] holds q | k | v per token (as GPT-2's c_attn emits them); head h
@@ -125,6 +137,11 @@ double sum_squares(const float* x, int64_t n);
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t NH);
 void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
                         int64_t B, int64_t T, int64_t C, int64_t NH);
+// Sampling with a KV cache ([B, NH, block_size, hs] each): appends the keys
+// and values of the n new positions pos0.. (from qkv [B, n, 3C]) and writes
+// out[B, n, C], each new query attending to every position up to its own.
+void attention_cached(float* out, float* k_cache, float* v_cache, const float* qkv, int64_t B, int64_t n, int64_t pos0,
+                      int64_t block_size, int64_t C, int64_t NH);
 
 // ---------------------------------------------------------------------------
 // Fused softmax + cross-entropy over V classes.
@@ -156,6 +173,10 @@ void cross_entropy_shard_sums(float* sums, const float* logits, const float* row
                               int64_t first, int64_t N, int64_t V, int64_t real);
 void cross_entropy_shard_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
                                   const float* dloss, int64_t first, int64_t N, int64_t V, int64_t real);
+// After the two all-reduces: lse[i] = row_max[i] + log(sums[2i]) and
+// losses[i] = lse[i] - sums[2i+1] (0 for a target of -1).
+void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, const float* sums,
+                              const int32_t* targets, int64_t N);
 
 // ---------------------------------------------------------------------------
 // Dropout with counter-based masks: element i is kept iff

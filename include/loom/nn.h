@@ -158,18 +158,24 @@ class LayerNorm {
 class Embedding {
  public:
   Embedding() = default;
+  // Where the token table lives: on one stage with the output head, on the
+  // first stage with a copy on the last, or that copy.
+  enum class TableCopies : uint8_t { none, owner, copy };
   Embedding(ParamLayout& layout, int64_t vocab, int64_t block_size, int64_t C, int group,
-            const TensorParallel& tp = {}, bool tied_copy = false);
+            const TensorParallel& tp = {}, TableCopies copies = TableCopies::none);
   // The token table alone: the output head's tied copy on the last pipeline
   // stage.
   static int add_token_table(ParamLayout& layout, int64_t vocab, int64_t C, int group, const TensorParallel& tp,
-                             bool tied_copy);
-  // Returns this rank's token rows [rows, C] (all B*T without sequence
-  // parallelism). Throws Error for a token id outside [0, vocab) or
+                             TableCopies copies);
+  // Throws Error for a token id outside [0, vocab) (host memory, checked
+  // before it is copied to the device).
+  void check_tokens(const int32_t* tokens, int64_t N) const;
+  // tokens: [B*T] int32 on the device, checked. Returns this rank's token
+  // rows [rows, C] (all B*T without sequence parallelism). Throws Error for
   // pos0 + T > block_size.
-  Tensor forward(const ParamStore& ps, const int32_t* tokens, const BatchShape& bs, int64_t pos0 = 0) const;
+  Tensor forward(const ParamStore& ps, const Tensor& tokens, const BatchShape& bs, int64_t pos0 = 0) const;
   // dout: the gradient of forward's result.
-  void backward(const Grads& g, const Tensor& dout, const int32_t* tokens, const BatchShape& bs) const;
+  void backward(const Grads& g, const Tensor& dout, const Tensor& tokens, const BatchShape& bs) const;
   int wte_id() const { return wte_; }
   int wpe_id() const { return wpe_; }
 
@@ -312,7 +318,7 @@ struct ModelParallel {
 struct MicroBatchState {
   BatchShape bs;
   ForwardOptions opts;
-  std::vector<int32_t> tokens, targets;
+  Tensor tokens, targets;  // [N] int32 on the device (first and last stage)
   std::vector<Block::Saved> blocks;  // one per block this rank holds
   // The head (last stage): final norm, its gathered output under sequence
   // parallelism, this rank's vocabulary slice of the logits and per-row lse.

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "loom/core.h"
-#include "loom/kernels.h"
+#include "loom/device.h"
 #include "loom/store.h"
 
 namespace loom {
@@ -68,7 +68,7 @@ class AdamW {
   std::vector<FlatRange> ranges_;
   std::vector<int64_t> offsets_;
   int64_t t_ = 0;
-  cpu::AdamWStep decay_, no_decay_;
+  ops::AdamWStep decay_, no_decay_;
   Tensor m_, v_;
 };
 

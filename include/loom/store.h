@@ -55,10 +55,12 @@ struct ParamParallel {
   // sum of its gradient (its tokens, under sequence parallelism): the
   // gradients are all-reduced over the tensor-parallel group.
   bool partial_grad = false;
-  // A copy of a parameter another pipeline stage owns (the tied token
-  // embedding on the last stage, for the output head): the copies' gradients
-  // are all-reduced between the stages, and only the owner's copy is saved
-  // and counted in the gradient norm.
+  // Held by several pipeline stages (the token table on the first stage and
+  // its copy on the last, for the output head): the copies' gradients are
+  // all-reduced between those stages.
+  bool tied_across_stages = false;
+  // The copy a stage holds of a parameter another stage owns: only the
+  // owner's copy is saved and counted in the gradient norm.
   bool tied_copy = false;
 };
 

@@ -3,6 +3,7 @@
 
 #include "comm/backend.h"
 #include "comm/collective_queue.h"
+#include "loom/device.h"
 
 namespace loom {
 
@@ -198,6 +199,10 @@ CollectiveCall Communicator::issue(CollectiveKind kind, const void* send, void* 
   if (kind == CollectiveKind::broadcast && (root < 0 || root >= size_))
     throw Error(str("broadcast: root ", root, " is not a rank of this group of ", size_));
   LOOM_CHECK(count == 0 || (send != nullptr && recv != nullptr), name, " of ", count, " elements with a null buffer");
+  // The buffers are read and written outside the rank's streams (the caller's
+  // thread or the progress thread): the device work that produced them runs
+  // first.
+  ops::synchronize();
   ++seq_;
 
   const double n = size_;
@@ -276,6 +281,7 @@ uint64_t Communicator::issue_point_to_point(const char* what, CommVolume CommSta
   if (peer < 0 || peer >= size_) throw Error(str(what, ": rank ", peer, " is not a rank of this group of ", size_));
   if (tag < 0 || tag > kMaxTag) throw Error(str(what, ": tag ", tag, " is outside [0, ", kMaxTag, "]"));
   LOOM_CHECK(bytes == 0 || buf != nullptr, what, " of ", bytes, " bytes with a null buffer");
+  ops::synchronize();
   std::lock_guard lock(stats_mu_);
   CommVolume& v = stats_.*volume;
   v.elements += static_cast<double>(bytes);

@@ -253,7 +253,8 @@ class MpiBackend : public Backend {
   // Owns both communicators: `collectives` carries loom's collective
   // traffic, `messages` the user's sends and receives.
   MpiBackend(MPI_Comm collectives, MPI_Comm messages)
-      : collectives_(collectives), messages_(messages), world_ranks_(world_ranks_of(collectives)) {
+      : collectives_(collectives), messages_(messages), world_ranks_(world_ranks_of(collectives)),
+        memory_(MemoryContext::current()) {
     MPI_Comm_rank(collectives_, &rank_);
     MPI_Comm_size(collectives_, &size_);
     MPI_Comm_set_errhandler(collectives_, MPI_ERRORS_RETURN);
@@ -371,8 +372,12 @@ class MpiBackend : public Backend {
     const int64_t rounds = (slices.length(0) + segment - 1) / segment;  // slice 0 is the longest
     const size_t peers = static_cast<size_t>(size_ - 1);
     const size_t scratch_bytes = 2 * peers * static_cast<size_t>(segment) * esz;
-    if (static_cast<size_t>(scratch_.numel()) < scratch_bytes)
+    if (static_cast<size_t>(scratch_.numel()) < scratch_bytes) {
+      // From the context the backend was made in, which outlives it: the
+      // caller's may be a shorter-lived one of its own.
+      const MemoryContext::Install install(memory_);
       scratch_ = Tensor::empty({static_cast<int64_t>(scratch_bytes)}, DType::u8, Tier::host);
+    }
     auto segment_length = [&](int k, int64_t j) {
       return std::clamp<int64_t>(slices.length(k) - j * segment, 0, segment);
     };
@@ -455,6 +460,7 @@ class MpiBackend : public Backend {
   int size_ = 1;
   Header sent_header_{};
   std::vector<Header> received_headers_;
+  MemoryContext& memory_;
   Tensor scratch_;  // segments received for reduction, kept between collectives
 };
 

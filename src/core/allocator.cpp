@@ -59,9 +59,11 @@ void* Allocator::allocate(size_t bytes) {
 }
 
 void Allocator::deallocate(void* p, size_t bytes) {
-  std::free(p);
+  free_memory(p, bytes);
   release(bytes);
 }
+
+void Allocator::free_memory(void* p, size_t) { std::free(p); }
 
 void Allocator::raise_peak(size_t bytes) {
   size_t peak = peak_.load();

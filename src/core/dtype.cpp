@@ -146,4 +146,11 @@ void round_to(float* x, int64_t n, DType dt) {
   }
 }
 
+void fill(void* dst, DType dt, int64_t n, float value) {
+  if (n <= 0) return;
+  const size_t size = dtype_size(dt);
+  convert(&value, DType::f32, dst, dt, 1);
+  for (int64_t i = 1; i < n; ++i) std::memcpy(static_cast<char*>(dst) + static_cast<size_t>(i) * size, dst, size);
+}
+
 }  // namespace loom

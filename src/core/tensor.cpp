@@ -1,6 +1,7 @@
 #include <cstring>
 
-#include "loom/core.h"
+#include "device/stream_impl.h"
+#include "loom/device.h"
 
 namespace loom {
 
@@ -16,8 +17,21 @@ std::string shape_str(const Shape& s) {
   return out + "]";
 }
 
-Storage::Storage(Allocator& alloc, size_t bytes) : alloc_(alloc), bytes_(bytes), data_(alloc.allocate(bytes)) {}
-Storage::~Storage() { alloc_.deallocate(data_, bytes_); }
+Storage::Storage(Allocator& alloc, size_t bytes) : alloc_(alloc), bytes_(bytes), data_(alloc.allocate(bytes)) {
+  // The rank's compute stream, not the current one: memory allocated in a
+  // HostSection is still used by the compute stream's later work.
+  if (cpu_stream_mode() == CpuStreamMode::async)
+    stream_ = MemoryContext::current().stream(MemoryContext::StreamRole::compute);
+}
+
+Storage::~Storage() {
+  if (!stream_ || stream_->mode() == CpuStreamMode::sync) {
+    alloc_.deallocate(data_, bytes_);
+    return;
+  }
+  alloc_.release(bytes_);
+  stream_->enqueue([&alloc = alloc_, p = data_, n = bytes_] { alloc.free_memory(p, n); });
+}
 
 Tensor Tensor::empty(const Shape& shape, DType dt, Tier tier) {
   for (int64_t d : shape) LOOM_CHECK(d >= 0, "negative dimension in shape ", shape_str(shape));
@@ -25,7 +39,9 @@ Tensor Tensor::empty(const Shape& shape, DType dt, Tier tier) {
   t.shape_ = shape;
   t.dtype_ = dt;
   t.tier_ = tier;
-  t.storage_ = std::make_shared<Storage>(MemoryContext::current().tier(tier), t.nbytes());
+  MemoryContext& ctx = MemoryContext::current();
+  t.device_ = tier == Tier::device ? ctx.device() : Device::cpu();
+  t.storage_ = std::make_shared<Storage>(ctx.tier(tier), t.nbytes());
   t.data_ = t.storage_->data();
   return t;
 }
@@ -36,11 +52,18 @@ Tensor Tensor::zeros(const Shape& shape, DType dt, Tier tier) {
   return t;
 }
 
+Tensor Tensor::from_host(const void* data, const Shape& shape, DType dt, Tier tier) {
+  Tensor t = empty(shape, dt, tier);
+  t.copy_from(borrow(const_cast<void*>(data), shape, dt, Tier::host));
+  return t;
+}
+
 Tensor Tensor::borrow(void* data, const Shape& shape, DType dt, Tier tier) {
   Tensor t;
   t.shape_ = shape;
   t.dtype_ = dt;
   t.tier_ = tier;
+  t.device_ = tier == Tier::device ? MemoryContext::current().device() : Device::cpu();
   t.data_ = data;
   return t;
 }
@@ -82,31 +105,38 @@ Tensor Tensor::flat(int64_t offset, int64_t n) const {
   return t;
 }
 
+// Device memory is written in stream order (the device layer); host and NVMe
+// staging memory belongs to the host, which writes it at once.
 void Tensor::zero_() {
-  if (nbytes()) std::memset(data_, 0, nbytes());
+  if (nbytes() == 0) return;
+  if (tier_ == Tier::device)
+    ops::zero(data_, nbytes());
+  else
+    std::memset(data_, 0, nbytes());
 }
 
 void Tensor::fill_(float value) {
-  int64_t n = numel();
-  if (dtype_ == DType::f32) {
-    float* p = data<float>();
-    for (int64_t i = 0; i < n; ++i) p[i] = value;
-    return;
-  }
-  LOOM_CHECK(dtype_ == DType::bf16 || dtype_ == DType::f16, "fill_ on non-floating dtype ", dtype_name(dtype_));
-  uint16_t bits = dtype_ == DType::bf16 ? f32_to_bf16(value) : f32_to_f16(value);
-  uint16_t* p = data<uint16_t>();
-  for (int64_t i = 0; i < n; ++i) p[i] = bits;
+  LOOM_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "fill_ on non-floating dtype ",
+             dtype_name(dtype_));
+  if (tier_ == Tier::device)
+    ops::fill(data_, dtype_, numel(), value);
+  else
+    loom::fill(data_, dtype_, numel(), value);
 }
 
 void Tensor::copy_from(const Tensor& src) {
   LOOM_CHECK(src.numel() == numel(), "copy_from: ", src.numel(), " elements into ", numel());
   if (numel() == 0) return;
-  if (src.dtype_ == dtype_) {
-    std::memcpy(data_, src.data_, nbytes());
-    return;
-  }
-  convert(src.data_, src.dtype_, data_, dtype_, numel());
+  const bool on_device = tier_ == Tier::device && src.tier_ == Tier::device;
+  // A copy that the host takes part in is blocking, as cudaMemcpy is: the
+  // device's earlier writes land first, and the host may use either side
+  // when it returns.
+  if (!on_device) ops::synchronize();
+  if (src.dtype_ == dtype_)
+    ops::copy(data_, src.data_, nbytes());
+  else
+    ops::convert(src.data_, src.dtype_, data_, dtype_, numel());
+  if (!on_device) ops::synchronize();
 }
 
 Tensor Tensor::clone(Tier tier) const {

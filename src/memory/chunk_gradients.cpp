@@ -1,6 +1,6 @@
 #include <algorithm>
 
-#include "loom/kernels.h"
+#include "loom/device.h"
 #include "memory/chunk_manager_impl.h"
 #include "zero/working_precision.h"
 
@@ -105,8 +105,8 @@ void ChunkManager::Impl::write_gradient(int c, const float* shard) {
       convert(shard, DType::f32, rounded.raw(), precision, S);
       src = rounded.raw();
     }
-    s.sum_squares = zero_detail::sum_squares(src, precision, len);
-    s.non_finite = zero_detail::count_non_finite(src, precision, len);
+    s.sum_squares = ops::sum_squares(src, precision, len);
+    s.non_finite = ops::count_non_finite(src, precision, len);
     store(s.param, src, Tier::device);
     s.holds_grads = true;
     return;
@@ -118,14 +118,14 @@ void ChunkManager::Impl::write_gradient(int c, const float* shard) {
   Tensor moved;
   if (at_tier != Tier::device) {
     moved = Tensor::empty({S}, DType::f32, at_tier);
-    cpu::copy_bytes(moved.raw(), shard, static_cast<size_t>(S) * 4);
+    ops::copy(moved.raw(), shard, static_cast<size_t>(S) * 4);
     count(Tier::device, at_tier, S * 4);
     src = moved.data<float>();
   }
-  zero_detail::add_rounded(s.grad_shard.raw(), precision, src, S);
+  ops::add_rounded(s.grad_shard.raw(), precision, src, S);
   if (final_micro_batch) {
-    s.sum_squares = zero_detail::sum_squares(s.grad_shard.raw(), precision, len);
-    s.non_finite = zero_detail::count_non_finite(s.grad_shard.raw(), precision, len);
+    s.sum_squares = ops::sum_squares(s.grad_shard.raw(), precision, len);
+    s.non_finite = ops::count_non_finite(s.grad_shard.raw(), precision, len);
   }
 }
 

@@ -1,7 +1,7 @@
 #include <algorithm>
 #include <climits>
 
-#include "loom/kernels.h"
+#include "loom/device.h"
 #include "memory/chunk_manager_impl.h"
 #include "zero/working_precision.h"
 
@@ -67,6 +67,7 @@ ChunkManager::Impl::~Impl() {
 }
 
 void ChunkManager::Impl::initialize(uint64_t seed) {
+  const HostSection host;
   const int64_t S = chunks.shard_numel();
   // NVMe slots for the payloads placed there; they keep them for the run.
   uint64_t file_bytes = 0;
@@ -148,23 +149,23 @@ void ChunkManager::Impl::wait_writes(std::optional<uint64_t> slot) {
 void ChunkManager::Impl::load(const Payload& p, void* dst, Tier to) {
   if (p.tier == Tier::nvme) {
     const IoBuffer b = read_now(p);
-    cpu::copy_bytes(dst, b.data(), static_cast<size_t>(p.bytes));
+    ops::copy(dst, b.data(), static_cast<size_t>(p.bytes));
     count(Tier::host, to, p.bytes);
     return;
   }
-  cpu::copy_bytes(dst, p.mem.raw(), static_cast<size_t>(p.bytes));
+  ops::copy(dst, p.mem.raw(), static_cast<size_t>(p.bytes));
   count(p.tier, to, p.bytes);
 }
 
 void ChunkManager::Impl::store(Payload& p, const void* src, Tier from) {
   if (p.tier == Tier::nvme) {
     IoBuffer b(static_cast<size_t>(p.bytes));
-    cpu::copy_bytes(b.data(), src, static_cast<size_t>(p.bytes));
+    ops::copy(b.data(), src, static_cast<size_t>(p.bytes));
     count(from, Tier::host, p.bytes);
     write_behind(p, std::move(b));
     return;
   }
-  if (p.mem.raw() != src) cpu::copy_bytes(p.mem.raw(), src, static_cast<size_t>(p.bytes));
+  if (p.mem.raw() != src) ops::copy(p.mem.raw(), src, static_cast<size_t>(p.bytes));
   count(from, p.tier, p.bytes);
 }
 
@@ -225,7 +226,7 @@ void ChunkManager::Impl::materialize(int c, bool wait) {
       nvme->wait(*s.read_ticket);
       s.read_ticket.reset();
       s.full = Tensor::empty({S}, precision, Tier::device);
-      cpu::copy_bytes(s.full.raw(), s.read_buffer.data(), static_cast<size_t>(s.param.bytes));
+      ops::copy(s.full.raw(), s.read_buffer.data(), static_cast<size_t>(s.param.bytes));
       count(Tier::host, Tier::device, s.param.bytes);
       s.read_buffer = IoBuffer();
       return;
@@ -532,13 +533,31 @@ ChunkManager::~ChunkManager() = default;
 const ChunkLayout& ChunkManager::chunks() const { return impl_->chunks; }
 ChunkPlacement ChunkManager::placement() const { return impl_->placement(); }
 TensorState ChunkManager::state(int param) const { return impl_->states.at(static_cast<size_t>(param)); }
-GradientCheck ChunkManager::check_gradients() { return impl_->check_gradients(); }
-void ChunkManager::step(float lr, float grad_scale) { impl_->step(lr, grad_scale); }
-void ChunkManager::restore_parameters() { impl_->restore_parameters(); }
+// The manager moves chunks and runs the CPU optimizer on the host: each entry
+// point that touches chunk memory is a HostSection (the moves are not yet
+// copy-stream operations of their own).
+GradientCheck ChunkManager::check_gradients() {
+  const HostSection host;
+  return impl_->check_gradients();
+}
+void ChunkManager::step(float lr, float grad_scale) {
+  const HostSection host;
+  impl_->step(lr, grad_scale);
+}
+void ChunkManager::restore_parameters() {
+  const HostSection host;
+  impl_->restore_parameters();
+}
 int64_t ChunkManager::optimizer_steps() const { return impl_->adamw.steps(); }
 void ChunkManager::set_optimizer_steps(int64_t t) { impl_->adamw.set_steps(t); }
-void ChunkManager::visit_state(const StateVisitor& visit) { impl_->visit_state(visit); }
-void ChunkManager::load_state(const StateFiller& fill) { impl_->load_state(fill); }
+void ChunkManager::visit_state(const StateVisitor& visit) {
+  const HostSection host;
+  impl_->visit_state(visit);
+}
+void ChunkManager::load_state(const StateFiller& fill) {
+  const HostSection host;
+  impl_->load_state(fill);
+}
 
 MemoryReport ChunkManager::report() const {
   const Impl& m = *impl_;
@@ -567,10 +586,12 @@ MemoryReport ChunkManager::report() const {
 ChunkParamStore::ChunkParamStore(ChunkManager& manager) : ParamStore(manager.impl_->layout), manager_(manager) {}
 void ChunkParamStore::acquire(int group) {
   check_group(group);
+  const HostSection host;
   manager_.impl_->acquire(group);
 }
 void ChunkParamStore::release(int group) {
   check_group(group);
+  const HostSection host;
   manager_.impl_->release(group);
 }
 Tensor ChunkParamStore::param(int id) const { return manager_.impl_->param(id); }
@@ -580,12 +601,19 @@ void ChunkParamStore::end_step() { manager_.impl_->end_step(); }
 ChunkGradStore::ChunkGradStore(ChunkManager& manager)
     : GradStore(manager.impl_->layout, NoStorage{}), manager_(manager) {}
 Tensor ChunkGradStore::grad(int id) const { return manager_.impl_->grad(id); }
-void ChunkGradStore::zero() { manager_.impl_->zero_grads(); }
+void ChunkGradStore::zero() {
+  const HostSection host;
+  manager_.impl_->zero_grads();
+}
 void ChunkGradStore::set_reduce(bool reduce) { manager_.impl_->set_final_micro_batch(reduce); }
 void ChunkGradStore::group_ready(int group) {
   check_group(group);
+  const HostSection host;
   manager_.impl_->group_ready(group);
 }
-void ChunkGradStore::finish() { manager_.impl_->finish(); }
+void ChunkGradStore::finish() {
+  const HostSection host;
+  manager_.impl_->finish();
+}
 
 }  // namespace loom

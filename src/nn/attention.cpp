@@ -1,4 +1,4 @@
-#include "loom/kernels.h"
+#include "loom/device.h"
 #include "loom/nn.h"
 
 namespace loom {
@@ -18,7 +18,7 @@ Tensor CausalSelfAttention::forward(const ParamStore& ps, Saved& s, const Tensor
   s.qkv = c_attn_.forward(ps, in);
   s.att = Tensor::empty({bs.N(), local_C});
   s.lse = Tensor::empty({bs.B, local_heads_, bs.T});
-  cpu::attention_forward(s.att.data<float>(), s.lse.data<float>(), s.qkv.data<float>(), bs.B, bs.T, local_C,
+  ops::attention_forward(s.att.data<float>(), s.lse.data<float>(), s.qkv.data<float>(), bs.B, bs.T, local_C,
                          local_heads_);
   return c_proj_.forward(ps, s.att);
 }
@@ -28,7 +28,7 @@ Tensor CausalSelfAttention::backward(const Grads& g, const Tensor& dout, const T
   const int64_t local_C = C_ / n_head_ * local_heads_;
   Tensor datt = c_proj_.backward(g, dout, s.att);
   Tensor dqkv = Tensor::zeros({bs.N(), 3 * local_C});
-  cpu::attention_backward(dqkv.data<float>(), datt.data<float>(), s.att.data<float>(), s.lse.data<float>(),
+  ops::attention_backward(dqkv.data<float>(), datt.data<float>(), s.att.data<float>(), s.lse.data<float>(),
                           s.qkv.data<float>(), bs.B, bs.T, local_C, local_heads_);
   datt = Tensor();
   return c_attn_.backward(g, dqkv, in);

@@ -1,6 +1,6 @@
 #include <cmath>
 
-#include "loom/kernels.h"
+#include "loom/device.h"
 #include "loom/nn.h"
 
 namespace loom {
@@ -51,17 +51,17 @@ void Block::forward_into(const ParamStore& ps, Saved& s, float* y, const BatchSh
   {
     Tensor a = attn_.forward(ps, s.attn, s.ln_1.out, bs);
     if (drop)
-      cpu::dropout_forward(a.data<float>(), a.data<float>(), rows * C_, dropout_,
+      ops::dropout_forward(a.data<float>(), a.data<float>(), rows * C_, dropout_,
                            stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kAttnResidual), first);
     s.resid = Tensor::empty(s.x.shape());
-    cpu::add(s.resid.data<float>(), x, a.data<float>(), rows * C_);
+    ops::add(s.resid.data<float>(), x, a.data<float>(), rows * C_);
   }
   ln_2_.forward(ps, s.ln_2, s.resid.data<float>(), rows);
   Tensor m = mlp_.forward(ps, s.mlp, s.ln_2.out);
   if (drop)
-    cpu::dropout_forward(m.data<float>(), m.data<float>(), rows * C_, dropout_,
+    ops::dropout_forward(m.data<float>(), m.data<float>(), rows * C_, dropout_,
                          stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kMlpResidual), first);
-  cpu::add(y, s.resid.data<float>(), m.data<float>(), rows * C_);
+  ops::add(y, s.resid.data<float>(), m.data<float>(), rows * C_);
 }
 
 void Block::backward(const Grads& g, float* dres, Saved& s, const BatchShape& bs, const ForwardOptions& opts) const {
@@ -79,7 +79,7 @@ void Block::backward(const Grads& g, float* dres, Saved& s, const BatchShape& bs
   Tensor dm = Tensor::borrow(dres, {rows, C_}, DType::f32, Tier::device);
   if (drop) {
     dm = Tensor::zeros({rows, C_});
-    cpu::dropout_backward(dm.data<float>(), dres, rows * C_, dropout_,
+    ops::dropout_backward(dm.data<float>(), dres, rows * C_, dropout_,
                           stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kMlpResidual), first);
   }
   Tensor dln = mlp_.backward(g, dm, s.ln_2.out, s.mlp);
@@ -89,7 +89,7 @@ void Block::backward(const Grads& g, float* dres, Saved& s, const BatchShape& bs
   dm = Tensor::borrow(dres, {rows, C_}, DType::f32, Tier::device);
   if (drop) {
     dm = Tensor::zeros({rows, C_});
-    cpu::dropout_backward(dm.data<float>(), dres, rows * C_, dropout_,
+    ops::dropout_backward(dm.data<float>(), dres, rows * C_, dropout_,
                           stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kAttnResidual), first);
   }
   dln = attn_.backward(g, dm, s.ln_1.out, s.attn, bs);

@@ -1,7 +1,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "loom/kernels.h"
+#include "loom/device.h"
 #include "loom/nn.h"
 
 namespace loom {
@@ -27,7 +27,8 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp) : cfg_(cfg), mp_(mp) {
 
   if (mp_.first_stage) {
     embedding_group_ = layout_.add_group("embedding");
-    embedding_ = Embedding(layout_, cfg_.vocab_size, cfg_.block_size, cfg_.n_embd, embedding_group_, tp);
+    embedding_ = Embedding(layout_, cfg_.vocab_size, cfg_.block_size, cfg_.n_embd, embedding_group_, tp,
+                           mp_.last_stage ? Embedding::TableCopies::none : Embedding::TableCopies::owner);
   }
   for (const LayerRange& chunk : chunks_) {
     chunk_first_block_.push_back(static_cast<int>(blocks_.size()));
@@ -43,7 +44,8 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp) : cfg_(cfg), mp_(mp) {
     // init) and stays equal because the copies' gradients are summed.
     if (!mp_.first_stage) {
       head_group_ = layout_.add_group("head");
-      head_table_ = Embedding::add_token_table(layout_, cfg_.vocab_size, cfg_.n_embd, head_group_, tp, true);
+      head_table_ = Embedding::add_token_table(layout_, cfg_.vocab_size, cfg_.n_embd, head_group_, tp,
+                                               Embedding::TableCopies::copy);
     }
   }
   if (mp_.first_stage && mp_.last_stage && tp.size() == 1 && mp_.chunks.empty())
@@ -68,11 +70,16 @@ void GPT::begin(MicroBatchState& s, const int32_t* tokens, const int32_t* target
   if (mp_.tp.splits_tokens() && N % mp_.tp.size() != 0)
     throw Error(str("sequence parallelism splits the micro-batch's ", N, " token rows over ", mp_.tp.size(),
                     " ranks: choose micro_batch_size * seq_len divisible by parallel.tp"));
+  if (mp_.first_stage) embedding_.check_tokens(tokens, N);
   s = MicroBatchState{};
   s.bs = bs;
   s.opts = opts;
-  s.tokens.assign(tokens, tokens + N);
-  s.targets.assign(targets, targets + N);
+  // The kernels read the ids from the device; the host keeps only the count.
+  if (mp_.first_stage) s.tokens = Tensor::from_host(tokens, {N}, DType::i32);
+  if (mp_.last_stage) {
+    s.targets = Tensor::from_host(targets, {N}, DType::i32);
+    s.valid_targets = std::count_if(targets, targets + N, [](int32_t t) { return t != -1; });
+  }
   s.blocks.resize(blocks_.size());
 }
 
@@ -82,10 +89,10 @@ Tensor GPT::forward_chunk(ParamStore& ps, MicroBatchState& s, int chunk, const T
   Tensor x = input;
   if (chunk == 0 && mp_.first_stage) {
     ps.acquire(embedding_group_);
-    x = embedding_.forward(ps, s.tokens.data(), s.bs);
+    x = embedding_.forward(ps, s.tokens, s.bs);
     ps.release(embedding_group_);
     if (s.opts.training && cfg_.dropout > 0.0f)
-      cpu::dropout_forward(x.data<float>(), x.data<float>(), x.numel(), cfg_.dropout,
+      ops::dropout_forward(x.data<float>(), x.data<float>(), x.numel(), cfg_.dropout,
                            stream_key(s.opts.dropout_key, kEmbeddingDropoutLayer, 0),
                            static_cast<uint64_t>((s.opts.first_sequence * s.bs.T + mp_.tp.first_row(N)) * C));
   }
@@ -117,47 +124,38 @@ void GPT::head_forward(ParamStore& ps, MicroBatchState& s, const Tensor& x) cons
   const Tensor h = TensorParallelRegion::enter_forward(tp, s.ln_f.out);
   if (tp.splits_tokens()) s.head_input = h;
   s.logits = tp.size() == 1 ? Tensor::empty({s.bs.B, s.bs.T, V}) : Tensor::empty({N, Vl});
-  cpu::linear_forward(s.logits.data<float>(), h.data<float>(), ps.param(head_table()).data<float>(), nullptr, N, C,
+  ops::linear_forward(s.logits.data<float>(), h.data<float>(), ps.param(head_table()).data<float>(), nullptr, N, C,
                       Vl);
   ps.release(head_group());
 
   s.lse = Tensor::empty({N});
   Tensor losses = Tensor::empty({N});
-  const int32_t* targets = s.targets.data();
+  const int32_t* targets = s.targets.data<int32_t>();
   if (tp.size() == 1) {
-    cpu::cross_entropy_forward(losses.data<float>(), s.lse.data<float>(), s.logits.data<float>(), targets, N, V);
+    ops::cross_entropy_forward(losses.data<float>(), s.lse.data<float>(), s.logits.data<float>(), targets, N, V);
   } else {
     // The full logits never meet on one rank: the ranks agree on each row's
     // max, then on its sum of exponentials and the target's logit.
     const int64_t first = tp.rank() * Vl, real = std::clamp<int64_t>(V - first, 0, Vl);
     Tensor row_max = Tensor::empty({N});
-    cpu::cross_entropy_shard_max(row_max.data<float>(), s.logits.data<float>(), N, Vl, real);
+    ops::cross_entropy_shard_max(row_max.data<float>(), s.logits.data<float>(), N, Vl, real);
     tp.group->all_reduce(row_max, ReduceOp::max);
     Tensor sums = Tensor::empty({N, 2});
-    cpu::cross_entropy_shard_sums(sums.data<float>(), s.logits.data<float>(), row_max.data<float>(), targets, first,
+    ops::cross_entropy_shard_sums(sums.data<float>(), s.logits.data<float>(), row_max.data<float>(), targets, first,
                                   N, Vl, real);
     tp.group->all_reduce(sums);
-    const float* m = row_max.data<float>();
-    const float* su = sums.data<float>();
-    float* lse = s.lse.data<float>();
-    float* loss = losses.data<float>();
-    for (int64_t i = 0; i < N; ++i) {
-      lse[i] = m[i] + std::log(su[2 * i]);
-      loss[i] = targets[i] < 0 ? 0.0f : lse[i] - su[2 * i + 1];
-    }
+    ops::cross_entropy_shard_loss(losses.data<float>(), s.lse.data<float>(), row_max.data<float>(),
+                                  sums.data<float>(), targets, N);
   }
+  // Positions without a target have a loss of exactly 0, so the sum over
+  // every position is the sum over the targets, in the same order.
+  const Tensor host_losses = losses.clone(Tier::host);
   double sum = 0.0;
-  int64_t valid = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    if (targets[i] == -1) continue;
-    sum += losses.data<float>()[i];
-    ++valid;
-  }
+  for (int64_t i = 0; i < N; ++i) sum += host_losses.data<float>()[i];
   if (!std::isfinite(sum))
     throw Error(str("the loss is ", sum, " (not finite): training diverged; lower train.lr, enable "
                     "train.grad_clip, or use a lower-risk precision"));
   s.loss_sum += sum;
-  s.valid_targets += valid;
 }
 
 Tensor GPT::head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, float dloss) const {
@@ -171,10 +169,12 @@ Tensor GPT::head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, flo
   dl.fill_(dloss);
   float* dlogits = s.logits.data<float>();
   if (tp.size() == 1) {
-    cpu::cross_entropy_backward(dlogits, dlogits, s.lse.data<float>(), s.targets.data(), dl.data<float>(), N, V);
+    ops::cross_entropy_backward(dlogits, dlogits, s.lse.data<float>(), s.targets.data<int32_t>(), dl.data<float>(), N,
+                                V);
   } else {
     const int64_t first = tp.rank() * Vl, real = std::clamp<int64_t>(V - first, 0, Vl);
-    cpu::cross_entropy_shard_backward(dlogits, dlogits, s.lse.data<float>(), s.targets.data(), dl.data<float>(),
+    ops::cross_entropy_shard_backward(dlogits, dlogits, s.lse.data<float>(), s.targets.data<int32_t>(),
+                                      dl.data<float>(),
                                       first, N, Vl, real);
   }
 
@@ -182,7 +182,7 @@ Tensor GPT::head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, flo
   ps.acquire(lnf_group_);
   const Tensor& h = tp.splits_tokens() ? s.head_input : s.ln_f.out;
   Tensor dh = Tensor::zeros({N, C});
-  cpu::linear_backward(dh.data<float>(), gs.grad(head_table()).data<float>(), nullptr, dlogits, h.data<float>(),
+  ops::linear_backward(dh.data<float>(), gs.grad(head_table()).data<float>(), nullptr, dlogits, h.data<float>(),
                        ps.param(head_table()).data<float>(), N, C, Vl);
   s.logits = Tensor();
   s.lse = Tensor();
@@ -223,11 +223,11 @@ Tensor GPT::backward_chunk(ParamStore& ps, GradStore& gs, MicroBatchState& s, in
   Tensor demb = dres;
   if (s.opts.training && cfg_.dropout > 0.0f) {
     demb = Tensor::zeros(dres.shape());
-    cpu::dropout_backward(demb.data<float>(), dres.data<float>(), dres.numel(), cfg_.dropout,
+    ops::dropout_backward(demb.data<float>(), dres.data<float>(), dres.numel(), cfg_.dropout,
                           stream_key(s.opts.dropout_key, kEmbeddingDropoutLayer, 0),
                           static_cast<uint64_t>((s.opts.first_sequence * s.bs.T + mp_.tp.first_row(N)) * C));
   }
-  embedding_.backward(g, demb, s.tokens.data(), s.bs);
+  embedding_.backward(g, demb, s.tokens, s.bs);
   gs.group_ready(embedding_group_);
   return Tensor();
 }

@@ -1,10 +1,6 @@
 // Incremental inference: the forward pass for sampling, one chunk of new
 // positions at a time, reusing the keys and values of earlier positions.
-#include <algorithm>
-#include <cmath>
-#include <vector>
-
-#include "loom/kernels.h"
+#include "loom/device.h"
 #include "loom/nn.h"
 
 namespace loom {
@@ -18,49 +14,11 @@ KVCache::KVCache(const GPTConfig& cfg, int64_t B) : B_(B) {
 void CausalSelfAttention::forward_cached(const ParamStore& ps, float* out, const float* in, float* k_cache,
                                          float* v_cache, int64_t B, int64_t n, int64_t pos0,
                                          int64_t block_size) const {
-  const int64_t C = C_, NH = n_head_, hs = C / NH;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const int64_t C = C_;
   Tensor qkv = Tensor::empty({B, n, 3 * C});
   c_attn_.local().forward(ps, qkv.data<float>(), in, B * n);
   Tensor att = Tensor::empty({B, n, C});
-  const float* q_all = qkv.data<float>();
-  float* att_out = att.data<float>();
-
-#pragma omp parallel for collapse(2)
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < NH; ++h) {
-      float* kc = k_cache + ((b * NH + h) * block_size) * hs;
-      float* vc = v_cache + ((b * NH + h) * block_size) * hs;
-      for (int64_t t = 0; t < n; ++t) {
-        const float* row = q_all + (b * n + t) * 3 * C;
-        std::copy_n(row + C + h * hs, hs, kc + (pos0 + t) * hs);
-        std::copy_n(row + 2 * C + h * hs, hs, vc + (pos0 + t) * hs);
-      }
-      std::vector<float> scores(static_cast<size_t>(pos0 + n));
-      for (int64_t t = 0; t < n; ++t) {
-        const float* q = q_all + (b * n + t) * 3 * C + h * hs;
-        const int64_t len = pos0 + t + 1;
-        float maxv = -INFINITY;
-        for (int64_t j = 0; j < len; ++j) {
-          float dot = 0.0f;
-          for (int64_t d = 0; d < hs; ++d) dot += q[d] * kc[j * hs + d];
-          scores[j] = dot * scale;
-          maxv = std::max(maxv, scores[j]);
-        }
-        float sum = 0.0f;
-        for (int64_t j = 0; j < len; ++j) {
-          scores[j] = std::exp(scores[j] - maxv);
-          sum += scores[j];
-        }
-        float* o = att_out + (b * n + t) * C + h * hs;
-        std::fill_n(o, hs, 0.0f);
-        for (int64_t j = 0; j < len; ++j) {
-          const float p = scores[j] / sum;
-          for (int64_t d = 0; d < hs; ++d) o[d] += p * vc[j * hs + d];
-        }
-      }
-    }
-  }
+  ops::attention_cached(att.data<float>(), k_cache, v_cache, qkv.data<float>(), B, n, pos0, block_size, C, n_head_);
   c_proj_.local().forward(ps, out, att.data<float>(), B * n);
 }
 
@@ -71,11 +29,11 @@ void Block::forward_cached(const ParamStore& ps, float* x, float* k_cache, float
   Tensor tmp = Tensor::empty({N, C_});
   ln_1_.forward(ps, ln, x, N);
   attn_.forward_cached(ps, tmp.data<float>(), ln.out.data<float>(), k_cache, v_cache, B, n, pos0, block_size);
-  cpu::accumulate(x, tmp.data<float>(), N * C_);
+  ops::accumulate(x, tmp.data<float>(), N * C_);
   ln_2_.forward(ps, ln, x, N);
   MLP::Saved mlp;
   tmp = mlp_.forward(ps, mlp, ln.out);
-  cpu::accumulate(x, tmp.data<float>(), N * C_);
+  ops::accumulate(x, tmp.data<float>(), N * C_);
 }
 
 Tensor GPT::forward_cached(ParamStore& ps, KVCache& cache, const int32_t* tokens, int64_t n) {
@@ -86,8 +44,9 @@ Tensor GPT::forward_cached(ParamStore& ps, KVCache& cache, const int32_t* tokens
              "inference with a KV cache needs the whole model on one rank");
   if (n <= 0) throw Error("forward_cached needs at least one new token per sequence");
   const BatchShape bs{B, n};
+  embedding_.check_tokens(tokens, B * n);
   ps.acquire(emb_group);
-  Tensor x = embedding_.forward(ps, tokens, bs, pos0);
+  Tensor x = embedding_.forward(ps, Tensor::from_host(tokens, {B * n}, DType::i32), bs, pos0);
   ps.release(emb_group);
 
   const int64_t layer_stride = cache.k_.numel() / cfg_.n_layer;
@@ -103,14 +62,14 @@ Tensor GPT::forward_cached(ParamStore& ps, KVCache& cache, const int32_t* tokens
   // Only the last position of each sequence is needed for sampling.
   Tensor last = Tensor::empty({B, C});
   for (int64_t b = 0; b < B; ++b)
-    std::copy_n(x.data<float>() + ((b + 1) * n - 1) * C, C, last.data<float>() + b * C);
+    ops::copy(last.data<float>() + b * C, x.data<float>() + ((b + 1) * n - 1) * C, static_cast<size_t>(C) * 4);
   LayerNorm::Saved ln;
   ps.acquire(lnf_group);
   ln_f_.forward(ps, ln, last.data<float>(), B);
   ps.release(lnf_group);
   Tensor logits = Tensor::empty({B, V});
   ps.acquire(emb_group);
-  cpu::linear_forward(logits.data<float>(), ln.out.data<float>(), ps.param(embedding_.wte_id()).data<float>(),
+  ops::linear_forward(logits.data<float>(), ln.out.data<float>(), ps.param(embedding_.wte_id()).data<float>(),
                       nullptr, B, C, V);
   ps.release(emb_group);
   return logits;

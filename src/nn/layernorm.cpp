@@ -1,4 +1,4 @@
-#include "loom/kernels.h"
+#include "loom/device.h"
 #include "loom/nn.h"
 
 namespace loom {
@@ -14,13 +14,13 @@ void LayerNorm::forward(const ParamStore& ps, Saved& s, const float* in, int64_t
   s.out = Tensor::empty({N, C_});
   s.mean = Tensor::empty({N});
   s.rstd = Tensor::empty({N});
-  cpu::layernorm_forward(s.out.data<float>(), s.mean.data<float>(), s.rstd.data<float>(), in,
+  ops::layernorm_forward(s.out.data<float>(), s.mean.data<float>(), s.rstd.data<float>(), in,
                          ps.param(weight_).data<float>(), ps.param(bias_).data<float>(), N, C_);
 }
 
 void LayerNorm::backward(const Grads& g, float* din, const float* dout, const float* in, const Saved& s,
                          int64_t N) const {
-  cpu::layernorm_backward(din, g.grads.grad(weight_).data<float>(), g.grads.grad(bias_).data<float>(), dout, in,
+  ops::layernorm_backward(din, g.grads.grad(weight_).data<float>(), g.grads.grad(bias_).data<float>(), dout, in,
                           g.params.param(weight_).data<float>(), s.mean.data<float>(), s.rstd.data<float>(), N, C_);
 }
 

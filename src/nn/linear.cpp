@@ -1,4 +1,4 @@
-#include "loom/kernels.h"
+#include "loom/device.h"
 #include "loom/nn.h"
 
 namespace loom {
@@ -12,12 +12,12 @@ Linear::Linear(ParamLayout& layout, const std::string& name, int64_t in, int64_t
 }
 
 void Linear::forward(const ParamStore& ps, float* out, const float* in, int64_t N, bool bias) const {
-  cpu::linear_forward(out, in, ps.param(weight_).data<float>(), bias ? ps.param(bias_).data<float>() : nullptr, N,
+  ops::linear_forward(out, in, ps.param(weight_).data<float>(), bias ? ps.param(bias_).data<float>() : nullptr, N,
                       in_, out_);
 }
 
 void Linear::backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N, bool bias) const {
-  cpu::linear_backward(din, g.grads.grad(weight_).data<float>(), bias ? g.grads.grad(bias_).data<float>() : nullptr,
+  ops::linear_backward(din, g.grads.grad(weight_).data<float>(), bias ? g.grads.grad(bias_).data<float>() : nullptr,
                        dout, in, g.params.param(weight_).data<float>(), N, in_, out_);
 }
 
@@ -66,7 +66,7 @@ Tensor RowParallelLinear::forward(const ParamStore& ps, const Tensor& x) const {
   if (!split) return partial;
   Tensor y = TensorParallelRegion::leave_forward(tp_, partial);
   partial = Tensor();
-  cpu::add_bias(y.data<float>(), ps.param(linear_.bias_id()).data<float>(), y.numel() / linear_.out_features(),
+  ops::add_bias(y.data<float>(), ps.param(linear_.bias_id()).data<float>(), y.numel() / linear_.out_features(),
                 linear_.out_features());
   return y;
 }
@@ -75,7 +75,7 @@ Tensor RowParallelLinear::backward(const Grads& g, const Tensor& dy, const Tenso
   const int64_t N = x.numel() / linear_.in_features();
   const bool split = tp_.size() > 1;
   if (split)
-    cpu::linear_backward(nullptr, nullptr, g.grads.grad(linear_.bias_id()).data<float>(), dy.data<float>(), nullptr,
+    ops::linear_backward(nullptr, nullptr, g.grads.grad(linear_.bias_id()).data<float>(), dy.data<float>(), nullptr,
                          nullptr, dy.numel() / linear_.out_features(), linear_.in_features(), linear_.out_features());
   const Tensor full = TensorParallelRegion::leave_backward(tp_, dy);
   Tensor dx = Tensor::zeros({N, linear_.in_features()});

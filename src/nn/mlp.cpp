@@ -1,4 +1,4 @@
-#include "loom/kernels.h"
+#include "loom/device.h"
 #include "loom/nn.h"
 
 namespace loom {
@@ -13,7 +13,7 @@ MLP::MLP(ParamLayout& layout, const std::string& prefix, int64_t C, int group, f
 Tensor MLP::forward(const ParamStore& ps, Saved& s, const Tensor& in) const {
   s.fc = c_fc_.forward(ps, in);
   s.act = Tensor::empty(s.fc.shape());
-  cpu::gelu_forward(s.act.data<float>(), s.fc.data<float>(), s.fc.numel());
+  ops::gelu_forward(s.act.data<float>(), s.fc.data<float>(), s.fc.numel());
   return c_proj_.forward(ps, s.act);
 }
 
@@ -22,7 +22,7 @@ Tensor MLP::backward(const Grads& g, const Tensor& dout, const Tensor& in, const
   // [N, 4C/tp] gradient buffers exist at once.
   Tensor dact = c_proj_.backward(g, dout, s.act);
   Tensor dfc = Tensor::zeros(s.fc.shape());
-  cpu::gelu_backward(dfc.data<float>(), s.fc.data<float>(), dact.data<float>(), s.fc.numel());
+  ops::gelu_backward(dfc.data<float>(), s.fc.data<float>(), dact.data<float>(), s.fc.numel());
   dact = Tensor();
   return c_fc_.backward(g, dfc, in);
 }

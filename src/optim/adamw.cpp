@@ -1,6 +1,6 @@
 #include <algorithm>
 
-#include "loom/kernels.h"
+#include "loom/device.h"
 #include "loom/optim.h"
 
 namespace loom {
@@ -26,7 +26,7 @@ void AdamW::step(float* params, const float* grads, float lr, float grad_scale) 
 
 void AdamW::begin_step(float lr, float grad_scale) {
   ++t_;
-  decay_ = cpu::AdamWStep::at(t_, lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay);
+  decay_ = ops::AdamWStep::at(t_, lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay);
   decay_.grad_scale = grad_scale;
   no_decay_ = decay_;
   no_decay_.weight_decay = 0.0f;
@@ -42,7 +42,7 @@ void AdamW::update(FlatRange r, float* params, const float* grads, float* m, flo
     const int64_t lo = std::max(r.begin, p.offset), hi = std::min(r.end, p.offset + p.numel());
     if (lo >= hi) continue;
     const int64_t i = lo - r.begin;
-    cpu::adamw_update(params + i, grads + i, m + i, v + i, hi - lo, p.weight_decay ? decay_ : no_decay_);
+    ops::adamw_update(params + i, grads + i, m + i, v + i, hi - lo, p.weight_decay ? decay_ : no_decay_);
   }
 }
 

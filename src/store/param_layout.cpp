@@ -1,5 +1,6 @@
 #include <algorithm>
 
+#include "loom/device.h"
 #include "loom/store.h"
 
 namespace loom {
@@ -99,6 +100,8 @@ void ParamLayout::initialize(float* out, int64_t first, int64_t n, uint64_t seed
 }
 
 ParamStore::ParamStore(const ParamLayout& layout, uint64_t seed) : layout_(layout) {
+  // Initialization draws each element on the host.
+  const HostSection host;
   flat_ = Tensor::empty({layout.numel()});
   layout.initialize(flat_.data<float>(), 0, layout.numel(), seed);
 }

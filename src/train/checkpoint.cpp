@@ -8,6 +8,7 @@
 
 #include "loom/comm.h"
 #include "loom/io.h"
+#include "loom/device.h"
 #include "loom/train.h"
 
 namespace loom {
@@ -157,6 +158,8 @@ GPTConfig checkpoint_model_config(const CheckpointInfo& info) {
 void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& params) {
   SafetensorsReader r(info.dir / kModelFile);
   Tensor flat = params.flat();
+  // The file is read straight into the parameters.
+  const HostSection host;
   read_params(r, model.layout(), flat, "");
 }
 

@@ -26,7 +26,7 @@ void export_hf_gpt2(const GPT& model, const ParamStore& params, const fs::path& 
     SafetensorsWriter w(dir.path("model.safetensors"), specs, {{"format", "pt"}});
     for (int id = 0; id < static_cast<int>(layout.params().size()); ++id) {
       const ParamSpec& p = layout.param(id);
-      const Tensor t = params.param(id);
+      const Tensor t = params.param(id).clone(Tier::host);
       if (!transposed(p)) {
         w.write(p.name, t.raw());
         continue;

@@ -13,7 +13,7 @@
 #include "loom/config.h"
 #include "loom/data.h"
 #include "loom/io.h"
-#include "loom/kernels.h"
+#include "loom/device.h"
 #include "loom/planner.h"
 #include "loom/train.h"
 
@@ -149,7 +149,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
 
   // MFU is against the whole job's peak: each rank measures its own share of
   // the cores at the same time, and the shares add up.
-  double sgemm_gflops = cpu::measure_sgemm_gflops(1024, 3);
+  double sgemm_gflops = ops::measure_gemm_gflops(1024, 3);
   if (world) {
     float share = static_cast<float>(sgemm_gflops);
     world->all_reduce(&share, 1, DType::f32, ReduceOp::sum);
@@ -163,7 +163,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   say(str("data: ", data.train.tokens, " train / ", data.val.tokens, " val tokens (", data.val.chars_per_token(),
           " chars/token); ", plan.global_batch, " x ", plan.seq_len, " tokens per step in ", plan.accumulation,
           " micro-batches", mesh ? " per replica" : world ? " per rank" : "", "; ", plan.steps, " steps; threads ",
-          cpu::num_threads(), world ? " per rank" : ""));
+          host_threads(), world ? " per rank" : ""));
   if (mesh) {
     const ModelParallelOptions& mp = plan.options.model_parallel;
     say(str("parallel: ", mesh->shape().describe(), " mesh (", world->backend(), " backend)",

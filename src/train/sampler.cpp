@@ -64,7 +64,8 @@ std::string generate(GPT& model, ParamStore& params, const Tokenizer& tok, const
       const size_t keep = static_cast<size_t>(cfg.block_size / 2);
       pending.assign(context.end() - static_cast<std::ptrdiff_t>(std::min(keep, context.size())), context.end());
     }
-    Tensor logits = model.forward_cached(params, cache, pending.data(), static_cast<int64_t>(pending.size()));
+    const Tensor logits =
+        model.forward_cached(params, cache, pending.data(), static_cast<int64_t>(pending.size())).clone(Tier::host);
     const int32_t next = sample_token(logits.data<float>(), cfg.vocab_size, opts, static_cast<uint64_t>(i));
     context.push_back(next);
     pending.assign(1, next);

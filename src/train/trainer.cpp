@@ -2,7 +2,7 @@
 #include <cmath>
 #include <vector>
 
-#include "loom/kernels.h"
+#include "loom/device.h"
 #include "loom/planner.h"
 #include "loom/train.h"
 
@@ -304,13 +304,49 @@ double Trainer::run_micro_batches(std::span<const MicroBatch> micro_batches, con
   return work.loss_sum(pipeline);
 }
 
+namespace {
+
+// Sums the gradients of `ids` over `group` in one all-reduce: packed back to
+// back, reduced, unpacked. Element-wise sums in rank order, so the result is
+// the one a collective per parameter gives.
+void all_reduce_fused(Communicator& group, ZeroGradStore& grads, const std::vector<int>& ids) {
+  if (ids.empty()) return;
+  const DType dt = grads.accumulated(ids[0]).dtype();
+  int64_t total = 0;
+  for (int id : ids) total += grads.accumulated(id).numel();
+  Tensor packed = Tensor::empty({total}, dt);
+  int64_t at = 0;
+  for (int id : ids) {
+    const Tensor g = grads.accumulated(id);
+    ops::copy(packed.flat(at, g.numel()).raw(), g.raw(), g.nbytes());
+    at += g.numel();
+  }
+  group.all_reduce(packed);
+  at = 0;
+  for (int id : ids) {
+    const Tensor g = grads.accumulated(id);
+    ops::copy(g.raw(), packed.flat(at, g.numel()).raw(), g.nbytes());
+    at += g.numel();
+  }
+}
+
+}  // namespace
+
 void Trainer::reduce_model_parallel_gradients() {
   auto& grads = static_cast<ZeroGradStore&>(*grads_);
   const TensorParallel& tp = model_.parallel().tp;
-  for (size_t id = 0; id < model_.layout().params().size(); ++id) {
-    const ParamSpec& p = model_.layout().param(static_cast<int>(id));
-    if (p.parallel.partial_grad && tp.size() > 1) tp.group->all_reduce(grads.accumulated(static_cast<int>(id)));
-    if (p.name == "wte.weight" && embedding_group_) embedding_group_->all_reduce(grads.accumulated(static_cast<int>(id)));
+  // What each parameter's gradient is summed over is a property of the
+  // parameter (ParamParallel), not of its name.
+  std::vector<int> over_tp, over_stages;
+  for (int id = 0; id < static_cast<int>(model_.layout().params().size()); ++id) {
+    const ParamParallel& p = model_.layout().param(id).parallel;
+    if (p.partial_grad && tp.size() > 1) over_tp.push_back(id);
+    if (p.tied_across_stages) over_stages.push_back(id);
+  }
+  all_reduce_fused(*tp.group, grads, over_tp);
+  if (!over_stages.empty()) {
+    LOOM_CHECK(embedding_group_, "a parameter tied across pipeline stages without the stages' group");
+    all_reduce_fused(*embedding_group_, grads, over_stages);
   }
   grads.reduce_all();
 }
@@ -337,7 +373,7 @@ StepStats Trainer::apply_update(StepStats stats) {
   };
   if (reference_optim_) {
     Tensor g = grads_->flat();
-    stats.grad_norm = std::sqrt(cpu::sum_squares(g.data<float>(), g.numel()));
+    stats.grad_norm = std::sqrt(ops::sum_squares(g.data<float>(), g.numel()));
     if (!std::isfinite(stats.grad_norm)) throw diverged();
     Tensor p = params_->flat();
     reference_optim_->step(p.data<float>(), g.data<float>(), stats.lr, clip_scale(stats.grad_norm, opts_.grad_clip));
@@ -365,7 +401,10 @@ StepStats Trainer::apply_update(StepStats stats) {
   return stats;
 }
 
+// The state moves between the host and the stores outside the streams: each
+// of these first lets the device's work finish.
 Trainer::State Trainer::gather_state() {
+  ops::synchronize();
   State s;
   s.steps = steps_;
   s.optimizer_steps = optimizer_steps();
@@ -403,6 +442,7 @@ Trainer::State Trainer::gather_state() {
 }
 
 void Trainer::load_state(const State& s) {
+  ops::synchronize();
   if (reference_optim_) {
     params_->flat().copy_from(s.params);
     reference_optim_->exp_avg().copy_from(s.exp_avg);
@@ -440,6 +480,7 @@ void Trainer::load_counters(const State& s) {
 }
 
 void Trainer::visit_state(const StateVisitor& visit) {
+  ops::synchronize();
   if (chunk_memory_) {
     chunk_memory_->visit_state(visit);
     return;
@@ -455,6 +496,7 @@ void Trainer::visit_state(const StateVisitor& visit) {
 }
 
 void Trainer::load_state(const State& counters, const StateFiller& fill) {
+  ops::synchronize();
   if (chunk_memory_) {
     chunk_memory_->load_state(fill);
     load_counters(counters);

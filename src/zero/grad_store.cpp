@@ -1,9 +1,9 @@
 #include "loom/zero.h"
 #include "working_precision.h"
+#include "loom/device.h"
 
 namespace loom {
 
-using zero_detail::add_rounded;
 using zero_detail::at;
 
 struct ZeroGradStore::Bucket {
@@ -77,7 +77,7 @@ void ZeroGradStore::launch(size_t index) {
     if (s.scratch.defined()) {
       // bf16/f16: the micro-batch's fp32 gradient is rounded once into the
       // accumulator.
-      add_rounded(bucket, dt, s.scratch.data<float>(), padded);
+      ops::add_rounded(bucket, dt, s.scratch.data<float>(), padded);
       s.scratch = Tensor();
     }
     if (reduce_) communicate(index);
@@ -91,7 +91,7 @@ void ZeroGradStore::launch(size_t index) {
     op.buffer = std::move(s.scratch);
   } else {
     op.buffer = Tensor::empty({padded}, dt);
-    convert(s.scratch.raw(), DType::f32, op.buffer.raw(), dt, padded);
+    ops::convert(s.scratch.raw(), DType::f32, op.buffer.raw(), dt, padded);
   }
   s.scratch = Tensor();
   op.work = dp_.reduce_scatter_async(op.buffer.raw(), at(op.buffer.raw(), dt, partition_.rank() * b.shard), b.shard, dt);
@@ -129,7 +129,7 @@ void ZeroGradStore::retire(InFlight& op) {
   if (opts_.stage <= 1) return;
   const ZeroBucket& b = partition_.buckets()[op.bucket];
   const DType dt = opts_.precision;
-  add_rounded(at(storage_.raw(), dt, b.shard_begin), at(op.buffer.raw(), dt, partition_.rank() * b.shard), dt,
+  ops::add_rounded(at(storage_.raw(), dt, b.shard_begin), at(op.buffer.raw(), dt, partition_.rank() * b.shard), dt,
               b.shard);
   op.buffer = Tensor();
 }

@@ -2,6 +2,7 @@
 
 #include "loom/zero.h"
 #include "working_precision.h"
+#include "loom/device.h"
 
 namespace loom {
 
@@ -24,6 +25,8 @@ ZeroOptimizer::ZeroOptimizer(const ParamLayout& layout, const ZeroPartition& par
     total += r.numel();
   }
   if (opts.precision != DType::f32) {
+    // Initialization draws each element on the host.
+    const HostSection host;
     master_ = Tensor::empty({total});
     for (size_t i = 0; i < ranges_.size(); ++i)
       layout.initialize(master(i), ranges_[i].begin, ranges_[i].numel(), seed);
@@ -53,7 +56,7 @@ GradientCheck ZeroOptimizer::check_gradients() {
     int64_t at_elem = r.begin;
     const auto add = [&](int64_t end) {
       if (end > at_elem)
-        sum += zero_detail::sum_squares(zero_detail::at(g.raw(), opts_.precision, at_elem - r.begin),
+        sum += ops::sum_squares(zero_detail::at(g.raw(), opts_.precision, at_elem - r.begin),
                                         opts_.precision, end - at_elem);
     };
     for (const FlatRange& d : duplicates_) {
@@ -67,12 +70,12 @@ GradientCheck ZeroOptimizer::check_gradients() {
   // Stage 0 replicas check everything they would apply; the sum of squares
   // counts each element once, on its owner.
   if (opts_.stage == 0)
-    local.non_finite = zero_detail::count_non_finite(grads_.storage().raw(), opts_.precision, grads_.storage().numel());
+    local.non_finite = ops::count_non_finite(grads_.storage().raw(), opts_.precision, grads_.storage().numel());
   for (const ZeroBucket& b : partition_.buckets()) {
     const FlatRange r = partition_.owned(b);
     if (r.numel() == 0) continue;
     const Tensor g = grads_.owned(r);
-    if (opts_.stage > 0) local.non_finite += zero_detail::count_non_finite(g.raw(), opts_.precision, r.numel());
+    if (opts_.stage > 0) local.non_finite += ops::count_non_finite(g.raw(), opts_.precision, r.numel());
     local.sum_squares += counted_squares(r, g);
   }
   // Every rank decides from the same reduced figures, so all skip or all
@@ -94,7 +97,7 @@ void ZeroOptimizer::step(float lr, float grad_scale) {
       grad = g.data<float>();
     } else {
       if (!converted.defined() || converted.numel() < r.numel()) converted = Tensor::empty({r.numel()});
-      convert(g.raw(), opts_.precision, converted.raw(), DType::f32, r.numel());
+      ops::convert(g.raw(), opts_.precision, converted.raw(), DType::f32, r.numel());
       grad = converted.data<float>();
     }
     adamw_->update(i, master(i), grad);
@@ -116,10 +119,11 @@ void ZeroOptimizer::gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_av
   if (opts_.stage == 0) {
     for (size_t i = 0; i < ranges_.size(); ++i) {
       const FlatRange r = ranges_[i];
-      std::copy_n(master(i), r.numel(), params.data<float>() + r.begin);
-      std::copy_n(m + adamw_->offset(i), r.numel(), exp_avg.data<float>() + r.begin);
-      std::copy_n(v + adamw_->offset(i), r.numel(), exp_avg_sq.data<float>() + r.begin);
+      ops::copy(params.data<float>() + r.begin, master(i), static_cast<size_t>(r.numel()) * 4);
+      ops::copy(exp_avg.data<float>() + r.begin, m + adamw_->offset(i), static_cast<size_t>(r.numel()) * 4);
+      ops::copy(exp_avg_sq.data<float>() + r.begin, v + adamw_->offset(i), static_cast<size_t>(r.numel()) * 4);
     }
+    ops::synchronize();
     return;
   }
   // Each bucket: every rank's block (padding included) gathered, then the
@@ -134,12 +138,13 @@ void ZeroOptimizer::gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_av
     Tensor whole = Tensor::empty({b.shard * partition_.ranks()}, DType::f32, Tier::host);
     for (int k = 0; k < 3; ++k) {
       block.zero_();
-      if (has) std::copy_n(sources[k], own.numel(), block.data<float>());
+      if (has) ops::copy(block.data<float>(), sources[k], static_cast<size_t>(own.numel()) * 4);
       dp_.all_gather(block.raw(), whole.raw(), b.shard, DType::f32);
-      std::copy_n(whole.data<float>(), b.numel(), outs[k]->data<float>() + b.begin);
+      ops::copy(outs[k]->data<float>() + b.begin, whole.data<float>(), static_cast<size_t>(b.numel()) * 4);
     }
     if (has) ++i;
   }
+  ops::synchronize();
 }
 
 void ZeroOptimizer::load_state(const Tensor& params, const Tensor& exp_avg, const Tensor& exp_avg_sq) {
@@ -148,14 +153,17 @@ void ZeroOptimizer::load_state(const Tensor& params, const Tensor& exp_avg, cons
              " elements for a model of ", n);
   float* m = adamw_->exp_avg().data<float>();
   float* v = adamw_->exp_avg_sq().data<float>();
+  // The host's state is copied in stream order; the caller may free it when
+  // this returns.
   for (size_t i = 0; i < ranges_.size(); ++i) {
     const FlatRange r = ranges_[i];
-    std::copy_n(params.data<float>() + r.begin, r.numel(), master(i));
-    std::copy_n(exp_avg.data<float>() + r.begin, r.numel(), m + adamw_->offset(i));
-    std::copy_n(exp_avg_sq.data<float>() + r.begin, r.numel(), v + adamw_->offset(i));
+    ops::copy(master(i), params.data<float>() + r.begin, static_cast<size_t>(r.numel()) * 4);
+    ops::copy(m + adamw_->offset(i), exp_avg.data<float>() + r.begin, static_cast<size_t>(r.numel()) * 4);
+    ops::copy(v + adamw_->offset(i), exp_avg_sq.data<float>() + r.begin, static_cast<size_t>(r.numel()) * 4);
     params_.assign(r, master(i));
   }
   params_.publish();
+  ops::synchronize();
 }
 
 }  // namespace loom

@@ -1,5 +1,6 @@
 #include "loom/zero.h"
 #include "working_precision.h"
+#include "loom/device.h"
 
 namespace loom {
 
@@ -16,6 +17,8 @@ ZeroParamStore::ZeroParamStore(const ParamLayout& layout, const ZeroPartition& p
                                const ZeroOptions& opts, uint64_t seed)
     : ParamStore(layout), partition_(partition), dp_(dp), opts_(opts), resident_(layout.num_groups()) {
   validate(opts);
+  // Initialization draws each element on the host.
+  const HostSection host;
   const bool sharded = opts.stage == 3;
   storage_ = Tensor::zeros({sharded ? partition.shard_numel() : partition.padded_numel()}, opts.precision);
   // Each element's initial value depends only on (seed, name, index), so a
@@ -26,7 +29,7 @@ ZeroParamStore::ZeroParamStore(const ParamLayout& layout, const ZeroPartition& p
     if (r.numel() == 0) continue;
     Tensor init = Tensor::empty({r.numel()});
     layout.initialize(init.data<float>(), r.begin, r.numel(), seed);
-    convert(init.data<float>(), DType::f32, working(r.begin), opts.precision, r.numel());
+    ops::convert(init.data<float>(), DType::f32, working(r.begin), opts.precision, r.numel());
   }
 }
 
@@ -83,10 +86,10 @@ void ZeroParamStore::acquire(int group) {
       // With one group per bucket the group starts the gathered buffer.
       r.compute = opts_.precision == DType::f32 ? r.gathered.flat(0, end - begin) : Tensor::empty({end - begin});
       if (opts_.precision != DType::f32)
-        convert(r.gathered.raw(), opts_.precision, r.compute.raw(), DType::f32, end - begin);
+        ops::convert(r.gathered.raw(), opts_.precision, r.compute.raw(), DType::f32, end - begin);
     } else if (opts_.precision != DType::f32) {
       r.compute = Tensor::empty({end - begin});
-      convert(working(begin), opts_.precision, r.compute.raw(), DType::f32, end - begin);
+      ops::convert(working(begin), opts_.precision, r.compute.raw(), DType::f32, end - begin);
     }
   }
   // Prefetch: the all-gather of the next group runs while this one computes.
@@ -141,7 +144,7 @@ void ZeroParamStore::assign(FlatRange range, const float* master) {
   synchronize();
   if (range.numel() == 0) return;
   void* dst = working(range.begin);
-  if (dst != master) convert(master, DType::f32, dst, opts_.precision, range.numel());
+  if (dst != master) ops::convert(master, DType::f32, dst, opts_.precision, range.numel());
 }
 
 void ZeroParamStore::publish() {

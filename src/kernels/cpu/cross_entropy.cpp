@@ -83,4 +83,12 @@ void cross_entropy_shard_backward(float* dlogits, const float* logits, const flo
   }
 }
 
+void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, const float* sums,
+                              const int32_t* targets, int64_t N) {
+  for (int64_t i = 0; i < N; ++i) {
+    lse[i] = row_max[i] + std::log(sums[2 * i]);
+    losses[i] = targets[i] < 0 ? 0.0f : lse[i] - sums[2 * i + 1];
+  }
+}
+
 }  // namespace loom::cpu

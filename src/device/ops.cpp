@@ -1,0 +1,190 @@
+// The dispatch point: every kernel of the contract, enqueued on the calling
+// thread's current stream, for the backend of that stream's device.
+//
+// Arguments are captured by value: in the asynchronous CPU mode the kernel
+// runs later on the stream's worker, after the caller has returned.
+#include <cstring>
+
+#include "device/stream_impl.h"
+#include "loom/device.h"
+
+namespace loom::ops {
+
+namespace {
+
+// Runs `kernel` (a closure over the CPU implementation) on the current
+// stream. A CUDA build adds its own arm here, with the CUDA kernel of the
+// same name on the stream's native handle.
+template <typename CpuKernel>
+void launch(CpuKernel&& kernel) {
+  const Stream s = current_stream();
+  switch (s.device().kind) {
+    case DeviceKind::cpu:
+      s.enqueue(std::forward<CpuKernel>(kernel));
+      return;
+    case DeviceKind::cuda: break;
+  }
+  LOOM_CHECK(false, "this build of loom has no kernels for ", s.device().name());
+}
+
+}  // namespace
+
+// One line per kernel: the CPU implementation of the same name and arguments.
+#define LOOM_LAUNCH(kernel, ...) launch([=] { cpu::kernel(__VA_ARGS__); })
+
+void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
+                    int64_t OC) {
+  LOOM_LAUNCH(linear_forward, out, inp, weight, bias, N, C, OC);
+}
+void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t N, int64_t C, int64_t OC) {
+  LOOM_LAUNCH(linear_backward, dinp, dweight, dbias, dout, inp, weight, N, C, OC);
+}
+void add_bias(float* out, const float* bias, int64_t N, int64_t OC) { LOOM_LAUNCH(add_bias, out, bias, N, OC); }
+
+void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
+                       int64_t C, int64_t pos0) {
+  LOOM_LAUNCH(embedding_forward, out, tokens, wte, wpe, B, T, C, pos0);
+}
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
+                        int64_t C, int64_t pos0) {
+  LOOM_LAUNCH(embedding_backward, dwte, dwpe, dout, tokens, B, T, C, pos0);
+}
+void embedding_lookup_range(float* out, const int32_t* tokens, const float* wte, int64_t first, int64_t rows,
+                            int64_t N, int64_t C) {
+  LOOM_LAUNCH(embedding_lookup_range, out, tokens, wte, first, rows, N, C);
+}
+void embedding_lookup_range_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t first,
+                                     int64_t rows, int64_t N, int64_t C) {
+  LOOM_LAUNCH(embedding_lookup_range_backward, dwte, dout, tokens, first, rows, N, C);
+}
+void position_embedding_add(float* out, const float* wpe, int64_t row0, int64_t N, int64_t T, int64_t C,
+                            int64_t pos0) {
+  LOOM_LAUNCH(position_embedding_add, out, wpe, row0, N, T, C, pos0);
+}
+void position_embedding_backward(float* dwpe, const float* dout, int64_t row0, int64_t N, int64_t T, int64_t C) {
+  LOOM_LAUNCH(position_embedding_backward, dwpe, dout, row0, N, T, C);
+}
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                       int64_t N, int64_t C) {
+  LOOM_LAUNCH(layernorm_forward, out, mean, rstd, inp, weight, bias, N, C);
+}
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C) {
+  LOOM_LAUNCH(layernorm_backward, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+}
+
+void gelu_forward(float* out, const float* inp, int64_t n) { LOOM_LAUNCH(gelu_forward, out, inp, n); }
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
+  LOOM_LAUNCH(gelu_backward, dinp, inp, dout, n);
+}
+void add(float* out, const float* a, const float* b, int64_t n) { LOOM_LAUNCH(add, out, a, b, n); }
+void accumulate(float* y, const float* x, int64_t n) { LOOM_LAUNCH(accumulate, y, x, n); }
+void scale(float* x, int64_t n, float s) { LOOM_LAUNCH(scale, x, n, s); }
+
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t NH) {
+  LOOM_LAUNCH(attention_forward, out, lse, qkv, B, T, C, NH);
+}
+void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
+                        int64_t B, int64_t T, int64_t C, int64_t NH) {
+  LOOM_LAUNCH(attention_backward, dqkv, dout, out, lse, qkv, B, T, C, NH);
+}
+
+void attention_cached(float* out, float* k_cache, float* v_cache, const float* qkv, int64_t B, int64_t n, int64_t pos0,
+                      int64_t block_size, int64_t C, int64_t NH) {
+  LOOM_LAUNCH(attention_cached, out, k_cache, v_cache, qkv, B, n, pos0, block_size, C, NH);
+}
+
+void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
+                           int64_t V) {
+  LOOM_LAUNCH(cross_entropy_forward, losses, lse, logits, targets, N, V);
+}
+void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+                            const float* dloss, int64_t N, int64_t V) {
+  LOOM_LAUNCH(cross_entropy_backward, dlogits, logits, lse, targets, dloss, N, V);
+}
+void cross_entropy_shard_max(float* row_max, const float* logits, int64_t N, int64_t V, int64_t real) {
+  LOOM_LAUNCH(cross_entropy_shard_max, row_max, logits, N, V, real);
+}
+void cross_entropy_shard_sums(float* sums, const float* logits, const float* row_max, const int32_t* targets,
+                              int64_t first, int64_t N, int64_t V, int64_t real) {
+  LOOM_LAUNCH(cross_entropy_shard_sums, sums, logits, row_max, targets, first, N, V, real);
+}
+void cross_entropy_shard_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+                                  const float* dloss, int64_t first, int64_t N, int64_t V, int64_t real) {
+  LOOM_LAUNCH(cross_entropy_shard_backward, dlogits, logits, lse, targets, dloss, first, N, V, real);
+}
+
+void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, const float* sums,
+                              const int32_t* targets, int64_t N) {
+  LOOM_LAUNCH(cross_entropy_shard_loss, losses, lse, row_max, sums, targets, N);
+}
+
+void dropout_forward(float* out, const float* inp, int64_t n, float p, uint64_t key, uint64_t first) {
+  LOOM_LAUNCH(dropout_forward, out, inp, n, p, key, first);
+}
+void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first) {
+  LOOM_LAUNCH(dropout_backward, dinp, dout, n, p, key, first);
+}
+
+void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWStep& s) {
+  LOOM_LAUNCH(adamw_update, param, grad, m, v, n, s);
+}
+
+double sum_squares(const float* x, int64_t n) {
+  double result = 0.0;
+  launch([=, &result] { result = cpu::sum_squares(x, n); });
+  current_stream().synchronize();
+  return result;
+}
+
+void add_rounded(void* dst, DType dt, const float* src, int64_t n) {
+  launch([=] { cpu::add_rounded(dst, dt, src, n); });
+}
+void add_rounded(void* dst, const void* src, DType dt, int64_t n) {
+  launch([=] { cpu::add_rounded(dst, src, dt, n); });
+}
+
+int64_t count_non_finite(const void* x, DType dt, int64_t n) {
+  int64_t result = 0;
+  launch([=, &result] { result = cpu::count_non_finite(x, dt, n); });
+  current_stream().synchronize();
+  return result;
+}
+
+double sum_squares(const void* x, DType dt, int64_t n) {
+  double result = 0.0;
+  launch([=, &result] { result = cpu::sum_squares(x, dt, n); });
+  current_stream().synchronize();
+  return result;
+}
+
+void copy(void* dst, const void* src, std::size_t bytes) { launch([=] { cpu::copy_bytes(dst, src, bytes); }); }
+
+void convert(const void* src, DType src_dt, void* dst, DType dst_dt, int64_t n) {
+  launch([=] { loom::convert(src, src_dt, dst, dst_dt, n); });
+}
+
+void round_to(float* x, int64_t n, DType dt) { launch([=] { loom::round_to(x, n, dt); }); }
+
+void fill(void* dst, DType dt, int64_t n, float value) {
+  launch([=] { loom::fill(dst, dt, n, value); });
+}
+
+void zero(void* dst, std::size_t bytes) { launch([=] { std::memset(dst, 0, bytes); }); }
+
+double measure_gemm_gflops(int64_t n, int reps) {
+  synchronize();
+  return cpu::measure_sgemm_gflops(n, reps);
+}
+
+void synchronize() {
+  MemoryContext& ctx = MemoryContext::current();
+  for (auto role : {MemoryContext::StreamRole::compute, MemoryContext::StreamRole::copy})
+    Stream(ctx.stream(role)).synchronize();
+}
+
+#undef LOOM_LAUNCH
+
+}  // namespace loom::ops
