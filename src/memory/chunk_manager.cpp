@@ -538,6 +538,9 @@ void ChunkManager::restore_parameters() { impl_->restore_parameters(); }
 int64_t ChunkManager::optimizer_steps() const { return impl_->adamw.steps(); }
 void ChunkManager::set_optimizer_steps(int64_t t) { impl_->adamw.set_steps(t); }
 void ChunkManager::visit_state(const StateVisitor& visit) { impl_->visit_state(visit); }
+void ChunkManager::visit_gradients(const std::function<void(FlatRange, const float*)>& visit) {
+  impl_->visit_gradients(visit);
+}
 void ChunkManager::load_state(const StateFiller& fill) { impl_->load_state(fill); }
 
 MemoryReport ChunkManager::report() const {
