@@ -400,11 +400,7 @@ Tensor Trainer::gather_gradients() {
   } else {
     g = zero_optim_->gather_gradients();
   }
-  if (scaler_) {
-    const float inverse = 1.0f / scaler_->scale();
-    float* x = g.data<float>();
-    for (int64_t i = 0; i < g.numel(); ++i) x[i] *= inverse;
-  }
+  if (scaler_) cpu::scale(g.data<float>(), g.numel(), 1.0f / scaler_->scale());
   return to_whole(g);
 }
 
