@@ -371,6 +371,10 @@ class ChunkManager {
   // into host memory valid during the call. A model larger than the host
   // streams through one chunk (checkpoints).
   void visit_state(const StateVisitor& visit);
+  // Collective: the step's reduced gradient (fp32, still multiplied by the
+  // loss scale) chunk by chunk in flat order, like visit_state; valid between
+  // the gradient store's finish() and step().
+  void visit_gradients(const std::function<void(FlatRange range, const float* grads)>& visit);
   // Every rank takes its shards from `fill`, which writes the whole state of
   // each chunk's range.
   void load_state(const StateFiller& fill);

@@ -131,6 +131,11 @@ class Trainer {
   State gather_state();
   // Collective under dp (the whole mesh): every rank takes its part of `state`.
   void load_state(const State& state);
+  // Collective under dp (the whole mesh): the step's reduced gradient of the
+  // whole model in state_layout()'s flat order, fp32 and divided by the loss
+  // scale, on the host tier of every rank; called from
+  // TrainOptions::on_gradients (tests compare layouts' gradients with it).
+  Tensor gather_gradients();
   // Collective: the whole state in pieces of whole parameters in flat order:
   // one piece (gathered on the host), or one chunk at a time under a memory
   // policy, so that a model larger than the host streams through (checkpoints
@@ -153,6 +158,10 @@ class Trainer {
   StepStats apply_update(StepStats stats);
   // The step counters and the loss scaler's state of a State.
   void load_counters(const State& s);
+  // Collective over the replica: the whole model's tensor (host tier) from
+  // this rank's flat tensor of its own layout (itself unless split over tp
+  // or pp).
+  Tensor to_whole(const Tensor& local);
 
   TrainOptions opts_;
   Communicator* dp_;

@@ -28,6 +28,8 @@
 #pragma once
 
 #include <deque>
+#include <functional>
+#include <span>
 #include <vector>
 
 #include "loom/comm.h"
@@ -225,6 +227,10 @@ class ZeroOptimizer {
   // Collective: the whole model's fp32 weights (the master weights) and
   // moments, in the layout's flat order, on every rank.
   void gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_avg_sq);
+  // Collective: the step's reduced gradient of the whole model in fp32 (still
+  // multiplied by the loss scale), in the layout's flat order, on every rank
+  // (host tier); valid between the gradient store's finish() and step().
+  Tensor gather_gradients();
   // Collective: takes this rank's elements from whole-model tensors and
   // republishes the working parameters.
   void load_state(const Tensor& params, const Tensor& exp_avg, const Tensor& exp_avg_sq);
@@ -237,6 +243,11 @@ class ZeroOptimizer {
   float* master(size_t range) const;
 
  private:
+  // Collective: whole-model fp32 tensors (host tier) assembled from every
+  // rank's owned ranges; values(k, i) gives the fp32 values of range i for
+  // outs[k], read before the next call.
+  void gather_owned(std::span<Tensor* const> outs, const std::function<const float*(int kind, size_t range)>& values);
+
   const ParamLayout& layout_;
   const ZeroPartition& partition_;
   Communicator& dp_;

@@ -554,6 +554,10 @@ void ChunkManager::visit_state(const StateVisitor& visit) {
   const HostSection host;
   impl_->visit_state(visit);
 }
+void ChunkManager::visit_gradients(const std::function<void(FlatRange, const float*)>& visit) {
+  const HostSection host;
+  impl_->visit_gradients(visit);
+}
 void ChunkManager::load_state(const StateFiller& fill) {
   const HostSection host;
   impl_->load_state(fill);

@@ -424,21 +424,41 @@ Trainer::State Trainer::gather_state() {
   } else {
     zero_optim_->gather_state(s.params, s.exp_avg, s.exp_avg_sq);
   }
-  if (whole_) {
-    // Each element of the whole model comes from exactly one rank of the
-    // replica (zeros elsewhere), so a sum assembles it.
-    const int tp_rank = model_.parallel().tp.rank();
-    for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq}) {
-      Tensor whole = Tensor::zeros({state_layout().numel()}, DType::f32, Tier::host);
-      for_each_whole_run(model_.layout(), state_layout(), [&](const ParamSpec& p, int64_t local, int64_t global, int64_t n) {
-        if (global < 0 || !owns_values(p, tp_rank)) return;
-        std::copy_n(t->data<float>() + local, n, whole.data<float>() + global);
-      });
-      model_parallel_group_->all_reduce(whole);
-      *t = std::move(whole);
-    }
-  }
+  for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq}) *t = to_whole(*t);
   return s;
+}
+
+Tensor Trainer::gather_gradients() {
+  Tensor g;
+  if (reference_optim_) {
+    g = grads_->flat().clone(Tier::host);
+  } else if (chunk_memory_) {
+    g = Tensor::empty({model_.layout().numel()}, DType::f32, Tier::host);
+    chunk_memory_->visit_gradients(
+        [&](FlatRange r, const float* grads) { std::copy_n(grads, r.numel(), g.data<float>() + r.begin); });
+  } else {
+    g = zero_optim_->gather_gradients();
+  }
+  if (scaler_) {
+    const float unscale = 1.0f / scaler_->scale();
+    float* values = g.data<float>();  // host memory
+    for (int64_t i = 0; i < g.numel(); ++i) values[i] *= unscale;
+  }
+  return to_whole(g);
+}
+
+Tensor Trainer::to_whole(const Tensor& local) {
+  if (!whole_) return local;
+  // Each element of the whole model comes from exactly one rank of the
+  // replica (zeros elsewhere), so a sum assembles it.
+  const int tp_rank = model_.parallel().tp.rank();
+  Tensor whole = Tensor::zeros({state_layout().numel()}, DType::f32, Tier::host);
+  for_each_whole_run(model_.layout(), state_layout(), [&](const ParamSpec& p, int64_t at, int64_t global, int64_t n) {
+    if (global < 0 || !owns_values(p, tp_rank)) return;
+    std::copy_n(local.data<float>() + at, n, whole.data<float>() + global);
+  });
+  model_parallel_group_->all_reduce(whole);
+  return whole;
 }
 
 void Trainer::load_state(const State& s) {
