@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/philox.cuh"
 #include "kernels/kernel_test_util.h"
 #include "loom/kernels.h"
 #include "test_util.h"
@@ -238,6 +239,19 @@ TEST_F(CudaKernels, SumSquaresMatchesCpuAndRepeats) {
   const double first = sum_squares(dx.get(), n, stream_), second = sum_squares(dx.get(), n, stream_);
   EXPECT_EQ(std::memcmp(&first, &second, sizeof(double)), 0) << first << " then " << second;
   EXPECT_NEAR(first, want, 1e-11 * want);
+}
+
+// Runs without a device: the draw the dropout kernels make, on the host.
+TEST(CudaPhilox, UniformIsTheCpusBitForBit) {
+  int64_t checked = 0;
+  for (uint64_t key : {uint64_t(0), uint64_t(0x1234abcd5678ef01ull), ~uint64_t(0)})
+    for (uint64_t base : {uint64_t(0), (uint64_t(1) << 32) - 500, ~uint64_t(0) - 999})
+      for (uint64_t j = 0; j < 1000; ++j, ++checked) {
+        const uint64_t i = base + j;
+        const float want = loom::philox_uniform(key, i), got = philox_uniform(key, i);
+        ASSERT_EQ(std::memcmp(&want, &got, sizeof(float)), 0) << "key " << key << " index " << i;
+      }
+  EXPECT_EQ(checked, 9000);
 }
 
 TEST_F(CudaKernels, DropoutMasksAreTheCpusBitForBit) {
