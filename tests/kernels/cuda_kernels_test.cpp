@@ -349,24 +349,30 @@ TEST_F(CudaKernels, AdamWMatchesCpu) {
 }
 
 TEST_F(CudaKernels, AttentionForwardAndBackwardMatchCpu) {
-  const int64_t B = 2, T = 37, C = 96, NH = 3;  // head size 32
-  const auto qkv = random_vector(B * T * 3 * C, 1, -2.0f, 2.0f), dout = random_vector(B * T * C, 2);
-  const auto dqkv0 = random_vector(B * T * 3 * C, 3);
-  std::vector<float> out(B * T * C), lse(B * NH * T), dqkv = dqkv0;
-  cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
-  cpu::attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH);
-  const auto got = run_twice("attention", [&] {
-    DeviceVector<float> x(qkv), g(dout), o(zeros(B * T * C)), l(zeros(B * NH * T)),
-        dx(dqkv0);
-    attention_forward(o.get(), l.get(), x.get(), B, T, C, NH, stream_);
-    attention_backward(dx.get(), g.get(), o.get(), l.get(), x.get(), B, T, C, NH, stream_);
-    const auto ho = o.host(), hl = l.host(), hdx = dx.host();
-    return concat({&ho, &hl, &hdx});
-  });
-  const size_t no = out.size(), nl = lse.size();
-  expect_close("attention out", {got.begin(), got.begin() + no}, out, kGemmTol);
-  expect_close("attention lse", {got.begin() + no, got.begin() + no + nl}, lse, kGemmTol);
-  expect_close("attention dqkv", {got.begin() + no + nl, got.end()}, dqkv, kGemmTol);
+  struct Shape {
+    int64_t B, T, C, NH;
+  };
+  // Head sizes 20 (part of a warp) and 80 (two and a half warps' worth).
+  for (const Shape& shape : {Shape{2, 37, 60, 3}, Shape{1, 29, 160, 2}}) {
+    const auto [B, T, C, NH] = shape;
+    const std::string what = "attention hs=" + std::to_string(C / NH);
+    const auto qkv = random_vector(B * T * 3 * C, 1, -2.0f, 2.0f), dout = random_vector(B * T * C, 2);
+    const auto dqkv0 = random_vector(B * T * 3 * C, 3);
+    std::vector<float> out(B * T * C), lse(B * NH * T), dqkv = dqkv0;
+    cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
+    cpu::attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH);
+    const auto got = run_twice(what, [&] {
+      DeviceVector<float> x(qkv), g(dout), o(zeros(B * T * C)), l(zeros(B * NH * T)), dx(dqkv0);
+      attention_forward(o.get(), l.get(), x.get(), B, T, C, NH, stream_);
+      attention_backward(dx.get(), g.get(), o.get(), l.get(), x.get(), B, T, C, NH, stream_);
+      const auto ho = o.host(), hl = l.host(), hdx = dx.host();
+      return concat({&ho, &hl, &hdx});
+    });
+    const size_t no = out.size(), nl = lse.size();
+    expect_close(what + " out", {got.begin(), got.begin() + no}, out, kGemmTol);
+    expect_close(what + " lse", {got.begin() + no, got.begin() + no + nl}, lse, kGemmTol);
+    expect_close(what + " dqkv", {got.begin() + no + nl, got.end()}, dqkv, kGemmTol);
+  }
 }
 
 }  // namespace
