@@ -98,14 +98,14 @@ class Trainer {
   // policy, the allocators' figures otherwise.
   MemoryReport memory_report() const;
   // The chunk manager under a memory policy (nullptr otherwise).
-  const ChunkManager* memory_manager() const { return chunk_memory_.get(); }
+  const ChunkManager* memory_manager() const { return chunk_memory_; }
   // AdamW updates applied (fp16 skips excluded).
   int64_t optimizer_steps() const;
 
   GPT& model() { return model_; }
   ParamStore& params() { return *params_; }
   GradStore& grads() { return *grads_; }
-  AdamW& optimizer();
+  OptimizerStore& optimizer() { return *optim_; }
   const TrainOptions& options() const { return opts_; }
   Communicator* data_parallel() const { return dp_; }
   // Steps run (skipped ones included); the optimizer counts applied updates.
@@ -146,8 +146,9 @@ class Trainer {
   void load_state(const State& counters, const StateFiller& fill);
 
  private:
-  // The ZeRO stores over dp_, for the model's (local) layout.
-  void build_zero_stores();
+  // The ZeRO stores over dp_, for the model's (local) layout; returns the
+  // optimizer store it made.
+  ZeroOptimizer& build_zero_stores();
   // The chunk stores of memory.h under a memory policy.
   void build_chunk_stores();
   // The mesh step: this rank's micro-batches through the pipeline schedule.
@@ -175,9 +176,10 @@ class Trainer {
   std::unique_ptr<ZeroPartition> partition_;
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<GradStore> grads_;
-  std::unique_ptr<AdamW> reference_optim_;
-  std::unique_ptr<ZeroOptimizer> zero_optim_;
-  std::unique_ptr<ChunkManager> chunk_memory_;
+  // The optimizer store of whichever family holds the state (reference,
+  // ZeRO, chunks); the chunk manager is also the memory policy's manager.
+  std::unique_ptr<OptimizerStore> optim_;
+  ChunkManager* chunk_memory_ = nullptr;
   std::unique_ptr<LossScaler> scaler_;
   int64_t steps_ = 0;
 };

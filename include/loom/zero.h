@@ -196,16 +196,10 @@ class ZeroGradStore final : public GradStore {
   bool reduce_ = true;
 };
 
-// What a rank's gradients look like across the whole data-parallel group.
-struct GradientCheck {
-  double sum_squares = 0.0;  // of every gradient element of the model
-  int64_t non_finite = 0;    // Inf/NaN elements seen by any rank
-};
-
 // Optimizer state: AdamW moments (and, for bf16/f16, fp32 master weights) of
 // the elements this rank owns: all of them under stage 0, its blocks under
 // stages 1-3.
-class ZeroOptimizer {
+class ZeroOptimizer final : public OptimizerStore {
  public:
   ZeroOptimizer(const ParamLayout& layout, const ZeroPartition& partition, Communicator& dp,
                 const ZeroOptions& opts, const AdamWConfig& cfg, uint64_t seed, ZeroParamStore& params,
@@ -219,10 +213,16 @@ class ZeroOptimizer {
   // the token table). Call before the first step.
   void count_norm_over(Communicator& model_parallel, std::vector<FlatRange> duplicates);
   // Collective: the gradients' global sum of squares and non-finite count.
-  GradientCheck check_gradients();
+  GradientCheck check_gradients() override;
   // Collective: one AdamW update of the owned elements with every gradient
   // multiplied by grad_scale, then the working parameters republished.
-  void step(float lr, float grad_scale);
+  void step(float lr, float grad_scale) override;
+  int64_t steps() const override { return adamw_->steps(); }
+  void set_steps(int64_t t) override { adamw_->set_steps(t); }
+  // One piece: the whole model, gathered on the host tier of every rank.
+  void visit_state(const StateVisitor& visit) override;
+  void load_state(const StateFiller& fill) override;
+  void visit_gradients(const GradientVisitor& visit) override;
 
   // Collective: the whole model's fp32 weights (the master weights) and
   // moments, in the layout's flat order, on every rank.

@@ -163,6 +163,25 @@ void ZeroOptimizer::gather_owned(std::span<Tensor* const> outs,
   }
 }
 
+void ZeroOptimizer::visit_state(const StateVisitor& visit) {
+  Tensor p, m, v;
+  gather_state(p, m, v);
+  visit({0, p.numel()}, p.data<float>(), m.data<float>(), v.data<float>());
+}
+
+void ZeroOptimizer::load_state(const StateFiller& fill) {
+  const int64_t n = layout_.numel();
+  Tensor p = Tensor::empty({n}, DType::f32, Tier::host), m = Tensor::empty({n}, DType::f32, Tier::host),
+         v = Tensor::empty({n}, DType::f32, Tier::host);
+  fill({0, n}, p.data<float>(), m.data<float>(), v.data<float>());
+  load_state(p, m, v);
+}
+
+void ZeroOptimizer::visit_gradients(const GradientVisitor& visit) {
+  const Tensor g = gather_gradients();
+  visit({0, g.numel()}, g.data<float>());
+}
+
 void ZeroOptimizer::load_state(const Tensor& params, const Tensor& exp_avg, const Tensor& exp_avg_sq) {
   const int64_t n = layout_.numel();
   LOOM_CHECK(params.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n, "state of ", params.numel(),
