@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench_common.h"
@@ -138,6 +139,23 @@ int main(int argc, char** argv) {
     } else {
       linear_fwd_block += f.seconds;
       linear_bwd_block += b.seconds;
+    }
+  }
+
+  // A narrow model over many tokens: the weight gradients are small products
+  // with a long K, which only split-K spreads over every thread.
+  {
+    const int64_t Cs = 256, Ns = 2048;
+    std::printf("\nLinear backward, narrow (C=%lld, N=%lld tokens)\n", static_cast<long long>(Cs),
+                static_cast<long long>(Ns));
+    for (const auto& [in, outf] : {std::pair<int64_t, int64_t>{Cs, 3 * Cs}, {Cs, Cs}, {4 * Cs, Cs}}) {
+      const auto inp = random_vector(Ns * in, 3), w = random_vector(outf * in, 4, -0.05f, 0.05f);
+      const auto dout = random_vector(Ns * outf, 5);
+      std::vector<float> dinp(static_cast<size_t>(Ns * in)), dw(static_cast<size_t>(outf * in));
+      const double flops = 4.0 * static_cast<double>(Ns) * static_cast<double>(in) * static_cast<double>(outf);
+      measure(std::to_string(in) + " -> " + std::to_string(outf) + " backward", flops, 0, [&] {
+        linear_backward(dinp.data(), dw.data(), nullptr, dout.data(), inp.data(), w.data(), Ns, in, outf);
+      });
     }
   }
 

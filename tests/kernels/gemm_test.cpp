@@ -3,6 +3,7 @@
 #include <array>
 
 #include "kernel_test_util.h"
+#include "kernels/cpu/partition.h"
 
 namespace loom::cpu {
 namespace {
@@ -54,6 +55,41 @@ TEST(Gemm, ResultDoesNotDependOnThreadCount) {
     std::vector<float> E(150 * 70);
     gemm(true, false, 150, 70, M, 1.0f, A.data(), K, B.data(), 70, 0.0f, E.data(), 70);
     return kernel_testing::concat({&C, &D, &E});
+  });
+}
+
+// A small C with a long K (a weight gradient over many tokens): K is cut into
+// chunks (here 2000 / 256 -> 7), each transpose combination, strided views,
+// alpha and beta, against the double reference.
+TEST(GemmSplitK, MatchesReferenceForAllTransposes) {
+  const int64_t M = 40, N = 90, K = 2000, pad = 3;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      const int64_t lda = (ta ? M : K) + pad, ldb = (tb ? K : N) + pad, ldc = N + pad;
+      const auto A = random_vector((ta ? K : M) * lda, 1), B = random_vector((tb ? N : K) * ldb, 2);
+      auto C = random_vector(M * ldc, 3);
+      const auto ref =
+          kernel_testing::reference_gemm(ta, tb, M, N, K, 0.5f, A.data(), lda, B.data(), ldb, -1.5f, C.data(), ldc);
+      const auto before = C;
+      gemm_split_k(ta, tb, M, N, K, 0.5f, A.data(), lda, B.data(), ldb, -1.5f, C.data(), ldc);
+      std::vector<float> dense(M * N);
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) dense[i * N + j] = C[i * ldc + j];
+      kernel_testing::expect_close(std::string("split-K gemm ta=") + (ta ? "T" : "N") + " tb=" + (tb ? "T" : "N"),
+                                   dense, ref, 1e-5, 1e-4);
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = N; j < ldc; ++j) EXPECT_EQ(C[i * ldc + j], before[i * ldc + j]);
+    }
+}
+
+TEST(GemmSplitK, ResultDoesNotDependOnThreadCount) {
+  // One tile of C and seven K chunks: the threads share the chunks.
+  const int64_t M = 64, N = 48, K = 1900;
+  const auto A = random_vector(K * M, 4), B = random_vector(K * N, 5), C0 = random_vector(M * N, 6);
+  kernel_testing::expect_thread_invariant([&] {
+    auto C = C0;
+    gemm_split_k(true, false, M, N, K, 1.0f, A.data(), M, B.data(), N, 1.0f, C.data(), N);
+    return C;
   });
 }
 
