@@ -173,6 +173,18 @@ int main(int argc, char** argv) {
                }).seconds;
   }
 
+  {
+    // Fewer heads than threads: the backward shares each head's keys out.
+    const int64_t Bf = 1, Tf = 1024, Cf = 256, NHf = 4;
+    const auto qkv = random_vector(Bf * Tf * 3 * Cf, 6, -2.0f, 2.0f), dout = random_vector(Bf * Tf * Cf, 7);
+    std::vector<float> out(static_cast<size_t>(Bf * Tf * Cf)), lse(static_cast<size_t>(Bf * NHf * Tf));
+    std::vector<float> dqkv(qkv.size());
+    attention_forward(out.data(), lse.data(), qkv.data(), Bf, Tf, Cf, NHf);
+    measure("attention backward B=1 T=1024 NH=4", attention_flops(Bf, Tf, Cf, NHf, 5), 0, [&] {
+      attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), Bf, Tf, Cf, NHf);
+    });
+  }
+
   std::printf("\nMemory-bound kernels (bytes each call must read and write)\n");
   double ln_fwd, ln_bwd, gelu_fwd, gelu_bwd, add_s, acc_s, emb_fwd, emb_bwd, ce_fwd, ce_bwd, adamw_per_param;
   {
