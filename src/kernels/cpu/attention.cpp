@@ -80,9 +80,10 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv, int64_t B,
-                        int64_t T, int64_t C, int64_t NH) {
+                        int64_t T, int64_t C, int64_t NH, GradWrite dqkv_write) {
   const HeadLayout s(B, T, C, NH);
   const int64_t heads = B * NH;
+  const bool overwrite = dqkv_write == GradWrite::overwrite;
   // Tasks are (batch, head, key range): with few heads the keys of each are
   // cut into `splits` contiguous ranges of whole tiles, so every thread has
   // work. A task owns its range's dK and dV, which collect the query tiles in
@@ -150,12 +151,22 @@ void attention_backward(float* dqkv, const float* dout, const float* out, const 
           for (int64_t j = visible; j < keys; ++j) p[j] = ds[j] = 0.0f;
         }
         if (range == 0)
-          gemm(false, false, rows, s.hs, keys, s.scale, dS, keys, k, s.C3, 1.0f, dqkv + s.q(b, h, t0), s.C3);
+          gemm(false, false, rows, s.hs, keys, s.scale, dS, keys, k, s.C3, overwrite ? 0.0f : 1.0f,
+               dqkv + s.q(b, h, t0), s.C3);
         else  // each query tile is written once per range: no zeroing needed
           gemm(false, false, rows, s.hs, keys, s.scale, dS, keys, k, s.C3, 0.0f,
                partials.data() + ((range - 1) * heads + bh) * head_dq + t0 * s.hs, s.hs);
-        gemm(true, false, keys, s.hs, rows, s.scale, dS, keys, q, s.C3, 1.0f, dk, s.C3);
-        gemm(true, false, keys, s.hs, rows, 1.0f, P, keys, dO, C, 1.0f, dv, s.C3);
+        // Keys from t0 on are seen first by this tile: overwritten there
+        // if asked, the earlier ones (and all when accumulating) added to.
+        const int64_t seen = overwrite ? std::min(t0 - k0, keys) : keys;
+        if (seen > 0) {
+          gemm(true, false, seen, s.hs, rows, s.scale, dS, keys, q, s.C3, 1.0f, dk, s.C3);
+          gemm(true, false, seen, s.hs, rows, 1.0f, P, keys, dO, C, 1.0f, dv, s.C3);
+        }
+        if (seen < keys) {
+          gemm(true, false, keys - seen, s.hs, rows, s.scale, dS + seen, keys, q, s.C3, 0.0f, dk + seen * s.C3, s.C3);
+          gemm(true, false, keys - seen, s.hs, rows, 1.0f, P + seen, keys, dO, C, 0.0f, dv + seen * s.C3, s.C3);
+        }
       }
     }
     if (splits > 1) {
