@@ -2,7 +2,7 @@
 #include <omp.h>
 
 #include <climits>
-#include <memory>
+#include <vector>
 
 #include "kernels/cpu/partition.h"
 #include "loom/core.h"
@@ -79,7 +79,14 @@ void tiled_gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, flo
   if (k_chunks < 1) k_chunks = 1;
   const int64_t kc = (K + k_chunks - 1) / k_chunks;  // K per chunk; the last may be shorter
   const int64_t MN = M * N;
-  std::unique_ptr<float[]> partials(k_chunks > 1 ? new float[static_cast<size_t>((k_chunks - 1) * MN)] : nullptr);
+  // The partials live in a buffer kept by the calling thread (a rank) and
+  // reused: weight gradients come every layer of every step, and fresh pages
+  // each time would cost more than the reduction. kTargetTasks bounds it to
+  // about kTargetTasks tiles of floats (12 MiB).
+  thread_local std::vector<float> scratch;
+  if (k_chunks > 1 && scratch.size() < static_cast<size_t>((k_chunks - 1) * MN))
+    scratch.resize(static_cast<size_t>((k_chunks - 1) * MN));
+  float* const partials = scratch.data();
   const double flops = 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
 #pragma omp parallel if (tiles * k_chunks > 1 && flops >= kMinParallelFlops)
   {
@@ -97,14 +104,14 @@ void tiled_gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, flo
         blas_sgemm(trans_a, trans_b, rows, cols, depth, alpha, a, lda, b, ldb, beta, C + i0 * ldc + j0, ldc);
       else
         blas_sgemm(trans_a, trans_b, rows, cols, depth, alpha, a, lda, b, ldb, 0.0f,
-                   partials.get() + (chunk - 1) * MN + i0 * N + j0, N);
+                   partials + (chunk - 1) * MN + i0 * N + j0, N);
     }
     if (k_chunks > 1) {
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < M; ++i) {
         float* c = C + i * ldc;
         for (int64_t chunk = 1; chunk < k_chunks; ++chunk) {
-          const float* p = partials.get() + (chunk - 1) * MN + i * N;
+          const float* p = partials + (chunk - 1) * MN + i * N;
 #pragma omp simd
           for (int64_t j = 0; j < N; ++j) c[j] += p[j];
         }
