@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench_common.h"
@@ -141,6 +142,23 @@ int main(int argc, char** argv) {
     }
   }
 
+  // A narrow model over many tokens: the weight gradients are small products
+  // with a long K, which only split-K spreads over every thread.
+  {
+    const int64_t Cs = 256, Ns = 2048;
+    std::printf("\nLinear backward, narrow (C=%lld, N=%lld tokens)\n", static_cast<long long>(Cs),
+                static_cast<long long>(Ns));
+    for (const auto& [in, outf] : {std::pair<int64_t, int64_t>{Cs, 3 * Cs}, {Cs, Cs}, {4 * Cs, Cs}}) {
+      const auto inp = random_vector(Ns * in, 3), w = random_vector(outf * in, 4, -0.05f, 0.05f);
+      const auto dout = random_vector(Ns * outf, 5);
+      std::vector<float> dinp(static_cast<size_t>(Ns * in)), dw(static_cast<size_t>(outf * in));
+      const double flops = 4.0 * static_cast<double>(Ns) * static_cast<double>(in) * static_cast<double>(outf);
+      measure(std::to_string(in) + " -> " + std::to_string(outf) + " backward", flops, 0, [&] {
+        linear_backward(dinp.data(), dw.data(), nullptr, dout.data(), inp.data(), w.data(), Ns, in, outf);
+      });
+    }
+  }
+
   std::printf("\nAttention (flops of the tile GEMMs actually run)\n");
   double attn_fwd, attn_bwd;
   {
@@ -153,6 +171,18 @@ int main(int argc, char** argv) {
     attn_bwd = measure("attention backward", attention_flops(B, T, C, NH, 5), 0, [&] {
                  attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH);
                }).seconds;
+  }
+
+  {
+    // Fewer heads than threads: the backward shares each head's keys out.
+    const int64_t Bf = 1, Tf = 1024, Cf = 256, NHf = 4;
+    const auto qkv = random_vector(Bf * Tf * 3 * Cf, 6, -2.0f, 2.0f), dout = random_vector(Bf * Tf * Cf, 7);
+    std::vector<float> out(static_cast<size_t>(Bf * Tf * Cf)), lse(static_cast<size_t>(Bf * NHf * Tf));
+    std::vector<float> dqkv(qkv.size());
+    attention_forward(out.data(), lse.data(), qkv.data(), Bf, Tf, Cf, NHf);
+    measure("attention backward B=1 T=1024 NH=4", attention_flops(Bf, Tf, Cf, NHf, 5), 0, [&] {
+      attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), Bf, Tf, Cf, NHf);
+    });
   }
 
   std::printf("\nMemory-bound kernels (bytes each call must read and write)\n");

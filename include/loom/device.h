@@ -119,11 +119,13 @@ class HostSection {
 namespace ops {
 
 using cpu::AdamWStep;
+using cpu::GradWrite;
 
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                     int64_t OC);
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int64_t N, int64_t C, int64_t OC);
+                     const float* weight, int64_t N, int64_t C, int64_t OC,
+                     GradWrite dinp_write = GradWrite::accumulate);
 void add_bias(float* out, const float* bias, int64_t N, int64_t OC);
 
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
@@ -141,17 +143,19 @@ void position_embedding_backward(float* dwpe, const float* dout, int64_t row0, i
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
                        int64_t N, int64_t C);
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C);
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
+                        GradWrite dinp_write = GradWrite::accumulate);
 
 void gelu_forward(float* out, const float* inp, int64_t n);
-void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n,
+                   GradWrite dinp_write = GradWrite::accumulate);
 void add(float* out, const float* a, const float* b, int64_t n);
 void accumulate(float* y, const float* x, int64_t n);
 void scale(float* x, int64_t n, float s);
 
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t NH);
 void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
-                        int64_t B, int64_t T, int64_t C, int64_t NH);
+                        int64_t B, int64_t T, int64_t C, int64_t NH, GradWrite dqkv_write = GradWrite::accumulate);
 void attention_cached(float* out, float* k_cache, float* v_cache, const float* qkv, int64_t B, int64_t n, int64_t pos0,
                       int64_t block_size, int64_t C, int64_t NH);
 
@@ -168,7 +172,8 @@ void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, c
                               const int32_t* targets, int64_t N);
 
 void dropout_forward(float* out, const float* inp, int64_t n, float p, uint64_t key, uint64_t first);
-void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first);
+void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first,
+                      GradWrite dinp_write = GradWrite::accumulate);
 
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWStep& s);
 

@@ -2,9 +2,12 @@
 //
 // Conventions (shared by every kernel here, and by the CUDA backend later):
 // - fp32, contiguous, row-major; N is a row count (usually B*T).
-// - Backward kernels ACCUMULATE (+=) into every gradient they write, input
-//   gradients included; the caller zeroes buffers when it needs a fresh sum.
-//   That makes gradient accumulation, tied weights and residual branches free.
+// - Backward kernels ACCUMULATE (+=) into every gradient they write: that
+//   makes gradient accumulation, tied weights and residual branches free.
+//   A kernel whose input gradient is often a fresh buffer takes a GradWrite
+//   for it instead: `overwrite` writes it (the buffer may be uninitialized),
+//   so no buffer is zeroed only to be accumulated into. Both give the values
+//   that accumulating into zeros gives.
 // - Results do not depend on the number of threads: reductions run over fixed
 //   chunks in a fixed order, so a run is bit-identical to itself whatever the
 //   thread budget of its rank.
@@ -17,6 +20,9 @@
 #include "loom/core.h"
 
 namespace loom::cpu {
+
+// How a backward kernel writes its input gradient (see the conventions above).
+enum class GradWrite { accumulate, overwrite };
 
 // ---------------------------------------------------------------------------
 // Threads
@@ -47,14 +53,16 @@ double measure_sgemm_gflops(int64_t n = 2048, int reps = 5);
 
 // ---------------------------------------------------------------------------
 // Linear: out[N,OC] = inp[N,C] @ weight[OC,C]^T + bias[OC] (PyTorch layout).
-// bias may be null. backward: dinp += dout @ weight, dweight += dout^T @ inp,
-// dbias += column sums of dout, each skipped when its pointer is null.
+// bias may be null. backward: dinp (+)= dout @ weight as dinp_write says,
+// dweight += dout^T @ inp, dbias += column sums of dout, each skipped when its
+// pointer is null.
 // ---------------------------------------------------------------------------
 
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                     int64_t OC);
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int64_t N, int64_t C, int64_t OC);
+                     const float* weight, int64_t N, int64_t C, int64_t OC,
+                     GradWrite dinp_write = GradWrite::accumulate);
 // out[i, :] += bias for each of N rows (a row-parallel layer's bias, added
 // after its partial products are summed).
 void add_bias(float* out, const float* bias, int64_t N, int64_t OC);
@@ -86,20 +94,23 @@ void position_embedding_backward(float* dwpe, const float* dout, int64_t row0, i
 
 // ---------------------------------------------------------------------------
 // LayerNorm over the last dimension, eps = 1e-5 (as PyTorch's default).
-// forward saves mean[N] and rstd[N] for backward.
+// forward saves mean[N] and rstd[N] for backward; backward writes dinp as
+// dinp_write says and accumulates dweight and dbias.
 // ---------------------------------------------------------------------------
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
                        int64_t N, int64_t C);
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C);
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
+                        GradWrite dinp_write = GradWrite::accumulate);
 
 // ---------------------------------------------------------------------------
 // GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 // ---------------------------------------------------------------------------
 
 void gelu_forward(float* out, const float* inp, int64_t n);
-void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n,
+                   GradWrite dinp_write = GradWrite::accumulate);
 
 // out = a + b (out may alias a or b). Backward of a residual is `accumulate`.
 void add(float* out, const float* a, const float* b, int64_t n);
@@ -131,12 +142,13 @@ double sum_squares(const void* x, DType dt, int64_t n);
 // forward writes out[B,T,C] (heads concatenated) and lse[B,NH,T], the
 // log-sum-exp of each query row's scaled scores. No B*NH*T*T matrix is kept:
 // backward recomputes the scores tile by tile from qkv and lse, so saved
-// activation memory is linear in T. backward accumulates into dqkv[B,T,3C].
+// activation memory is linear in T. backward writes dqkv[B,T,3C] as
+// dqkv_write says.
 // ---------------------------------------------------------------------------
 
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t NH);
 void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
-                        int64_t B, int64_t T, int64_t C, int64_t NH);
+                        int64_t B, int64_t T, int64_t C, int64_t NH, GradWrite dqkv_write = GradWrite::accumulate);
 // Sampling with a KV cache ([B, NH, block_size, hs] each): appends the keys
 // and values of the n new positions pos0.. (from qkv [B, n, 3C]) and writes
 // out[B, n, C], each new query attending to every position up to its own.
@@ -186,7 +198,9 @@ void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, c
 // ---------------------------------------------------------------------------
 
 void dropout_forward(float* out, const float* inp, int64_t n, float p, uint64_t key, uint64_t first);
-void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first);
+// backward writes dinp as dinp_write says (dropped elements: 0 or unchanged).
+void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first,
+                      GradWrite dinp_write = GradWrite::accumulate);
 
 // ---------------------------------------------------------------------------
 // AdamW (decoupled weight decay, Loshchilov & Hutter), PyTorch semantics:

@@ -75,8 +75,9 @@ class Linear {
   // bias: whether the bias is added here (a row-parallel layer adds it after
   // the partial products are summed).
   void forward(const ParamStore& ps, float* out, const float* in, int64_t N, bool bias = true) const;
-  // din may be null (input needs no gradient); with bias false the bias's
-  // gradient is left to the caller.
+  // din is written, not accumulated (callers pass a fresh buffer), and may be
+  // null (input needs no gradient); with bias false the bias's gradient is
+  // left to the caller.
   void backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N, bool bias = true) const;
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
@@ -143,7 +144,10 @@ class LayerNorm {
   };
   // Allocates s.out [N, C], s.mean, s.rstd.
   void forward(const ParamStore& ps, Saved& s, const float* in, int64_t N) const;
-  void backward(const Grads& g, float* din, const float* dout, const float* in, const Saved& s, int64_t N) const;
+  // Adds into din (a residual stream's gradient) when accumulate, else
+  // writes it.
+  void backward(const Grads& g, float* din, const float* dout, const float* in, const Saved& s, int64_t N,
+                bool accumulate) const;
 
  private:
   int64_t C_ = 0;

@@ -37,8 +37,8 @@ void linear_forward(float* out, const float* inp, const float* weight, const flo
   LOOM_LAUNCH(linear_forward, out, inp, weight, bias, N, C, OC);
 }
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int64_t N, int64_t C, int64_t OC) {
-  LOOM_LAUNCH(linear_backward, dinp, dweight, dbias, dout, inp, weight, N, C, OC);
+                     const float* weight, int64_t N, int64_t C, int64_t OC, GradWrite dinp_write) {
+  LOOM_LAUNCH(linear_backward, dinp, dweight, dbias, dout, inp, weight, N, C, OC, dinp_write);
 }
 void add_bias(float* out, const float* bias, int64_t N, int64_t OC) { LOOM_LAUNCH(add_bias, out, bias, N, OC); }
 
@@ -71,13 +71,14 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
   LOOM_LAUNCH(layernorm_forward, out, mean, rstd, inp, weight, bias, N, C);
 }
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C) {
-  LOOM_LAUNCH(layernorm_backward, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
+                        GradWrite dinp_write) {
+  LOOM_LAUNCH(layernorm_backward, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, dinp_write);
 }
 
 void gelu_forward(float* out, const float* inp, int64_t n) { LOOM_LAUNCH(gelu_forward, out, inp, n); }
-void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
-  LOOM_LAUNCH(gelu_backward, dinp, inp, dout, n);
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, GradWrite dinp_write) {
+  LOOM_LAUNCH(gelu_backward, dinp, inp, dout, n, dinp_write);
 }
 void add(float* out, const float* a, const float* b, int64_t n) { LOOM_LAUNCH(add, out, a, b, n); }
 void accumulate(float* y, const float* x, int64_t n) { LOOM_LAUNCH(accumulate, y, x, n); }
@@ -87,8 +88,8 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
   LOOM_LAUNCH(attention_forward, out, lse, qkv, B, T, C, NH);
 }
 void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
-                        int64_t B, int64_t T, int64_t C, int64_t NH) {
-  LOOM_LAUNCH(attention_backward, dqkv, dout, out, lse, qkv, B, T, C, NH);
+                        int64_t B, int64_t T, int64_t C, int64_t NH, GradWrite dqkv_write) {
+  LOOM_LAUNCH(attention_backward, dqkv, dout, out, lse, qkv, B, T, C, NH, dqkv_write);
 }
 
 void attention_cached(float* out, float* k_cache, float* v_cache, const float* qkv, int64_t B, int64_t n, int64_t pos0,
@@ -124,8 +125,9 @@ void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, c
 void dropout_forward(float* out, const float* inp, int64_t n, float p, uint64_t key, uint64_t first) {
   LOOM_LAUNCH(dropout_forward, out, inp, n, p, key, first);
 }
-void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first) {
-  LOOM_LAUNCH(dropout_backward, dinp, dout, n, p, key, first);
+void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first,
+                      GradWrite dinp_write) {
+  LOOM_LAUNCH(dropout_backward, dinp, dout, n, p, key, first, dinp_write);
 }
 
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWStep& s) {

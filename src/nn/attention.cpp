@@ -27,9 +27,9 @@ Tensor CausalSelfAttention::backward(const Grads& g, const Tensor& dout, const T
                                      const BatchShape& bs) const {
   const int64_t local_C = C_ / n_head_ * local_heads_;
   Tensor datt = c_proj_.backward(g, dout, s.att);
-  Tensor dqkv = Tensor::zeros({bs.N(), 3 * local_C});
+  Tensor dqkv = Tensor::empty({bs.N(), 3 * local_C});
   ops::attention_backward(dqkv.data<float>(), datt.data<float>(), s.att.data<float>(), s.lse.data<float>(),
-                          s.qkv.data<float>(), bs.B, bs.T, local_C, local_heads_);
+                          s.qkv.data<float>(), bs.B, bs.T, local_C, local_heads_, ops::GradWrite::overwrite);
   datt = Tensor();
   return c_attn_.backward(g, dqkv, in);
 }

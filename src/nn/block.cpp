@@ -78,23 +78,25 @@ void Block::backward(const Grads& g, float* dres, Saved& s, const BatchShape& bs
   // y = r + drop(mlp(ln_2(r)))
   Tensor dm = Tensor::borrow(dres, {rows, C_}, DType::f32, Tier::device);
   if (drop) {
-    dm = Tensor::zeros({rows, C_});
+    dm = Tensor::empty({rows, C_});
     ops::dropout_backward(dm.data<float>(), dres, rows * C_, dropout_,
-                          stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kMlpResidual), first);
+                          stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kMlpResidual), first,
+                          ops::GradWrite::overwrite);
   }
   Tensor dln = mlp_.backward(g, dm, s.ln_2.out, s.mlp);
-  ln_2_.backward(g, dres, dln.data<float>(), s.resid.data<float>(), s.ln_2, rows);
+  ln_2_.backward(g, dres, dln.data<float>(), s.resid.data<float>(), s.ln_2, rows, /*accumulate=*/true);
 
   // r = x + drop(attn(ln_1(x))); dres now holds dL/dr.
   dm = Tensor::borrow(dres, {rows, C_}, DType::f32, Tier::device);
   if (drop) {
-    dm = Tensor::zeros({rows, C_});
+    dm = Tensor::empty({rows, C_});
     ops::dropout_backward(dm.data<float>(), dres, rows * C_, dropout_,
-                          stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kAttnResidual), first);
+                          stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kAttnResidual), first,
+                          ops::GradWrite::overwrite);
   }
   dln = attn_.backward(g, dm, s.ln_1.out, s.attn, bs);
   dm = Tensor();
-  ln_1_.backward(g, dres, dln.data<float>(), s.x.data<float>(), s.ln_1, rows);
+  ln_1_.backward(g, dres, dln.data<float>(), s.x.data<float>(), s.ln_1, rows, /*accumulate=*/true);
   s = Saved{};
 }
 

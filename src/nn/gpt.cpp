@@ -181,15 +181,16 @@ Tensor GPT::head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, flo
   ps.acquire(head_group());
   ps.acquire(lnf_group_);
   const Tensor& h = tp.splits_tokens() ? s.head_input : s.ln_f.out;
-  Tensor dh = Tensor::zeros({N, C});
+  Tensor dh = Tensor::empty({N, C});
   ops::linear_backward(dh.data<float>(), gs.grad(head_table()).data<float>(), nullptr, dlogits, h.data<float>(),
-                       ps.param(head_table()).data<float>(), N, C, Vl);
+                       ps.param(head_table()).data<float>(), N, C, Vl, ops::GradWrite::overwrite);
   s.logits = Tensor();
   s.lse = Tensor();
   s.head_input = Tensor();
   dh = TensorParallelRegion::enter_backward(tp, dh);
-  Tensor dres = Tensor::zeros(s.x_final.shape());
-  ln_f_.backward(g, dres.data<float>(), dh.data<float>(), s.x_final.data<float>(), s.ln_f, tp.local_rows(N));
+  Tensor dres = Tensor::empty(s.x_final.shape());
+  ln_f_.backward(g, dres.data<float>(), dh.data<float>(), s.x_final.data<float>(), s.ln_f, tp.local_rows(N),
+                 /*accumulate=*/false);
   dh = Tensor();
   s.ln_f = LayerNorm::Saved{};
   s.x_final = Tensor();
@@ -222,10 +223,11 @@ Tensor GPT::backward_chunk(ParamStore& ps, GradStore& gs, MicroBatchState& s, in
   // a third all-gather of the largest group).
   Tensor demb = dres;
   if (s.opts.training && cfg_.dropout > 0.0f) {
-    demb = Tensor::zeros(dres.shape());
+    demb = Tensor::empty(dres.shape());
     ops::dropout_backward(demb.data<float>(), dres.data<float>(), dres.numel(), cfg_.dropout,
                           stream_key(s.opts.dropout_key, kEmbeddingDropoutLayer, 0),
-                          static_cast<uint64_t>((s.opts.first_sequence * s.bs.T + mp_.tp.first_row(N)) * C));
+                          static_cast<uint64_t>((s.opts.first_sequence * s.bs.T + mp_.tp.first_row(N)) * C),
+                          ops::GradWrite::overwrite);
   }
   embedding_.backward(g, demb, s.tokens, s.bs);
   gs.group_ready(embedding_group_);

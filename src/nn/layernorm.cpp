@@ -19,9 +19,10 @@ void LayerNorm::forward(const ParamStore& ps, Saved& s, const float* in, int64_t
 }
 
 void LayerNorm::backward(const Grads& g, float* din, const float* dout, const float* in, const Saved& s,
-                         int64_t N) const {
+                         int64_t N, bool accumulate) const {
   ops::layernorm_backward(din, g.grads.grad(weight_).data<float>(), g.grads.grad(bias_).data<float>(), dout, in,
-                          g.params.param(weight_).data<float>(), s.mean.data<float>(), s.rstd.data<float>(), N, C_);
+                          g.params.param(weight_).data<float>(), s.mean.data<float>(), s.rstd.data<float>(), N, C_,
+                          accumulate ? ops::GradWrite::accumulate : ops::GradWrite::overwrite);
 }
 
 }  // namespace loom

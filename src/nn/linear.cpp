@@ -18,7 +18,7 @@ void Linear::forward(const ParamStore& ps, float* out, const float* in, int64_t 
 
 void Linear::backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N, bool bias) const {
   ops::linear_backward(din, g.grads.grad(weight_).data<float>(), bias ? g.grads.grad(bias_).data<float>() : nullptr,
-                       dout, in, g.params.param(weight_).data<float>(), N, in_, out_);
+                       dout, in, g.params.param(weight_).data<float>(), N, in_, out_, ops::GradWrite::overwrite);
 }
 
 ColumnParallelLinear::ColumnParallelLinear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out,
@@ -42,7 +42,7 @@ Tensor ColumnParallelLinear::backward(const Grads& g, const Tensor& dy, const Te
   // again (Korthikanti et al.), trading an all-gather for [N, in] of memory.
   const Tensor full = TensorParallelRegion::enter_forward(tp_, x);
   const int64_t N = full.numel() / linear_.in_features();
-  Tensor dx = Tensor::zeros({N, linear_.in_features()});
+  Tensor dx = Tensor::empty({N, linear_.in_features()});
   linear_.backward(g, dx.data<float>(), dy.data<float>(), full.data<float>(), N);
   return TensorParallelRegion::enter_backward(tp_, dx);
 }
@@ -78,7 +78,7 @@ Tensor RowParallelLinear::backward(const Grads& g, const Tensor& dy, const Tenso
     ops::linear_backward(nullptr, nullptr, g.grads.grad(linear_.bias_id()).data<float>(), dy.data<float>(), nullptr,
                          nullptr, dy.numel() / linear_.out_features(), linear_.in_features(), linear_.out_features());
   const Tensor full = TensorParallelRegion::leave_backward(tp_, dy);
-  Tensor dx = Tensor::zeros({N, linear_.in_features()});
+  Tensor dx = Tensor::empty({N, linear_.in_features()});
   linear_.backward(g, dx.data<float>(), full.data<float>(), x.data<float>(), N, !split);
   return dx;
 }

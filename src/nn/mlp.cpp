@@ -21,8 +21,8 @@ Tensor MLP::backward(const Grads& g, const Tensor& dout, const Tensor& in, const
   // dact is freed as soon as GELU's backward has consumed it, so at most two
   // [N, 4C/tp] gradient buffers exist at once.
   Tensor dact = c_proj_.backward(g, dout, s.act);
-  Tensor dfc = Tensor::zeros(s.fc.shape());
-  ops::gelu_backward(dfc.data<float>(), s.fc.data<float>(), dact.data<float>(), s.fc.numel());
+  Tensor dfc = Tensor::empty(s.fc.shape());
+  ops::gelu_backward(dfc.data<float>(), s.fc.data<float>(), dact.data<float>(), s.fc.numel(), ops::GradWrite::overwrite);
   dact = Tensor();
   return c_fc_.backward(g, dfc, in);
 }

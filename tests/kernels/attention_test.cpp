@@ -64,8 +64,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionForward,
                                            AttentionCase{1, 64, 16, 1}, AttentionCase{3, 130, 20, 4},
                                            AttentionCase{2, 200, 48, 2}));
 
-TEST(Attention, BackwardMatchesFiniteDifferences) {
-  const int64_t B = 2, T = 70, C = 24, NH = 3;  // two query tiles, the second partial
+class AttentionBackward : public ::testing::TestWithParam<AttentionCase> {};
+
+TEST_P(AttentionBackward, MatchesFiniteDifferences) {
+  const auto [B, T, C, NH] = GetParam();
   auto qkv = random_vector(B * T * 3 * C, 1, -2.0f, 2.0f);
   const auto R = random_vector(B * T * C, 2);
   std::vector<float> out(B * T * C), lse(B * NH * T);
@@ -87,6 +89,13 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
   }
 }
 
+// Two query tiles, the second partial (6 heads: the keys of each are cut into
+// two ranges); one head over four tiles (four key ranges); 48 heads (no key
+// ranges, one task per head).
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackward,
+                         ::testing::Values(AttentionCase{2, 70, 24, 3}, AttentionCase{1, 250, 8, 1},
+                                           AttentionCase{4, 66, 12, 12}));
+
 TEST(Attention, BackwardAccumulates) {
   const int64_t B = 2, T = 67, C = 12, NH = 2;
   const auto qkv = random_vector(B * T * 3 * C, 1, -2.0f, 2.0f), dout = random_vector(B * T * C, 2);
@@ -103,14 +112,18 @@ TEST(Attention, BackwardAccumulates) {
 }
 
 TEST(Attention, ResultsDoNotDependOnThreadCount) {
-  const int64_t B = 2, T = 150, C = 48, NH = 3;
-  const auto qkv = random_vector(B * T * 3 * C, 1, -2.0f, 2.0f), dout = random_vector(B * T * C, 2);
-  kernel_testing::expect_thread_invariant([&] {
-    std::vector<float> out(B * T * C), lse(B * NH * T), dqkv(qkv.size(), 0.0f);
-    attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
-    attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH);
-    return kernel_testing::concat({&out, &lse, &dqkv});
-  });
+  // Several heads, and one head whose key ranges the backward's threads share.
+  for (const AttentionCase& c : {AttentionCase{2, 150, 48, 3}, AttentionCase{1, 400, 16, 1}}) {
+    const int64_t B = c.B, T = c.T, C = c.C, NH = c.NH;
+    SCOPED_TRACE(::testing::Message() << "B=" << B << " T=" << T << " NH=" << NH);
+    const auto qkv = random_vector(B * T * 3 * C, 1, -2.0f, 2.0f), dout = random_vector(B * T * C, 2);
+    kernel_testing::expect_thread_invariant([&] {
+      std::vector<float> out(B * T * C), lse(B * NH * T), dqkv(qkv.size(), 0.0f);
+      attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
+      attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH);
+      return kernel_testing::concat({&out, &lse, &dqkv});
+    });
+  }
 }
 
 }  // namespace

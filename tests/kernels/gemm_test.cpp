@@ -3,36 +3,44 @@
 #include <array>
 
 #include "kernel_test_util.h"
+#include "kernels/cpu/partition.h"
 
 namespace loom::cpu {
 namespace {
 
 using kernel_testing::random_vector;
 
+using GemmFn = void (*)(bool, bool, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t,
+                       float, float*, int64_t);
+
 // Every transpose combination on strided views (leading dimensions wider
 // than the rows) with alpha and beta, against a double-precision reference.
+void expect_matches_reference_for_all_transposes(const char* what, GemmFn fn, int64_t M, int64_t N, int64_t K,
+                                                 double atol) {
+  const int64_t pad = 7;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      const int64_t lda = (ta ? M : K) + pad, ldb = (tb ? K : N) + pad, ldc = N + pad;
+      const auto A = random_vector((ta ? K : M) * lda, 1), B = random_vector((tb ? N : K) * ldb, 2);
+      auto C = random_vector(M * ldc, 3);
+      const auto ref =
+          kernel_testing::reference_gemm(ta, tb, M, N, K, 0.5f, A.data(), lda, B.data(), ldb, -1.5f, C.data(), ldc);
+      const auto before = C;
+      fn(ta, tb, M, N, K, 0.5f, A.data(), lda, B.data(), ldb, -1.5f, C.data(), ldc);
+      std::vector<float> dense(M * N);
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) dense[i * N + j] = C[i * ldc + j];
+      kernel_testing::expect_close(std::string(what) + " ta=" + (ta ? "T" : "N") + " tb=" + (tb ? "T" : "N"), dense,
+                                   ref, 1e-5, atol);
+      for (int64_t i = 0; i < M; ++i)  // the padding columns are left alone
+        for (int64_t j = N; j < ldc; ++j) EXPECT_EQ(C[i * ldc + j], before[i * ldc + j]);
+    }
+}
+
 // One tile, several tiles along the rows of C, several along its columns.
 TEST(Gemm, MatchesReferenceForAllTransposesOnStridedViews) {
-  for (const auto [M, N, K] : {std::array<int64_t, 3>{37, 29, 53}, {300, 21, 17}, {19, 290, 23}}) {
-    const int64_t pad = 7;
-    for (bool ta : {false, true})
-      for (bool tb : {false, true}) {
-        const int64_t lda = (ta ? M : K) + pad, ldb = (tb ? K : N) + pad, ldc = N + pad;
-        const auto A = random_vector((ta ? K : M) * lda, 1), B = random_vector((tb ? N : K) * ldb, 2);
-        auto C = random_vector(M * ldc, 3);
-        const auto ref =
-            kernel_testing::reference_gemm(ta, tb, M, N, K, 0.5f, A.data(), lda, B.data(), ldb, -1.5f, C.data(), ldc);
-        const auto before = C;
-        gemm(ta, tb, M, N, K, 0.5f, A.data(), lda, B.data(), ldb, -1.5f, C.data(), ldc);
-        std::vector<float> dense(M * N);
-        for (int64_t i = 0; i < M; ++i)
-          for (int64_t j = 0; j < N; ++j) dense[i * N + j] = C[i * ldc + j];
-        kernel_testing::expect_close(std::string("gemm ta=") + (ta ? "T" : "N") + " tb=" + (tb ? "T" : "N"), dense, ref,
-                                     1e-5, 1e-5);
-        for (int64_t i = 0; i < M; ++i)  // the padding columns are left alone
-          for (int64_t j = N; j < ldc; ++j) EXPECT_EQ(C[i * ldc + j], before[i * ldc + j]);
-      }
-  }
+  for (const auto& [M, N, K] : {std::array<int64_t, 3>{37, 29, 53}, {300, 21, 17}, {19, 290, 23}})
+    expect_matches_reference_for_all_transposes("gemm", gemm, M, N, K, 1e-5);
 }
 
 TEST(Gemm, EmptyInnerDimensionScalesC) {
@@ -54,6 +62,23 @@ TEST(Gemm, ResultDoesNotDependOnThreadCount) {
     std::vector<float> E(150 * 70);
     gemm(true, false, 150, 70, M, 1.0f, A.data(), K, B.data(), 70, 0.0f, E.data(), 70);
     return kernel_testing::concat({&C, &D, &E});
+  });
+}
+
+// A small C with a long K (a weight gradient over many tokens): K is cut into
+// chunks (here 2000 / 256 -> 7).
+TEST(GemmSplitK, MatchesReferenceForAllTransposes) {
+  expect_matches_reference_for_all_transposes("split-K gemm", gemm_split_k, 40, 90, 2000, 1e-4);
+}
+
+TEST(GemmSplitK, ResultDoesNotDependOnThreadCount) {
+  // One tile of C and seven K chunks: the threads share the chunks.
+  const int64_t M = 64, N = 48, K = 1900;
+  const auto A = random_vector(K * M, 4), B = random_vector(K * N, 5), C0 = random_vector(M * N, 6);
+  kernel_testing::expect_thread_invariant([&] {
+    auto C = C0;
+    gemm_split_k(true, false, M, N, K, 1.0f, A.data(), M, B.data(), N, 1.0f, C.data(), N);
+    return C;
   });
 }
 

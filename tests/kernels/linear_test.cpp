@@ -76,5 +76,35 @@ TEST(Linear, ResultsDoNotDependOnThreadCount) {
   });
 }
 
+TEST(AddBias, AddsToEveryRowAndItsGradientIsLinearsDbias) {
+  const int64_t N = 9, OC = 21;
+  auto bias = random_vector(OC, 1);
+  const auto base = random_vector(N * OC, 2), R = random_vector(N * OC, 3);
+  std::vector<float> out = base;
+  add_bias(out.data(), bias.data(), N, OC);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < OC; ++j) EXPECT_EQ(out[i * OC + j], base[i * OC + j] + bias[j]) << i << "," << j;
+  // A row-parallel layer's bias gradient comes from linear_backward's dbias.
+  std::vector<float> dbias(OC, 0.0f);
+  linear_backward(nullptr, nullptr, dbias.data(), R.data(), nullptr, nullptr, N, 1, OC);
+  auto loss = [&] {
+    out = base;
+    add_bias(out.data(), bias.data(), N, OC);
+    return kernel_testing::weighted_sum(out, R);
+  };
+  const kernel_testing::GradCheck opt{.step = 1e-2, .rtol = 1e-4, .atol = 1e-5, .norm_rtol = 1e-5};
+  kernel_testing::expect_gradient_matches("dbias", bias, dbias, loss, opt);
+}
+
+TEST(AddBias, ResultsDoNotDependOnThreadCount) {
+  const int64_t N = 300, OC = 250;
+  const auto bias = random_vector(OC, 1), base = random_vector(N * OC, 2);
+  kernel_testing::expect_thread_invariant([&] {
+    std::vector<float> out = base;
+    add_bias(out.data(), bias.data(), N, OC);
+    return out;
+  });
+}
+
 }  // namespace
 }  // namespace loom::cpu

@@ -67,7 +67,7 @@ TEST(ActivationMemory, MatchesTheAdaptedKorthikantiFormula) {
     for (double bytes : measure(c)) {
       std::printf("tp=%d sp=%d recompute=%d: %.0f bytes per rank, formula %.0f (ratio %.4f)\n", c.tp,
                   c.sequence_parallel, c.recompute, bytes, expected, bytes / expected);
-      EXPECT_NEAR(bytes / expected, 1.0, 0.15) << "tp " << c.tp << " sp " << c.sequence_parallel << " recompute "
+      EXPECT_NEAR(bytes / expected, 1.0, 0.01) << "tp " << c.tp << " sp " << c.sequence_parallel << " recompute "
                                                << c.recompute;
     }
   }

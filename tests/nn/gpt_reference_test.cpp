@@ -1,4 +1,4 @@
-// Parity with PyTorch: tests/fixtures/gpt_tiny.safetensors holds a tiny GPT-2's
+// Parity with PyTorch: tests/fixtures/gpt_tiny.safetensors holds a small GPT-2's
 // weights, one batch, and PyTorch's float64 logits, loss, gradients and two
 // 10-step AdamW runs (see tests/fixtures/README.md for how it was made).
 #include <gtest/gtest.h>
@@ -12,6 +12,16 @@
 
 namespace loom {
 namespace {
+
+// Float32 tolerances, about twice what a float32 replay in PyTorch itself
+// misses the float64 reference by (tests/fixtures/README.md): after training,
+// Adam turns the rounding noise of near-zero gradients into steps of up to lr,
+// so trained parameters and the late, small gradient norms are the loosest.
+constexpr double kLogitsAtol = 3e-5;
+constexpr double kLossRtol = 1e-5;
+constexpr double kTrainedLossRtol = 1e-4;
+constexpr double kGradNormRtol = 4e-4;
+constexpr double kTrainedParamAtol = 5e-3;
 
 class GPTReference : public ::testing::Test {
  protected:
@@ -89,11 +99,11 @@ TEST_F(GPTReference, LogitsLossAndGradientsMatchPyTorch) {
   fo.training = false;
   const float loss = model.forward(ps, tokens_.data<int32_t>(), targets_.data<int32_t>(), bs_, fo);
   const float want_loss = fixture_.load("loss").data<float>()[0];
-  EXPECT_LE(std::fabs(loss - want_loss) / want_loss, 1e-5) << loss << " vs " << want_loss;
+  EXPECT_LE(std::fabs(loss - want_loss) / want_loss, kLossRtol) << loss << " vs " << want_loss;
 
   Tensor want_logits = fixture_.load("logits");
   const float* got = model.logits().data<float>();
-  for (int64_t i = 0; i < want_logits.numel(); ++i) ASSERT_NEAR(got[i], want_logits.data<float>()[i], 1e-5);
+  for (int64_t i = 0; i < want_logits.numel(); ++i) ASSERT_NEAR(got[i], want_logits.data<float>()[i], kLogitsAtol);
 
   model.backward(ps, gs, 1.0f / static_cast<float>(bs_.N()));
   const int64_t C = cfg_.n_embd;
@@ -121,9 +131,9 @@ TEST_F(GPTReference, TenAdamWStepsMatchPyTorch) {
   for (int s = 0; s < 10; ++s) {
     StepStats st = trainer.step({&mb, 1});
     const float w = want.data<float>()[s];
-    EXPECT_LE(std::fabs(st.loss - w) / w, 1e-5) << "step " << s << ": " << st.loss << " vs " << w;
+    EXPECT_LE(std::fabs(st.loss - w) / w, kTrainedLossRtol) << "step " << s << ": " << st.loss << " vs " << w;
   }
-  expect_params_match(trainer.model(), trainer.params(), "final.", 1e-4);
+  expect_params_match(trainer.model(), trainer.params(), "final.", kTrainedParamAtol);
 }
 
 TEST_F(GPTReference, ClippedAdamWStepsMatchPyTorch) {
@@ -135,10 +145,10 @@ TEST_F(GPTReference, ClippedAdamWStepsMatchPyTorch) {
   for (int s = 0; s < 10; ++s) {
     StepStats st = trainer.step({&mb, 1});
     const float w = want.data<float>()[s];
-    EXPECT_LE(std::fabs(st.loss - w) / w, 1e-5) << "step " << s;
-    EXPECT_NEAR(st.grad_norm, want_norms.data<float>()[s], 1e-5 * want_norms.data<float>()[s]) << "step " << s;
+    EXPECT_LE(std::fabs(st.loss - w) / w, kTrainedLossRtol) << "step " << s;
+    EXPECT_NEAR(st.grad_norm, want_norms.data<float>()[s], kGradNormRtol * want_norms.data<float>()[s]) << "step " << s;
   }
-  expect_params_match(trainer.model(), trainer.params(), "clip_final.", 1e-4);
+  expect_params_match(trainer.model(), trainer.params(), "clip_final.", kTrainedParamAtol);
 }
 
 }  // namespace

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <limits>
@@ -17,6 +18,9 @@ namespace loom::cpu {
 namespace {
 
 constexpr int64_t kQueryTile = 64;
+
+// Backward tasks to aim for: enough to load a many-core machine evenly.
+constexpr int64_t kTargetTasks = 48;
 
 struct HeadLayout {
   int64_t B, T, C, NH, hs, C3, tiles;
@@ -76,25 +80,52 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv, int64_t B,
-                        int64_t T, int64_t C, int64_t NH) {
+                        int64_t T, int64_t C, int64_t NH, GradWrite dqkv_write) {
   const HeadLayout s(B, T, C, NH);
-  // One (batch, head) per task: its dK and dV collect contributions from
-  // every query tile, in tile order, without sharing them with other threads.
-#pragma omp parallel if (B * NH > 1)
+  const int64_t heads = B * NH;
+  const bool overwrite = dqkv_write == GradWrite::overwrite;
+  // Tasks are (batch, head, key range): with few heads the keys of each are
+  // cut into `splits` contiguous ranges of whole tiles, so every thread has
+  // work. A task owns its range's dK and dV, which collect the query tiles in
+  // tile order. dQ sums over every key range: range 0 adds its part straight
+  // into dqkv, range r > 0 writes its part to partial r - 1, and a second pass
+  // adds the partials in range order. The splits depend on the shape alone,
+  // so the result does not depend on the thread count.
+  const int64_t splits = std::min(s.tiles, (kTargetTasks + heads - 1) / heads);
+  // Range r starts at key tile first_tile[r]; tile k has s.tiles - k query
+  // tiles to visit (causal), and the ranges split that work about evenly.
+  std::vector<int64_t> first_tile(static_cast<size_t>(splits + 1), s.tiles);
+  {
+    const int64_t work = s.tiles * (s.tiles + 1) / 2;
+    int64_t done = 0, r = 0;
+    for (int64_t k = 0; k < s.tiles; ++k) {
+      while (r < splits && done * splits >= r * work) first_tile[static_cast<size_t>(r++)] = k;
+      done += s.tiles - k;
+    }
+  }
+  const int64_t head_dq = T * s.hs;  // one head's dQ part in a partial, rows of hs
+  std::vector<float> partials(static_cast<size_t>((splits - 1) * heads * head_dq));
+#pragma omp parallel if (heads * splits > 1)
   {
     std::vector<float> probs(static_cast<size_t>(kQueryTile * T));
     std::vector<float> dprobs(static_cast<size_t>(kQueryTile * T));
 #pragma omp for schedule(dynamic)
-    for (int64_t bh = 0; bh < B * NH; ++bh) {
+    for (int64_t task = 0; task < heads * splits; ++task) {
+      const int64_t bh = task / splits, range = task % splits;
       const int64_t b = bh / NH, h = bh % NH;
+      const int64_t k0 = first_tile[static_cast<size_t>(range)] * kQueryTile;
+      const int64_t k1 = std::min(first_tile[static_cast<size_t>(range + 1)] * kQueryTile, T);
+      if (k0 >= k1) continue;  // an empty range
       const float* row_lse = lse + bh * T;
-      for (int64_t tile = 0; tile < s.tiles; ++tile) {
+      const float* k = qkv + s.k(b, h, k0);
+      const float* v = qkv + s.v(b, h, k0);
+      float* dk = dqkv + s.k(b, h, k0);
+      float* dv = dqkv + s.v(b, h, k0);
+      for (int64_t tile = k0 / kQueryTile; tile < s.tiles; ++tile) {
         const int64_t t0 = tile * kQueryTile;
         const int64_t rows = T - t0 < kQueryTile ? T - t0 : kQueryTile;
-        const int64_t keys = t0 + rows;
+        const int64_t keys = std::min(k1, t0 + rows) - k0;  // this range's keys the tile sees
         const float* q = qkv + s.q(b, h, t0);
-        const float* k = qkv + s.k(b, h, 0);
-        const float* v = qkv + s.v(b, h, 0);
         const float* dO = dout + s.o(b, h, t0);
         const float* O = out + s.o(b, h, t0);
         float* P = probs.data();    // rows x keys
@@ -104,7 +135,7 @@ void attention_backward(float* dqkv, const float* dout, const float* out, const 
         for (int64_t r = 0; r < rows; ++r) {
           float* p = P + r * keys;
           float* ds = dS + r * keys;
-          const int64_t visible = t0 + r + 1;
+          const int64_t visible = std::min(t0 + r + 1 - k0, keys);
           const float l = row_lse[t0 + r];
           // D = rowsum(dP * P) = rowsum(dO * O), the cheaper form.
           float D = 0.0f;
@@ -119,12 +150,37 @@ void attention_backward(float* dqkv, const float* dout, const float* out, const 
           }
           for (int64_t j = visible; j < keys; ++j) p[j] = ds[j] = 0.0f;
         }
-        float* dq = dqkv + s.q(b, h, t0);
-        float* dk = dqkv + s.k(b, h, 0);
-        float* dv = dqkv + s.v(b, h, 0);
-        gemm(false, false, rows, s.hs, keys, s.scale, dS, keys, k, s.C3, 1.0f, dq, s.C3);
-        gemm(true, false, keys, s.hs, rows, s.scale, dS, keys, q, s.C3, 1.0f, dk, s.C3);
-        gemm(true, false, keys, s.hs, rows, 1.0f, P, keys, dO, C, 1.0f, dv, s.C3);
+        if (range == 0)
+          gemm(false, false, rows, s.hs, keys, s.scale, dS, keys, k, s.C3, overwrite ? 0.0f : 1.0f,
+               dqkv + s.q(b, h, t0), s.C3);
+        else  // each query tile is written once per range: no zeroing needed
+          gemm(false, false, rows, s.hs, keys, s.scale, dS, keys, k, s.C3, 0.0f,
+               partials.data() + ((range - 1) * heads + bh) * head_dq + t0 * s.hs, s.hs);
+        // Keys from t0 on are seen first by this tile: overwritten there
+        // if asked, the earlier ones (and all when accumulating) added to.
+        const int64_t seen = overwrite ? std::min(t0 - k0, keys) : keys;
+        if (seen > 0) {
+          gemm(true, false, seen, s.hs, rows, s.scale, dS, keys, q, s.C3, 1.0f, dk, s.C3);
+          gemm(true, false, seen, s.hs, rows, 1.0f, P, keys, dO, C, 1.0f, dv, s.C3);
+        }
+        if (seen < keys) {
+          gemm(true, false, keys - seen, s.hs, rows, s.scale, dS + seen, keys, q, s.C3, 0.0f, dk + seen * s.C3, s.C3);
+          gemm(true, false, keys - seen, s.hs, rows, 1.0f, P + seen, keys, dO, C, 0.0f, dv + seen * s.C3, s.C3);
+        }
+      }
+    }
+    if (splits > 1) {
+      // Query row t has a part from every range that starts at or before its tile.
+#pragma omp for schedule(static)
+      for (int64_t row = 0; row < heads * T; ++row) {
+        const int64_t bh = row / T, t = row % T;
+        float* dq = dqkv + s.q(bh / NH, bh % NH, t);
+        for (int64_t range = 1; range < splits && first_tile[static_cast<size_t>(range)] <= t / kQueryTile; ++range) {
+          if (first_tile[static_cast<size_t>(range)] == first_tile[static_cast<size_t>(range + 1)]) continue;  // empty
+          const float* part = partials.data() + ((range - 1) * heads + bh) * head_dq + t * s.hs;
+#pragma omp simd
+          for (int64_t d = 0; d < s.hs; ++d) dq[d] += part[d];
+        }
       }
     }
   }

@@ -26,15 +26,26 @@ void dropout_forward(float* out, const float* inp, int64_t n, float p, uint64_t 
     out[i] = philox_uniform(key, first + static_cast<uint64_t>(i)) >= p ? inp[i] * keep_scale : 0.0f;
 }
 
-void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first) {
+void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first,
+                      GradWrite dinp_write) {
+  const bool overwrite = dinp_write == GradWrite::overwrite;
   if (p == 0.0f) {
-    accumulate(dinp, dout, n);
+    if (overwrite)
+      copy_bytes(dinp, dout, static_cast<size_t>(n) * sizeof(float));
+    else
+      accumulate(dinp, dout, n);
     return;
   }
   const float keep_scale = 1.0f / (1.0f - p);
+  if (overwrite) {
 #pragma omp parallel for schedule(static) if (n >= kMinParallelDraws)
-  for (int64_t i = 0; i < n; ++i)
-    if (philox_uniform(key, first + static_cast<uint64_t>(i)) >= p) dinp[i] += dout[i] * keep_scale;
+    for (int64_t i = 0; i < n; ++i)
+      dinp[i] = philox_uniform(key, first + static_cast<uint64_t>(i)) >= p ? dout[i] * keep_scale : 0.0f;
+  } else {
+#pragma omp parallel for schedule(static) if (n >= kMinParallelDraws)
+    for (int64_t i = 0; i < n; ++i)
+      if (philox_uniform(key, first + static_cast<uint64_t>(i)) >= p) dinp[i] += dout[i] * keep_scale;
+  }
 }
 
 }  // namespace loom::cpu

@@ -21,7 +21,8 @@ void gelu_forward(float* out, const float* inp, int64_t n) {
   }
 }
 
-void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, GradWrite dinp_write) {
+  const bool overwrite = dinp_write == GradWrite::overwrite;
 #pragma omp parallel for simd schedule(static) if (n >= kMinParallelWork)
   for (int64_t i = 0; i < n; ++i) {
     const float x = inp[i];
@@ -30,7 +31,8 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) 
     // d/dx [x s(2u)] = s + 2 x s (1 - s) du/dx; 1 - s is formed directly so
     // that exp overflowing to inf (s = 0) gives 0, not inf * 0.
     const float du = kSqrt2OverPi * (1.0f + 3.0f * kCubic * x * x);
-    dinp[i] += dout[i] * (s + 2.0f * x * s * (1.0f - s) * du);
+    const float d = dout[i] * (s + 2.0f * x * s * (1.0f - s) * du);
+    dinp[i] = overwrite ? d : dinp[i] + d;
   }
 }
 

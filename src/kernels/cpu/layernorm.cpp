@@ -39,7 +39,9 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
 }
 
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C) {
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
+                        GradWrite dinp_write) {
+  const bool overwrite = dinp_write == GradWrite::overwrite;
   // dweight and dbias are sums over rows: each fixed chunk of rows sums into
   // its own partial row, and the partials are added in chunk order.
   const int64_t chunks = reduce_chunks(N);
@@ -70,7 +72,8 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
 #pragma omp simd
       for (int64_t c = 0; c < C; ++c) {
         const float xhat = (x[c] - m) * r;
-        dx[c] += r * (g[c] * weight[c] - mean_h - xhat * mean_h_xhat);
+        const float d = r * (g[c] * weight[c] - mean_h - xhat * mean_h_xhat);
+        dx[c] = overwrite ? d : dx[c] + d;
         dw[c] += g[c] * xhat;
         db[c] += g[c];
       }

@@ -22,9 +22,10 @@ void linear_forward(float* out, const float* inp, const float* weight, const flo
 }
 
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int64_t N, int64_t C, int64_t OC) {
-  if (dinp != nullptr) gemm(false, false, N, C, OC, 1.0f, dout, OC, weight, C, 1.0f, dinp, C);
-  if (dweight != nullptr) gemm(true, false, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C);
+                     const float* weight, int64_t N, int64_t C, int64_t OC, GradWrite dinp_write) {
+  if (dinp != nullptr)
+    gemm(false, false, N, C, OC, 1.0f, dout, OC, weight, C, dinp_write == GradWrite::overwrite ? 0.0f : 1.0f, dinp, C);
+  if (dweight != nullptr) gemm_split_k(true, false, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C);
   if (dbias != nullptr) {
     const int64_t chunks = reduce_chunks(N);
     std::vector<float> partials(static_cast<size_t>(chunks * OC));

@@ -21,4 +21,13 @@ inline int64_t reduce_chunks(int64_t rows) { return (rows + kReduceRows - 1) / k
 // summed in that order; partials is [chunks, C] row-major.
 void add_chunk_partials(float* dst, const float* partials, int64_t chunks, int64_t C);
 
+// gemm (kernels.h) for a product whose inner dimension K is long and whose C
+// is small: weight gradients, where K is the token count. Besides C's tiles,
+// K is cut into chunks fixed by the shape, each chunk's product computed on
+// its own, and the chunk products added into C in chunk order, so the result
+// does not depend on the thread count and a small C still keeps every thread
+// busy. Costs (chunks - 1) M N floats of scratch.
+void gemm_split_k(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
 }  // namespace loom::cpu
