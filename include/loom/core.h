@@ -146,9 +146,10 @@ MemoryResource& host_memory_resource();
 //   reserved()  the bytes the tier holds from its resource: blocks in use
 //               (rounded up to their size class), cached free blocks, and the
 //               bytes accounted with reserve().
-// The budget bounds reserved(): a request that would push it past the budget
-// first returns cached blocks to the resource. Only a request that would push
-// used() past the budget is an out-of-memory Error. Thread-safe: memory may be
+// The budget bounds reserved() (up to the rounding of blocks in use): a
+// request that would push it past the budget first returns cached blocks to
+// the resource. Only a request that would push used() past the budget is an
+// out-of-memory Error. Thread-safe: memory may be
 // freed from any thread.
 class Allocator {
  public:
@@ -208,12 +209,13 @@ class Allocator {
   void check_budget(size_t bytes) const;
   void cache_block_locked(void* p, size_t bytes);
   std::vector<Block> trim_locked(size_t room);
-  void free_blocks(MemoryResource& resource, const std::vector<Block>& blocks);
+  static void free_blocks(MemoryResource& resource, const std::vector<Block>& blocks);
 
   Tier tier_;
   std::unique_ptr<Cache> cache_;
   std::atomic<MemoryResource*> resource_;
-  // Written under the cache's lock; read without it.
+  // Changed under the cache's lock (raise_peak by compare-exchange alone);
+  // read without it.
   std::atomic<size_t> budget_;
   std::atomic<size_t> used_{0};
   std::atomic<size_t> peak_{0};
