@@ -6,8 +6,10 @@
 //
 // Prints ms/step, tokens/s, model GFLOP/s (Megatron's FLOP count) and its ratio
 // to this machine's sgemm GFLOP/s measured at the start of the same run, the
-// optimizer's share of the step, and the measured peak device memory against
-// the estimate computed from the shapes.
+// optimizer's share of the step, the measured peak device memory against the
+// estimate computed from the shapes, and the caching allocator's steady state:
+// device allocations that reached the system per step after the first (the
+// target is 0) and the bytes it reserved against the bytes in use at the peak.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -60,7 +62,9 @@ int main(int argc, char** argv) {
     }
     const MicroBatch mb{tokens.data(), targets.data(), {B, T}, 0};
 
-    trainer.step({&mb, 1});  // warm-up: first-touch page faults, BLAS buffers
+    trainer.step({&mb, 1});  // warm-up: first-touch page faults, BLAS buffers, the cache
+    const uint64_t first_allocations = device.system_allocations();
+    const uint64_t first_frees = device.system_frees();
     double best_step = 1e30, best_optim = 1e30;
     for (int s = 0; s < steps; ++s) {
       double t0 = bench::now_seconds();
@@ -86,6 +90,14 @@ int main(int argc, char** argv) {
                 format_bytes(measured).c_str(), format_bytes(est.total()).c_str(), measured / est.total());
     std::printf("  peak phase: %s\n", est.phase.c_str());
     for (const MemoryTerm& t : est.terms) std::printf("  %-22s %s\n", t.name.c_str(), format_bytes(t.bytes).c_str());
+    std::printf("device allocator: %.2f system allocations and %.2f frees per step after the first (%llu until "
+                "then), reserved %s at the peak of %s in use (reserved/in use = %.3f)\n",
+                static_cast<double>(device.system_allocations() - first_allocations) / steps,
+                static_cast<double>(device.system_frees() - first_frees) / steps,
+                static_cast<unsigned long long>(first_allocations),
+                format_bytes(static_cast<double>(device.peak_reserved())).c_str(),
+                format_bytes(static_cast<double>(device.peak())).c_str(),
+                static_cast<double>(device.peak_reserved()) / static_cast<double>(device.peak()));
     return 0;
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -113,17 +113,54 @@ const char* tier_name(Tier t);
 
 constexpr size_t kUnlimited = SIZE_MAX;
 
-// Byte accounting for one tier with a budget and a high-water mark. Every
-// allocation of the tier goes through here, so memory figures are read from
-// these counters rather than estimated. Thread-safe.
+// Every block a tier hands out is aligned to this many bytes (a cache line,
+// and what the vectorized kernels assume).
+constexpr size_t kMemoryAlignment = 64;
+
+// Where a tier gets its raw memory. Every tier defaults to host memory; a GPU
+// backend gives the device tier device memory (cudaMalloc) and the host tier
+// pinned memory (cudaHostAlloc) by implementing this interface, so the caching
+// and the accounting stay the same on every machine. Implementations are
+// thread-safe and outlive every Allocator that uses them.
+class MemoryResource {
+ public:
+  virtual ~MemoryResource() = default;
+  // At least kMemoryAlignment-aligned; nullptr when the system refuses.
+  virtual void* allocate(size_t bytes) = 0;
+  virtual void deallocate(void* p, size_t bytes) = 0;
+  virtual const char* name() const = 0;
+};
+
+// kMemoryAlignment-aligned host memory (aligned_alloc/free); stateless.
+MemoryResource& host_memory_resource();
+
+// Byte accounting for one tier with a budget and high-water marks, over a
+// cache of the tier's raw memory. Every allocation of the tier goes through
+// here, so memory figures are read from these counters rather than estimated.
+//
+// Freed blocks are kept, by size class, and handed out again: a training step
+// that repeats the previous one's allocations reaches the resource for none
+// of them. Two figures follow from that:
+//   used()      the bytes tensors hold, exactly as requested: what the memory
+//               formulas and the budget checks of the planners are about;
+//   reserved()  the bytes the tier holds from its resource: blocks in use
+//               (rounded up to their size class), cached free blocks, and the
+//               bytes accounted with reserve().
+// The budget bounds reserved() (up to the rounding of blocks in use): a
+// request that would push it past the budget first returns cached blocks to
+// the resource. Only a request that would push used() past the budget is an
+// out-of-memory Error. Thread-safe: memory may be
+// freed from any thread.
 class Allocator {
  public:
-  Allocator(Tier tier, size_t budget = kUnlimited);
+  Allocator(Tier tier, size_t budget = kUnlimited, MemoryResource& resource = host_memory_resource());
+  ~Allocator();
   Allocator(const Allocator&) = delete;
   Allocator& operator=(const Allocator&) = delete;
 
-  // Host memory, 64-byte aligned, zero bytes allowed. Throws Error naming the
-  // tier, the request and the budget when the budget would be exceeded.
+  // kMemoryAlignment-aligned memory from the cache or the resource, zero
+  // bytes allowed. Throws Error naming the tier, the request and the budget
+  // when the budget would be exceeded. `deallocate` takes the size requested.
   void* allocate(size_t bytes);
   void deallocate(void* p, size_t bytes);
 
@@ -134,24 +171,58 @@ class Allocator {
   // a free in stream order (the asynchronous CPU streams) counts the bytes
   // free when the host lets go of them, as a GPU's stream-ordered allocator
   // does, and returns the memory once the stream's earlier work has run.
+  // Between the two, the bytes released are in neither used() nor reserved().
   void free_memory(void* p, size_t bytes);
+
+  // Returns every cached free block to the resource.
+  void empty_cache();
+  // Takes raw memory from `resource` from now on. No block may be in use; the
+  // cache is emptied into the previous resource first.
+  void set_resource(MemoryResource& resource);
+  MemoryResource& resource() const { return *resource_.load(); }
 
   Tier tier() const { return tier_; }
   size_t used() const { return used_.load(); }
   size_t peak() const { return peak_.load(); }
+  size_t reserved() const { return reserved_.load(); }
+  size_t peak_reserved() const { return peak_reserved_.load(); }
+  // Calls that reached the resource since construction: a steady state is
+  // one where neither grows.
+  uint64_t system_allocations() const { return system_allocations_.load(); }
+  uint64_t system_frees() const { return system_frees_.load(); }
   size_t budget() const { return budget_.load(); }
-  // Lowering the budget below what is in use is an Error.
+  // Lowering the budget below what is in use is an Error; below what is
+  // reserved empties as much of the cache as it takes.
   void set_budget(size_t bytes);
-  void reset_peak() { peak_.store(used_.load()); }
-  // Raises the high-water mark to at least `bytes`: a peak measured in
-  // intervals (reset_peak at each boundary) is put back together.
+  // Both high-water marks restart from the current figures.
+  void reset_peak();
+  // Raises the high-water mark of used() to at least `bytes`: a peak
+  // measured in intervals (reset_peak at each boundary) is put back together.
   void raise_peak(size_t bytes);
 
  private:
+  struct Cache;
+  struct Block {
+    void* p;
+    size_t bytes;
+  };
+  void check_budget(size_t bytes) const;
+  void cache_block_locked(void* p, size_t bytes);
+  std::vector<Block> trim_locked(size_t room);
+  static void free_blocks(MemoryResource& resource, const std::vector<Block>& blocks);
+
   Tier tier_;
+  std::unique_ptr<Cache> cache_;
+  std::atomic<MemoryResource*> resource_;
+  // Changed under the cache's lock (raise_peak by compare-exchange alone);
+  // read without it.
   std::atomic<size_t> budget_;
   std::atomic<size_t> used_{0};
   std::atomic<size_t> peak_{0};
+  std::atomic<size_t> reserved_{0};
+  std::atomic<size_t> peak_reserved_{0};
+  std::atomic<uint64_t> system_allocations_{0};
+  std::atomic<uint64_t> system_frees_{0};
 };
 
 // The allocators of one rank, one per tier, its device and its streams. Under
