@@ -226,6 +226,9 @@ class MLP {
   };
   // in: this rank's token rows [rows, C]; returns theirs.
   Tensor forward(const ParamStore& ps, Saved& s, const Tensor& in) const;
+  // The forward up to and including the activation: what backward reads
+  // (an activation-checkpoint recompute needs no more).
+  void forward_activation(const ParamStore& ps, Saved& s, const Tensor& in) const;
   Tensor backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s) const;
 
  private:
@@ -267,6 +270,7 @@ class Block {
   int group() const { return group_; }
 
  private:
+  // y null: stops after the MLP's activation, which is all backward reads.
   void forward_into(const ParamStore& ps, Saved& s, float* y, const BatchShape& bs, const ForwardOptions& opts) const;
 
   TensorParallel tp_;
