@@ -1,8 +1,9 @@
 // Training-step benchmark of the single-rank fp32 reference path.
 //
-//   train_step_bench [preset|custom] [B] [T] [steps] [n_layer n_embd n_head vocab]
+//   train_step_bench [preset|custom] [B] [T] [steps] [n_layer n_embd n_head vocab] [checkpoint]
 //   e.g. train_step_bench gpt2 4 256 3
 //        train_step_bench custom 8 256 5 4 256 4 8192
+//        train_step_bench custom 8 256 5 4 256 4 8192 checkpoint   (activation checkpointing)
 //
 // Prints ms/step, tokens/s, model GFLOP/s (Megatron's FLOP count) and its ratio
 // to this machine's sgemm GFLOP/s measured at the start of the same run, the
@@ -39,13 +40,16 @@ int main(int argc, char** argv) {
       cfg = GPTConfig::preset(preset);
     }
     cfg.validate();
+    const int after_shape = preset == "custom" ? 9 : 5;
+    const bool checkpoint = argc > after_shape && std::string(argv[after_shape]) == "checkpoint";
 
     const double sgemm = cpu::measure_sgemm_gflops();
     std::printf("threads: %d   sgemm baseline (2048^3): %.1f GFLOP/s\n", cpu::num_threads(), sgemm);
-    std::printf("model: %s  layers %lld  width %lld  heads %lld  vocab %lld  params %.2fM   B=%lld T=%lld\n",
+    std::printf("model: %s  layers %lld  width %lld  heads %lld  vocab %lld  params %.2fM   B=%lld T=%lld%s\n",
                 preset.c_str(), static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_embd),
                 static_cast<long long>(cfg.n_head), static_cast<long long>(cfg.vocab_size),
-                static_cast<double>(cfg.num_params()) / 1e6, static_cast<long long>(B), static_cast<long long>(T));
+                static_cast<double>(cfg.num_params()) / 1e6, static_cast<long long>(B), static_cast<long long>(T),
+                checkpoint ? "  activation checkpointing" : "");
 
     Allocator& device = MemoryContext::current().tier(Tier::device);
     const size_t base = device.used();
@@ -54,6 +58,7 @@ int main(int argc, char** argv) {
     TrainOptions opts;
     opts.schedule.max_lr = 1e-4f;
     opts.schedule.total_steps = steps + 1;
+    opts.checkpoint_activations = checkpoint;
     Trainer trainer(cfg, opts);
     std::vector<int32_t> tokens(static_cast<size_t>(B * T)), targets(tokens.size());
     for (size_t i = 0; i < tokens.size(); ++i) {
@@ -84,7 +89,7 @@ int main(int argc, char** argv) {
     std::printf("optimizer step: %.1f ms = %.1f%% of the training step\n", best_optim * 1e3,
                 100.0 * best_optim / best_step);
 
-    const StepMemoryEstimate est = estimate_step_memory(cfg, B, T, false);
+    const StepMemoryEstimate est = estimate_step_memory(cfg, B, T, checkpoint);
     const double measured = static_cast<double>(device.peak() - base);
     std::printf("peak device memory: measured %s, estimated from shapes %s (measured/estimate = %.3f)\n",
                 format_bytes(measured).c_str(), format_bytes(est.total()).c_str(), measured / est.total());

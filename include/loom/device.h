@@ -163,6 +163,9 @@ void cross_entropy_forward(float* losses, float* lse, const float* logits, const
                            int64_t V);
 void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
                             const float* dloss, int64_t N, int64_t V);
+void cross_entropy_forward_backward(float* losses, float* lse, float* logits, const int32_t* targets,
+                                    const float* dloss, int64_t N, int64_t V);
+void add_sum_f64(double* sum, const float* x, int64_t n);
 void cross_entropy_shard_max(float* row_max, const float* logits, int64_t N, int64_t V, int64_t real);
 void cross_entropy_shard_sums(float* sums, const float* logits, const float* row_max, const int32_t* targets,
                               int64_t first, int64_t N, int64_t V, int64_t real);

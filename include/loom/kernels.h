@@ -168,6 +168,15 @@ void cross_entropy_forward(float* losses, float* lse, const float* logits, const
                            int64_t V);
 void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
                             const float* dloss, int64_t N, int64_t V);
+// forward and backward in one pass over the rows, for a training step whose
+// dloss is known before the forward: writes losses and lse as forward does
+// and the gradient over the logits (read first) as backward does, the same bits.
+void cross_entropy_forward_backward(float* losses, float* lse, float* logits, const int32_t* targets,
+                                    const float* dloss, int64_t N, int64_t V);
+// *sum += x[0] + x[1] + ... + x[n-1], added in double in this order, so a
+// loss sum does not depend on the thread count and keeps its digits over
+// many micro-batches.
+void add_sum_f64(double* sum, const float* x, int64_t n);
 
 // Vocabulary-parallel cross-entropy (Megatron): a rank holds columns
 // [first, first + V) of the logits, of which the first `real` are classes (the

@@ -8,6 +8,7 @@
 // activation checkpointing is a matter of keeping less and recomputing.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -45,6 +46,10 @@ struct ForwardOptions {
   bool checkpoint_activations = false;  // keep only block inputs; recompute in backward
   uint64_t dropout_key = 0;             // stream key of this step's dropout masks
   int64_t first_sequence = 0;           // global index of the micro-batch's first sequence
+  // dObjective/dloss_i when it is known before the forward (training): the
+  // loss then writes the logits' gradient in its forward pass, and backward
+  // must be given the same value.
+  std::optional<float> dloss;
 };
 
 // Everything a forward pass needs to know about its micro-batch.
@@ -230,6 +235,9 @@ class MLP {
   };
   // in: this rank's token rows [rows, C]; returns theirs.
   Tensor forward(const ParamStore& ps, Saved& s, const Tensor& in) const;
+  // The forward up to and including the activation: what backward reads
+  // (an activation-checkpoint recompute needs no more).
+  void forward_activation(const ParamStore& ps, Saved& s, const Tensor& in) const;
   Tensor backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s) const;
 
  private:
@@ -271,6 +279,7 @@ class Block {
   int group() const { return group_; }
 
  private:
+  // y null: stops after the MLP's activation, which is all backward reads.
   void forward_into(const ParamStore& ps, Saved& s, float* y, const BatchShape& bs, const ForwardOptions& opts) const;
 
   TensorParallel tp_;
@@ -317,6 +326,43 @@ struct ModelParallel {
   bool last_stage = true;   // holds the final norm and the output head, after its last chunk
 };
 
+// An objective over the output head's logits: cross-entropy now;
+// distillation and masked losses are other implementations.
+class Loss {
+ public:
+  struct Saved {
+    Tensor lse;          // [N] each row's log-sum-exp over the whole vocabulary
+    bool fused = false;  // forward already wrote the logits' gradient
+  };
+  virtual ~Loss() = default;
+  // logits: this rank's vocabulary slice [N, local vocab] (the whole
+  // vocabulary without tensor parallelism); targets: [N] int32 on the
+  // device, -1 ignores a position. Adds the fixed-order double sum of the
+  // per-position losses to `sum` ([1] f64 on the device): the host reads it
+  // once per step, not per micro-batch. With dloss, also writes the logits'
+  // gradient over them in the same pass (the logits are then gone).
+  virtual void forward(Saved& s, const Tensor& logits, const Tensor& targets, const Tensor& sum,
+                       std::optional<float> dloss) const = 0;
+  // Writes the logits' gradient over them in place (nothing when forward did).
+  virtual void backward(Saved& s, const Tensor& logits, const Tensor& targets, float dloss) const = 0;
+};
+
+// Softmax cross-entropy; under tensor parallelism the vocabulary-parallel
+// form (Megatron): the ranks agree on each row's max and sums in two
+// all-reduces over the tp group, and the full logits never meet.
+class CrossEntropyLoss final : public Loss {
+ public:
+  CrossEntropyLoss() = default;
+  CrossEntropyLoss(int64_t vocab_size, int64_t local_vocab, const TensorParallel& tp);
+  void forward(Saved& s, const Tensor& logits, const Tensor& targets, const Tensor& sum,
+               std::optional<float> dloss) const override;
+  void backward(Saved& s, const Tensor& logits, const Tensor& targets, float dloss) const override;
+
+ private:
+  int64_t V_ = 0, local_vocab_ = 0;
+  TensorParallel tp_;
+};
+
 // One micro-batch's activations on a rank, from its forward to its backward.
 // A pipeline keeps several of them in flight.
 struct MicroBatchState {
@@ -328,9 +374,14 @@ struct MicroBatchState {
   // parallelism, this rank's vocabulary slice of the logits and per-row lse.
   Tensor x_final;
   LayerNorm::Saved ln_f;
-  Tensor head_input, logits, lse;
-  double loss_sum = 0.0;      // sum of the losses of positions with a target
+  Tensor head_input, logits;
+  Loss::Saved loss;
+  // [1] f64 on the device: the last stage adds the losses of the positions
+  // with a target to it (an accumulator several micro-batches may share).
+  Tensor loss_sum;
   int64_t valid_targets = 0;  // their number
+  // loss_sum read on the host (a blocking copy).
+  double host_loss_sum() const;
 };
 
 class GPT {
@@ -353,32 +404,31 @@ class GPT {
   int64_t local_vocab() const { return local_vocab_; }
 
   // Forward of one micro-batch with targets on a rank that holds the whole
-  // pipeline: returns the mean cross-entropy over positions whose target is
-  // not -1 and keeps what backward needs. Throws Error for bad token ids,
-  // T > block_size, or a non-finite loss.
-  float forward(ParamStore& ps, const int32_t* tokens, const int32_t* targets, const BatchShape& bs,
-                const ForwardOptions& opts = {});
-  // Backward of the last forward. dloss is dObjective/dloss_i for each
-  // position (e.g. 1 / tokens in the global batch, times the loss scale).
+  // pipeline, keeping in s what backward needs: s.logits ([B, T, V]; this
+  // rank's vocabulary slice [N, local_vocab] under tensor parallelism) until
+  // backward, and the losses added to loss_sum (a fresh accumulator in
+  // s.loss_sum when undefined). Throws Error for bad token ids or
+  // T > block_size.
+  void forward(ParamStore& ps, MicroBatchState& s, const int32_t* tokens, const int32_t* targets,
+               const BatchShape& bs, const ForwardOptions& opts = {}, const Tensor& loss_sum = {}) const;
+  // Backward of s's forward. dloss is dObjective/dloss_i for each position
+  // (e.g. 1 / tokens in the global batch, times the loss scale).
   // Accumulates into the GradStore and frees the saved activations.
-  void backward(ParamStore& ps, GradStore& gs, float dloss);
-
-  // The logits of the last forward ([B, T, V], this rank's vocabulary slice
-  // [N, local_vocab] under tensor parallelism); valid until backward.
-  Tensor logits() const { return state_.logits; }
+  void backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, float dloss) const;
 
   // Pipeline pieces. A micro-batch starts with begin() (on every rank of the
   // pipeline: the first stage reads the tokens, the last the targets), then
   // runs forward_chunk for each of this rank's chunks and backward_chunk in
   // reverse, as the schedule orders them.
   int num_chunks() const { return static_cast<int>(chunks_.size()); }
-  // Throws Error for a target outside [-1, vocab).
+  // Throws Error for a target outside [-1, vocab). loss_sum: the
+  // accumulator the losses are added to (a fresh one when undefined).
   void begin(MicroBatchState& s, const int32_t* tokens, const int32_t* targets, const BatchShape& bs,
-             const ForwardOptions& opts) const;
+             const ForwardOptions& opts, const Tensor& loss_sum = {}) const;
   // input: the previous chunk's output (undefined on the first stage's first
   // chunk, which embeds the tokens). Returns this chunk's output, this rank's
   // token rows [rows, C], or an undefined tensor after the last stage's last
-  // chunk, which adds the micro-batch's losses to s.loss_sum.
+  // chunk, which adds the micro-batch's losses to s.loss_sum on the device.
   Tensor forward_chunk(ParamStore& ps, MicroBatchState& s, int chunk, const Tensor& input) const;
   // grad_output: the gradient of forward_chunk's output (ignored on the last
   // stage's last chunk, which starts from the loss with dloss per position).
@@ -393,8 +443,7 @@ class GPT {
   Tensor forward_cached(ParamStore& ps, KVCache& cache, const int32_t* tokens, int64_t n);
 
  private:
-  // The head: final norm, logits of this rank's vocabulary slice and the
-  // (vocabulary-parallel) cross-entropy.
+  // The head: final norm, logits of this rank's vocabulary slice and the loss.
   void head_forward(ParamStore& ps, MicroBatchState& s, const Tensor& x) const;
   Tensor head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, float dloss) const;
   // The group whose token table the head multiplies by.
@@ -411,8 +460,7 @@ class GPT {
   std::vector<Block> blocks_;  // this rank's, in chunk order
   std::vector<int> chunk_first_block_;  // index into blocks_ of each chunk's first block
   LayerNorm ln_f_;
-
-  MicroBatchState state_;  // of forward()/backward()
+  CrossEntropyLoss loss_;
 };
 
 }  // namespace loom

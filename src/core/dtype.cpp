@@ -13,6 +13,7 @@ size_t dtype_size(DType dt) {
     case DType::i32: return 4;
     case DType::i64: return 8;
     case DType::u8: return 1;
+    case DType::f64: return 8;
   }
   LOOM_CHECK(false, "unknown dtype");
 }
@@ -25,6 +26,7 @@ const char* dtype_name(DType dt) {
     case DType::i32: return "i32";
     case DType::i64: return "i64";
     case DType::u8: return "u8";
+    case DType::f64: return "f64";
   }
   LOOM_CHECK(false, "unknown dtype");
 }

@@ -105,6 +105,11 @@ void cross_entropy_backward(float* dlogits, const float* logits, const float* ls
                             const float* dloss, int64_t N, int64_t V) {
   LOOM_LAUNCH(cross_entropy_backward, dlogits, logits, lse, targets, dloss, N, V);
 }
+void cross_entropy_forward_backward(float* losses, float* lse, float* logits, const int32_t* targets,
+                                    const float* dloss, int64_t N, int64_t V) {
+  LOOM_LAUNCH(cross_entropy_forward_backward, losses, lse, logits, targets, dloss, N, V);
+}
+void add_sum_f64(double* sum, const float* x, int64_t n) { LOOM_LAUNCH(add_sum_f64, sum, x, n); }
 void cross_entropy_shard_max(float* row_max, const float* logits, int64_t N, int64_t V, int64_t real) {
   LOOM_LAUNCH(cross_entropy_shard_max, row_max, logits, N, V, real);
 }

@@ -57,6 +57,10 @@ void Block::forward_into(const ParamStore& ps, Saved& s, float* y, const BatchSh
     ops::add(s.resid.data<float>(), x, a.data<float>(), rows * C_);
   }
   ln_2_.forward(ps, s.ln_2, s.resid.data<float>(), rows);
+  if (!y) {
+    mlp_.forward_activation(ps, s.mlp, s.ln_2.out);
+    return;
+  }
   Tensor m = mlp_.forward(ps, s.mlp, s.ln_2.out);
   if (drop)
     ops::dropout_forward(m.data<float>(), m.data<float>(), rows * C_, dropout_,
@@ -71,8 +75,8 @@ void Block::backward(const Grads& g, float* dres, Saved& s, const BatchShape& bs
   if (s.recompute) {
     // Activation checkpointing: rebuild this block's activations from its
     // input. Same kernels, same inputs, same dropout masks: the same bits.
-    Tensor y = Tensor::empty(s.x.shape());
-    forward_into(g.params, s, y.data<float>(), bs, opts);
+    // The MLP's output projection and the last residual are not needed.
+    forward_into(g.params, s, nullptr, bs, opts);
   }
 
   // y = r + drop(mlp(ln_2(r)))

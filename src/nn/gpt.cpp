@@ -38,6 +38,7 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp) : cfg_(cfg), mp_(mp) {
   chunk_first_block_.push_back(static_cast<int>(blocks_.size()));
   if (mp_.last_stage) {
     lnf_group_ = layout_.add_group("ln_f");
+    loss_ = CrossEntropyLoss(cfg_.vocab_size, local_vocab_, tp);
     ln_f_ = LayerNorm(layout_, "ln_f", cfg_.n_embd, lnf_group_, tp.splits_tokens());
     // The output head is tied to the token embedding. A last stage without
     // the embedding keeps its own copy, which starts equal (same name, same
@@ -60,7 +61,7 @@ int GPT::block_group(int layer) const {
 }
 
 void GPT::begin(MicroBatchState& s, const int32_t* tokens, const int32_t* targets, const BatchShape& bs,
-                const ForwardOptions& opts) const {
+                const ForwardOptions& opts, const Tensor& loss_sum) const {
   const int64_t N = bs.N(), V = cfg_.vocab_size;
   for (int64_t i = 0; i < N; ++i) {
     if (targets[i] < -1 || targets[i] >= V)
@@ -79,6 +80,7 @@ void GPT::begin(MicroBatchState& s, const int32_t* tokens, const int32_t* target
   if (mp_.last_stage) {
     s.targets = Tensor::from_host(targets, {N}, DType::i32);
     s.valid_targets = std::count_if(targets, targets + N, [](int32_t t) { return t != -1; });
+    s.loss_sum = loss_sum.defined() ? loss_sum : Tensor::zeros({1}, DType::f64);
   }
   s.blocks.resize(blocks_.size());
 }
@@ -128,55 +130,19 @@ void GPT::head_forward(ParamStore& ps, MicroBatchState& s, const Tensor& x) cons
                       Vl);
   ps.release(head_group());
 
-  s.lse = Tensor::empty({N});
-  Tensor losses = Tensor::empty({N});
-  const int32_t* targets = s.targets.data<int32_t>();
-  if (tp.size() == 1) {
-    ops::cross_entropy_forward(losses.data<float>(), s.lse.data<float>(), s.logits.data<float>(), targets, N, V);
-  } else {
-    // The full logits never meet on one rank: the ranks agree on each row's
-    // max, then on its sum of exponentials and the target's logit.
-    const int64_t first = tp.rank() * Vl, real = std::clamp<int64_t>(V - first, 0, Vl);
-    Tensor row_max = Tensor::empty({N});
-    ops::cross_entropy_shard_max(row_max.data<float>(), s.logits.data<float>(), N, Vl, real);
-    tp.group->all_reduce(row_max, ReduceOp::max);
-    Tensor sums = Tensor::empty({N, 2});
-    ops::cross_entropy_shard_sums(sums.data<float>(), s.logits.data<float>(), row_max.data<float>(), targets, first,
-                                  N, Vl, real);
-    tp.group->all_reduce(sums);
-    ops::cross_entropy_shard_loss(losses.data<float>(), s.lse.data<float>(), row_max.data<float>(),
-                                  sums.data<float>(), targets, N);
-  }
-  // Positions without a target have a loss of exactly 0, so the sum over
-  // every position is the sum over the targets, in the same order.
-  const Tensor host_losses = losses.clone(Tier::host);
-  double sum = 0.0;
-  for (int64_t i = 0; i < N; ++i) sum += host_losses.data<float>()[i];
-  if (!std::isfinite(sum))
-    throw Error(str("the loss is ", sum, " (not finite): training diverged; lower train.lr, enable "
-                    "train.grad_clip, or use a lower-risk precision"));
-  s.loss_sum += sum;
+  loss_.forward(s.loss, s.logits, s.targets, s.loss_sum, s.opts.dloss);
 }
 
 Tensor GPT::head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, float dloss) const {
   LOOM_CHECK(s.logits.defined(), "head backward without a preceding forward");
   const TensorParallel& tp = mp_.tp;
-  const int64_t N = s.bs.N(), C = cfg_.n_embd, V = cfg_.vocab_size, Vl = local_vocab_;
+  const int64_t N = s.bs.N(), C = cfg_.n_embd, Vl = local_vocab_;
   const Grads g{ps, gs};
 
-  // Softmax-cross-entropy gradient, written over the logits in place.
-  Tensor dl = Tensor::empty({N});
-  dl.fill_(dloss);
-  float* dlogits = s.logits.data<float>();
-  if (tp.size() == 1) {
-    ops::cross_entropy_backward(dlogits, dlogits, s.lse.data<float>(), s.targets.data<int32_t>(), dl.data<float>(), N,
-                                V);
-  } else {
-    const int64_t first = tp.rank() * Vl, real = std::clamp<int64_t>(V - first, 0, Vl);
-    ops::cross_entropy_shard_backward(dlogits, dlogits, s.lse.data<float>(), s.targets.data<int32_t>(),
-                                      dl.data<float>(),
-                                      first, N, Vl, real);
-  }
+  LOOM_CHECK(!s.opts.dloss || *s.opts.dloss == dloss, "backward with dloss ", dloss, " after a forward that used ",
+             s.opts.dloss.value_or(0.0f));
+  loss_.backward(s.loss, s.logits, s.targets, dloss);
+  const float* dlogits = s.logits.data<float>();
 
   ps.acquire(head_group());
   ps.acquire(lnf_group_);
@@ -185,7 +151,7 @@ Tensor GPT::head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, flo
   ops::linear_backward(dh.data<float>(), gs.grad(head_table()).data<float>(), nullptr, dlogits, h.data<float>(),
                        ps.param(head_table()).data<float>(), N, C, Vl, ops::GradWrite::overwrite);
   s.logits = Tensor();
-  s.lse = Tensor();
+  s.loss = Loss::Saved{};
   s.head_input = Tensor();
   dh = TensorParallelRegion::enter_backward(tp, dh);
   Tensor dres = Tensor::empty(s.x_final.shape());
@@ -234,20 +200,22 @@ Tensor GPT::backward_chunk(ParamStore& ps, GradStore& gs, MicroBatchState& s, in
   return Tensor();
 }
 
-float GPT::forward(ParamStore& ps, const int32_t* tokens, const int32_t* targets, const BatchShape& bs,
-                   const ForwardOptions& opts) {
+void GPT::forward(ParamStore& ps, MicroBatchState& s, const int32_t* tokens, const int32_t* targets,
+                  const BatchShape& bs, const ForwardOptions& opts, const Tensor& loss_sum) const {
   LOOM_CHECK(mp_.first_stage && mp_.last_stage, "GPT::forward runs the whole pipeline: use forward_chunk per stage");
-  begin(state_, tokens, targets, bs, opts);
+  begin(s, tokens, targets, bs, opts, loss_sum);
   Tensor x;
-  for (int c = 0; c < num_chunks(); ++c) x = forward_chunk(ps, state_, c, x);
-  return state_.valid_targets ? static_cast<float>(state_.loss_sum / static_cast<double>(state_.valid_targets))
-                              : 0.0f;
+  for (int c = 0; c < num_chunks(); ++c) x = forward_chunk(ps, s, c, x);
 }
 
-void GPT::backward(ParamStore& ps, GradStore& gs, float dloss) {
-  LOOM_CHECK(state_.logits.defined(), "backward without a preceding forward");
+void GPT::backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, float dloss) const {
+  LOOM_CHECK(s.logits.defined(), "backward without a preceding forward");
   Tensor d;
-  for (int c = num_chunks(); c-- > 0;) d = backward_chunk(ps, gs, state_, c, d, dloss);
+  for (int c = num_chunks(); c-- > 0;) d = backward_chunk(ps, gs, s, c, d, dloss);
+}
+
+double MicroBatchState::host_loss_sum() const {
+  return loss_sum.defined() ? loss_sum.clone(Tier::host).data<double>()[0] : 0.0;
 }
 
 }  // namespace loom

@@ -11,10 +11,14 @@ MLP::MLP(ParamLayout& layout, const std::string& prefix, int64_t C, int group, f
 }
 
 Tensor MLP::forward(const ParamStore& ps, Saved& s, const Tensor& in) const {
+  forward_activation(ps, s, in);
+  return c_proj_.forward(ps, s.act);
+}
+
+void MLP::forward_activation(const ParamStore& ps, Saved& s, const Tensor& in) const {
   s.fc = c_fc_.forward(ps, in);
   s.act = Tensor::empty(s.fc.shape());
   ops::gelu_forward(s.act.data<float>(), s.fc.data<float>(), s.fc.numel());
-  return c_proj_.forward(ps, s.act);
 }
 
 Tensor MLP::backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s) const {

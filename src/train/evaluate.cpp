@@ -66,9 +66,10 @@ EvalResult evaluate(GPT& model, ParamStore& params, const std::vector<std::files
   ForwardOptions fo;
   fo.training = false;
   return evaluate_windows(shards, seq_len, micro_batch, chars_per_token, max_batches, model.config().vocab_size, dp,
-                          [&](const MicroBatch& mb, int64_t targets) {
-                            const float loss = model.forward(params, mb.tokens, mb.targets, mb.shape, fo);
-                            return static_cast<double>(loss) * static_cast<double>(targets);
+                          [&](const MicroBatch& mb, int64_t) {
+                            MicroBatchState s;
+                            model.forward(params, s, mb.tokens, mb.targets, mb.shape, fo);
+                            return s.host_loss_sum();
                           });
 }
 

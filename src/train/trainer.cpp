@@ -86,7 +86,8 @@ class MicroBatchWork final : public PipelineStageWork {
   MicroBatchWork(GPT& model, ParamStore& ps, GradStore& gs, std::span<const MicroBatch> micro_batches,
                  const ForwardOptions& base, float dloss, bool reduce_last)
       : model_(model), ps_(ps), gs_(gs), micro_batches_(micro_batches), base_(base), dloss_(dloss),
-        reduce_last_(reduce_last), states_(micro_batches.size()), begun_(micro_batches.size(), false) {}
+        reduce_last_(reduce_last), states_(micro_batches.size()), begun_(micro_batches.size(), false),
+        loss_sum_(Tensor::zeros({1}, DType::f64)) {}
 
   Shape activation_shape(int, int micro_batch) const override {
     const MicroBatch& mb = micro_batches_[static_cast<size_t>(micro_batch)];
@@ -98,7 +99,7 @@ class MicroBatchWork final : public PipelineStageWork {
       const MicroBatch& mb = micro_batches_[m];
       ForwardOptions fo = base_;
       fo.first_sequence = mb.first_sequence;
-      model_.begin(states_[m], mb.tokens, mb.targets, mb.shape, fo);
+      model_.begin(states_[m], mb.tokens, mb.targets, mb.shape, fo, loss_sum_);
       begun_[m] = true;
     }
     return model_.forward_chunk(ps_, states_[m], chunk, input);
@@ -111,9 +112,9 @@ class MicroBatchWork final : public PipelineStageWork {
   }
   // The micro-batches' loss sum on every rank of `pipeline`: only the last
   // stage computes losses (its tensor-parallel ranks all the same ones).
+  // One read of the device accumulator.
   double loss_sum(Communicator& pipeline) const {
-    double sum = 0.0;
-    for (const MicroBatchState& s : states_) sum += s.loss_sum;
+    const double sum = loss_sum_.clone(Tier::host).data<double>()[0];
     if (pipeline.size() == 1) return sum;
     float reduced = static_cast<float>(sum);
     pipeline.all_reduce(&reduced, 1, DType::f32, ReduceOp::sum);
@@ -130,6 +131,7 @@ class MicroBatchWork final : public PipelineStageWork {
   bool reduce_last_;
   std::vector<MicroBatchState> states_;
   std::vector<bool> begun_;
+  Tensor loss_sum_;  // [1] f64 on the device, shared by the micro-batches
 };
 
 }  // namespace
@@ -238,12 +240,9 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
   // The objective is the mean over every target token of the global batch, so
   // each position's loss weighs 1 / (target tokens in the whole batch); the
   // ranks' gradients are then summed, not averaged.
-  std::vector<int64_t> mb_targets;
   int64_t counts[2] = {0, 0};  // targets, tokens
   for (const MicroBatch& mb : micro_batches) {
-    mb_targets.push_back(static_cast<int64_t>(std::count_if(mb.targets, mb.targets + mb.shape.N(),
-                                                            [](int32_t t) { return t != -1; })));
-    counts[0] += mb_targets.back();
+    counts[0] += std::count_if(mb.targets, mb.targets + mb.shape.N(), [](int32_t t) { return t != -1; });
     counts[1] += mb.shape.N();
   }
   if (dp_) dp_->all_reduce(counts, 2, DType::i64, ReduceOp::sum);
@@ -262,8 +261,11 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
     base.training = true;
     base.checkpoint_activations = opts_.checkpoint_activations;
     base.dropout_key = dropout_key;
+    base.dloss = dloss;
     loss_sum = run_micro_batches(micro_batches, base, dloss);
   } else {
+    // The losses accumulate on the device; the host reads them once per step.
+    const Tensor device_loss_sum = Tensor::zeros({1}, DType::f64);
     for (size_t m = 0; m < micro_batches.size(); ++m) {
       const MicroBatch& mb = micro_batches[m];
       ForwardOptions fo;
@@ -271,12 +273,14 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
       fo.checkpoint_activations = opts_.checkpoint_activations;
       fo.dropout_key = dropout_key;
       fo.first_sequence = mb.first_sequence;
+      fo.dloss = dloss;
       // Gradient accumulation: only the last micro-batch's buckets communicate.
       grads_->set_reduce(m + 1 == micro_batches.size());
-      const float loss = model_.forward(*params_, mb.tokens, mb.targets, mb.shape, fo);
-      loss_sum += static_cast<double>(loss) * static_cast<double>(mb_targets[m]);
-      model_.backward(*params_, *grads_, dloss);
+      MicroBatchState s;
+      model_.forward(*params_, s, mb.tokens, mb.targets, mb.shape, fo, device_loss_sum);
+      model_.backward(*params_, *grads_, s, dloss);
     }
+    loss_sum = device_loss_sum.clone(Tier::host).data<double>()[0];
   }
   grads_->finish();
   params_->end_step();
@@ -285,6 +289,9 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
     dp_->all_reduce(&sum, 1, DType::f32, ReduceOp::sum);
     loss_sum = sum;
   }
+  if (!std::isfinite(loss_sum))
+    throw Error(str("the loss is ", loss_sum, " (not finite) at step ", steps_ + 1,
+                    ": training diverged; lower train.lr, enable train.grad_clip, or use a lower-risk precision"));
   stats.loss = static_cast<float>(loss_sum / static_cast<double>(targets));
   if (opts_.on_gradients) opts_.on_gradients(*grads_);
   stats.lr = opts_.schedule.at(steps_);
@@ -352,9 +359,9 @@ double Trainer::loss_sum(const MicroBatch& mb) {
   fo.training = false;
   fo.first_sequence = mb.first_sequence;
   if (!mesh_) {
-    const float loss = model_.forward(*params_, mb.tokens, mb.targets, mb.shape, fo);
-    const auto targets = std::count_if(mb.targets, mb.targets + mb.shape.N(), [](int32_t t) { return t != -1; });
-    return static_cast<double>(loss) * static_cast<double>(targets);
+    MicroBatchState s;
+    model_.forward(*params_, s, mb.tokens, mb.targets, mb.shape, fo);
+    return s.host_loss_sum();
   }
   MicroBatchWork work(model_, *params_, *grads_, {&mb, 1}, fo, 0.0f, false);
   Communicator& pipeline = mesh_->group(MeshAxis::pp);

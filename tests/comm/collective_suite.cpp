@@ -14,7 +14,7 @@
 namespace loom::comm_suite {
 namespace {
 
-constexpr DType kDtypes[] = {DType::f32, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8};
+constexpr DType kDtypes[] = {DType::f32, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8, DType::f64};
 constexpr ReduceOp kOps[] = {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min};
 // Elements in 64 MiB of f32.
 constexpr int64_t kLarge = int64_t{16} << 20;
@@ -46,8 +46,20 @@ uint64_t input_bits(DType dt, uint64_t seed, int rank, int64_t index) {
     case DType::i32: return static_cast<uint32_t>(h);
     case DType::i64: return h;
     case DType::u8: return h & 0xff;
+    case DType::f64: {
+      const double d = f;
+      uint64_t b;
+      std::memcpy(&b, &d, 8);
+      return b;
+    }
   }
   return 0;
+}
+
+double as_double(uint64_t bits) {
+  double d;
+  std::memcpy(&d, &bits, 8);
+  return d;
 }
 
 float as_float(DType dt, uint64_t bits) {
@@ -68,6 +80,19 @@ int64_t as_integer(DType dt, uint64_t bits) {
 // The result comm.h documents: ranks folded in order 0..n-1, floating types
 // in fp32 rounded once, integers in 64 bits with wrapping.
 uint64_t expected_bits(DType dt, ReduceOp op, uint64_t seed, int n, int64_t index) {
+  if (dt == DType::f64) {  // folded in double
+    double acc = as_double(input_bits(dt, seed, 0, index));
+    for (int k = 1; k < n; ++k) {
+      const double x = as_double(input_bits(dt, seed, k, index));
+      if (op == ReduceOp::sum || op == ReduceOp::avg) acc += x;
+      if (op == ReduceOp::max && (x > acc || std::isnan(x))) acc = x;
+      if (op == ReduceOp::min && (x < acc || std::isnan(x))) acc = x;
+    }
+    if (op == ReduceOp::avg) acc /= n;
+    uint64_t b;
+    std::memcpy(&b, &acc, 8);
+    return b;
+  }
   if (is_floating(dt)) {
     float acc = as_float(dt, input_bits(dt, seed, 0, index));
     for (int k = 1; k < n; ++k) {

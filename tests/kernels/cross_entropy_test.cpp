@@ -84,6 +84,34 @@ TEST(CrossEntropy, BackwardMayOverwriteTheLogits) {
   EXPECT_EQ(in_place, separate);
 }
 
+// Over a vocabulary large enough for the parallel path and the vector tails.
+TEST(CrossEntropy, FusedForwardBackwardIsBitIdenticalToTheSeparatePasses) {
+  const int64_t N = 23, V = 3001;
+  const auto logits = random_vector(N * V, 1, -5.0f, 5.0f), dloss = random_vector(N, 2);
+  std::vector<int32_t> targets(N);
+  for (int64_t i = 0; i < N; ++i) targets[i] = i % 5 == 4 ? -1 : static_cast<int32_t>(i * 131 % V);
+  std::vector<float> losses(N), lse(N), dlogits(N * V);
+  cross_entropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
+  cross_entropy_backward(dlogits.data(), logits.data(), lse.data(), targets.data(), dloss.data(), N, V);
+  std::vector<float> fused_losses(N), fused_lse(N);
+  auto fused = logits;
+  cross_entropy_forward_backward(fused_losses.data(), fused_lse.data(), fused.data(), targets.data(), dloss.data(), N,
+                                 V);
+  EXPECT_EQ(fused_losses, losses);
+  EXPECT_EQ(fused_lse, lse);
+  EXPECT_EQ(fused, dlogits);
+}
+
+TEST(AddSumF64, AddsTheDoubleSumInOrderToTheAccumulator) {
+  // 2^24 + 1 is not a float: a float sum would drop the ones.
+  const std::vector<float> x = {16777216.0f, 1.0f, 1.0f, -0.5f};
+  double sum = 0.25;
+  add_sum_f64(&sum, x.data(), static_cast<int64_t>(x.size()));
+  EXPECT_EQ(sum, 0.25 + 16777217.5);
+  add_sum_f64(&sum, x.data() + 1, 1);
+  EXPECT_EQ(sum, 0.25 + 16777218.5);
+}
+
 TEST(CrossEntropy, ResultsDoNotDependOnThreadCount) {
   const int64_t N = 23, V = 3001;
   const auto logits = random_vector(N * V, 1, -5.0f, 5.0f), dloss = random_vector(N, 2);

@@ -30,9 +30,10 @@ Tensor gradients(const GPTConfig& cfg, const std::vector<int32_t>& tok, const st
   GPT model(cfg);
   ParamStore ps(model.layout(), 5);
   GradStore gs(model.layout());
-  float l = model.forward(ps, tok.data(), tgt.data(), bs, fo);
-  if (loss) *loss = l;
-  model.backward(ps, gs, 1.0f / static_cast<float>(bs.N()));
+  MicroBatchState s;
+  model.forward(ps, s, tok.data(), tgt.data(), bs, fo);
+  if (loss) *loss = static_cast<float>(s.host_loss_sum() / static_cast<double>(s.valid_targets));
+  model.backward(ps, gs, s, 1.0f / static_cast<float>(bs.N()));
   return gs.flat().clone(Tier::host);
 }
 
@@ -73,36 +74,56 @@ TEST(GPT, BadTokensAndContextAreErrors) {
   GPT model(cfg);
   ParamStore ps(model.layout(), 1);
   std::vector<int32_t> tok = random_tokens(2 * 8, cfg.vocab_size, 1), tgt = tok;
+  MicroBatchState s;
   tok[5] = 37;
   try {
-    model.forward(ps, tok.data(), tgt.data(), {2, 8});
+    model.forward(ps, s, tok.data(), tgt.data(), {2, 8});
     FAIL();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("token id 37"), std::string::npos) << e.what();
   }
   tok[5] = 0;
   tgt[3] = -7;
-  EXPECT_THROW(model.forward(ps, tok.data(), tgt.data(), {2, 8}), Error);
+  EXPECT_THROW(model.forward(ps, s, tok.data(), tgt.data(), {2, 8}), Error);
   std::vector<int32_t> long_tok = random_tokens(13, cfg.vocab_size, 2);
   try {
-    model.forward(ps, long_tok.data(), long_tok.data(), {1, 13});
+    model.forward(ps, s, long_tok.data(), long_tok.data(), {1, 13});
     FAIL();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("block_size = 12"), std::string::npos) << e.what();
   }
 }
 
-TEST(GPT, NonFiniteLossIsAnError) {
+// The forward does not stop on a non-finite loss (the host does not read it
+// per micro-batch); the sum carries it to the Trainer's once-per-step check.
+TEST(GPT, NonFiniteLossReachesTheLossSum) {
   GPTConfig cfg = small_config();
   GPT model(cfg);
   ParamStore ps(model.layout(), 1);
-  ps.param(model.layout().find("ln_f.weight")).fill_(std::numeric_limits<float>::quiet_NaN());
   std::vector<int32_t> tok = random_tokens(8, cfg.vocab_size, 1);
-  try {
-    model.forward(ps, tok.data(), tok.data(), {1, 8});
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("not finite"), std::string::npos) << e.what();
+  MicroBatchState s;
+  model.forward(ps, s, tok.data(), tok.data(), {1, 8});
+  EXPECT_TRUE(std::isfinite(s.host_loss_sum()));
+  ps.param(model.layout().find("ln_f.weight")).fill_(std::numeric_limits<float>::quiet_NaN());
+  model.forward(ps, s, tok.data(), tok.data(), {1, 8});
+  EXPECT_FALSE(std::isfinite(s.host_loss_sum()));
+}
+
+// Training knows dloss before the forward, which then writes the logits'
+// gradient in its pass over them: the same bits as the separate backward.
+TEST(GPT, FusedLossGradientIsBitIdentical) {
+  for (float dropout : {0.0f, 0.2f}) {
+    GPTConfig cfg = small_config(dropout);
+    std::vector<int32_t> tok = random_tokens(2 * 12, cfg.vocab_size, 5), tgt = random_tokens(24, cfg.vocab_size, 6);
+    tgt[3] = -1;  // an ignored position
+    ForwardOptions plain, fused;
+    plain.dropout_key = fused.dropout_key = 7;
+    fused.dloss = 1.0f / 24.0f;
+    float l1 = 0, l2 = 0;
+    Tensor g1 = gradients(cfg, tok, tgt, {2, 12}, plain, &l1);
+    Tensor g2 = gradients(cfg, tok, tgt, {2, 12}, fused, &l2);
+    EXPECT_EQ(l1, l2);
+    EXPECT_TRUE(bit_equal(g1, g2)) << "dropout " << dropout;
   }
 }
 
@@ -141,7 +162,8 @@ TEST(GPT, CheckpointingKeepsOnlyBlockInputs) {
     size_t before = ctx.tier(Tier::device).used();
     ForwardOptions fo;
     fo.checkpoint_activations = ckpt;
-    model.forward(ps, tok.data(), tok.data(), {4, 12}, fo);
+    MicroBatchState s;
+    model.forward(ps, s, tok.data(), tok.data(), {4, 12}, fo);
     return ctx.tier(Tier::device).used() - before;
   };
   // Kept after forward: 16 N C per block without checkpointing, N C with.
@@ -164,8 +186,9 @@ TEST(GPT, MicroBatchesAccumulateToTheFullBatchGradient) {
   for (int64_t mb = 0; mb < 2; ++mb) {
     ForwardOptions f = fo;
     f.first_sequence = 2 * mb;  // masks follow the global sequence index
-    model.forward(ps, tok.data() + mb * 20, tgt.data() + mb * 20, {2, 10}, f);
-    model.backward(ps, gs, 1.0f / 40.0f);
+    MicroBatchState s;
+    model.forward(ps, s, tok.data() + mb * 20, tgt.data() + mb * 20, {2, 10}, f);
+    model.backward(ps, gs, s, 1.0f / 40.0f);
   }
   const float* a = gs.flat().data<float>();
   const float* b = full.data<float>();
@@ -182,8 +205,9 @@ TEST(GPT, KVCacheMatchesTheFullForward) {
   std::vector<int32_t> tok = random_tokens(B * T, cfg.vocab_size, 12);
   ForwardOptions fo;
   fo.training = false;
-  model.forward(ps, tok.data(), tok.data(), {B, T}, fo);
-  Tensor full = model.logits().clone(Tier::host);
+  MicroBatchState s;
+  model.forward(ps, s, tok.data(), tok.data(), {B, T}, fo);
+  Tensor full = s.logits.clone(Tier::host);
 
   // Prompt of 5 tokens, then one token at a time.
   KVCache cache(cfg, B);

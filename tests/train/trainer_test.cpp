@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "loom/train.h"
 #include "test_util.h"
@@ -62,6 +63,24 @@ TEST(Trainer, ABatchWithoutTargetsIsAnError) {
   std::vector<int32_t> tok(16, 1), tgt(16, -1);
   MicroBatch mb{tok.data(), tgt.data(), {1, 16}, 0};
   EXPECT_THROW(trainer.step({&mb, 1}), Error);
+}
+
+// The host reads the loss once per step, after the micro-batches: a
+// non-finite loss stops the step there, before the optimizer runs.
+TEST(Trainer, ANonFiniteLossIsAnErrorOfTheStep) {
+  Trainer trainer(config(), {});
+  trainer.params()
+      .param(trainer.model().layout().find("ln_f.weight"))
+      .fill_(std::numeric_limits<float>::quiet_NaN());
+  std::vector<int32_t> tok = random_tokens(2 * 16 + 1, config().vocab_size, 3);
+  const MicroBatch mbs[] = {{tok.data(), tok.data() + 1, {1, 16}, 0}, {tok.data() + 16, tok.data() + 17, {1, 16}, 1}};
+  try {
+    trainer.step(mbs);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not finite"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(trainer.optimizer_steps(), 0);
 }
 
 }  // namespace

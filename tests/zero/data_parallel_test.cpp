@@ -124,9 +124,10 @@ TEST(DataParallel, BucketReductionsStartBeforeBackwardEnds) {
       ForwardOptions fo;
       fo.training = true;
       fo.first_sequence = mb.first_sequence;
-      model.forward(params, mb.tokens, mb.targets, mb.shape, fo);
+      MicroBatchState state;
+      model.forward(params, state, mb.tokens, mb.targets, mb.shape, fo);
       const int64_t before = grads.reductions();
-      model.backward(params, grads, 1.0f / static_cast<float>(testing::kGlobal * testing::kT));
+      model.backward(params, grads, state, 1.0f / static_cast<float>(testing::kGlobal * testing::kT));
       const int64_t during = grads.issued_before_ready.back() - before;
       grads.finish();
       params.end_step();

@@ -28,6 +28,15 @@ float sum_exp_of(const float* x, float m, int64_t n) {
   return sum;
 }
 
+// dloss * (softmax - onehot) over a row's `real` classes, zero for padding;
+// d may alias x. t: the target's column in this row, or out of [0, real).
+void gradient_row(float* d, const float* x, float l, float g, int64_t t, int64_t real, int64_t V) {
+#pragma omp simd
+  for (int64_t j = 0; j < real; ++j) d[j] = g * simd_exp(x[j] - l);
+  std::fill(d + real, d + V, 0.0f);
+  if (t >= 0 && t < real) d[t] -= g;
+}
+
 }  // namespace
 
 void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
@@ -40,6 +49,30 @@ void cross_entropy_forward(float* losses, float* lse, const float* logits, const
     lse[i] = l;
     losses[i] = targets[i] < 0 ? 0.0f : l - x[targets[i]];
   }
+}
+
+void cross_entropy_forward_backward(float* losses, float* lse, float* logits, const int32_t* targets,
+                                    const float* dloss, int64_t N, int64_t V) {
+#pragma omp parallel for schedule(static) if (N * V >= kMinParallelWork)
+  for (int64_t i = 0; i < N; ++i) {
+    float* x = logits + i * V;
+    const float m = max_of(x, V);
+    const float l = m + std::log(sum_exp_of(x, m, V));
+    lse[i] = l;
+    if (targets[i] < 0) {
+      losses[i] = 0.0f;
+      std::fill(x, x + V, 0.0f);
+      continue;
+    }
+    losses[i] = l - x[targets[i]];
+    gradient_row(x, x, l, dloss[i], targets[i], V, V);
+  }
+}
+
+void add_sum_f64(double* sum, const float* x, int64_t n) {
+  double s = 0.0;
+  for (int64_t i = 0; i < n; ++i) s += x[i];
+  *sum += s;
 }
 
 void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
@@ -74,12 +107,7 @@ void cross_entropy_shard_backward(float* dlogits, const float* logits, const flo
       std::fill(d, d + V, 0.0f);
       continue;
     }
-    const float g = dloss[i], l = lse[i];
-#pragma omp simd
-    for (int64_t j = 0; j < real; ++j) d[j] = g * simd_exp(x[j] - l);
-    std::fill(d + real, d + V, 0.0f);
-    const int64_t t = static_cast<int64_t>(targets[i]) - first;
-    if (t >= 0 && t < real) d[t] -= g;
+    gradient_row(d, x, lse[i], dloss[i], static_cast<int64_t>(targets[i]) - first, real, V);
   }
 }
 
