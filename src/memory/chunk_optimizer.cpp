@@ -2,6 +2,7 @@
 #include <deque>
 
 #include "memory/chunk_manager_impl.h"
+#include "zero/statistics.h"
 
 namespace loom {
 
@@ -14,9 +15,9 @@ GradientCheck ChunkManager::Impl::check_gradients() {
   if (!dp) return local;
   // Every rank decides from the same reduced figures, so all skip or all
   // step together.
-  float both[2] = {static_cast<float>(local.sum_squares), static_cast<float>(local.non_finite)};
-  dp->all_reduce(both, 2, DType::f32, ReduceOp::sum);
-  return {static_cast<double>(both[0]), static_cast<int64_t>(both[1])};
+  double both[2] = {local.sum_squares, static_cast<double>(local.non_finite)};
+  zero_detail::all_reduce_f64(*dp, both, 2);
+  return {both[0], static_cast<int64_t>(both[1])};
 }
 
 void ChunkManager::Impl::publish(int c, const float* master, Tier on) {
@@ -110,7 +111,7 @@ void ChunkManager::Impl::step(float lr, float grad_scale) {
       convert(src, precision, g, DType::f32, r.numel());
     } else {
       LOOM_CHECK(s.grad_shard.tier() == on, "chunk ", c, "'s gradient shard is not where its update runs");
-      convert(s.grad_shard.raw(), precision, g, DType::f32, r.numel());
+      convert(s.grad_shard.raw(), DType::f32, g, DType::f32, r.numel());
     }
     adamw.update(r, o, g, o + S, o + 2 * S);
     publish(c, o, on);

@@ -5,6 +5,7 @@
 #include "loom/device.h"
 #include "loom/planner.h"
 #include "loom/train.h"
+#include "zero/statistics.h"
 
 namespace loom {
 
@@ -115,9 +116,8 @@ class MicroBatchWork final : public PipelineStageWork {
     double sum = 0.0;
     for (const MicroBatchState& s : states_) sum += s.loss_sum;
     if (pipeline.size() == 1) return sum;
-    float reduced = static_cast<float>(sum);
-    pipeline.all_reduce(&reduced, 1, DType::f32, ReduceOp::sum);
-    return reduced;
+    zero_detail::all_reduce_f64(pipeline, &sum, 1);
+    return sum;
   }
 
  private:
@@ -285,9 +285,7 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
   grads_->finish();
   params_->end_step();
   if (dp_) {
-    float sum = static_cast<float>(loss_sum);
-    dp_->all_reduce(&sum, 1, DType::f32, ReduceOp::sum);
-    loss_sum = sum;
+    zero_detail::all_reduce_f64(*dp_, &loss_sum, 1);
   }
   stats.loss = static_cast<float>(loss_sum / static_cast<double>(targets));
   if (opts_.on_gradients) opts_.on_gradients(*grads_);
