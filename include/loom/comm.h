@@ -47,6 +47,10 @@ struct CommOptions {
   // How long a rank waits for the other members of a group to join a
   // collective, or for the other side of a send/recv, before failing.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // For tests only: floating-point sum reductions (all_reduce, reduce_scatter)
+  // add their result to itself, as a reduction applied twice would, so that a
+  // test can show its comparison catches a gradient off by a constant factor.
+  bool test_double_sums = false;
 };
 
 // Largest tag a send/recv may use (the smallest MPI_TAG_UB MPI allows).

@@ -298,12 +298,6 @@ MemoryReport allocator_report();
 
 class ChunkManager;
 
-// A piece of the whole model's fp32 state: the flat elements `range` (whole
-// parameters) with their weights and AdamW moments.
-using StateVisitor =
-    std::function<void(FlatRange range, const float* params, const float* exp_avg, const float* exp_avg_sq)>;
-using StateFiller = std::function<void(FlatRange range, float* params, float* exp_avg, float* exp_avg_sq)>;
-
 // ParamStore over chunks: acquire(group) brings the group's chunks to the
 // device (gathered over dp), release lets the manager keep or drop them.
 class ChunkParamStore final : public ParamStore {
@@ -337,7 +331,7 @@ class ChunkGradStore final : public GradStore {
 
 // Owns the chunks' memory on every tier, moves payloads, gathers and reduces
 // chunks and runs the AdamW update chunk by chunk. `dp` may be null (one rank).
-class ChunkManager {
+class ChunkManager final : public OptimizerStore {
  public:
   // Validates the options, searches the chunk size (unless given), places the
   // payloads and checks the budgets of the calling thread's MemoryContext
@@ -355,25 +349,29 @@ class ChunkManager {
   MemoryReport report() const;
 
   // Collective: the gradients' global sum of squares and non-finite count.
-  GradientCheck check_gradients();
+  GradientCheck check_gradients() override;
   // Collective: one AdamW update of this rank's shards with every gradient
   // multiplied by grad_scale.
-  void step(float lr, float grad_scale);
+  void step(float lr, float grad_scale) override;
   // After a skipped step (fp16 overflow): the working parameters, which hold
   // the gradients when they reuse their memory, are rounded again from the
   // master weights.
-  void restore_parameters();
-  int64_t optimizer_steps() const;
-  void set_optimizer_steps(int64_t t);
+  void after_skip() override;
+  int64_t steps() const override;
+  void set_steps(int64_t t) override;
 
   // Collective: the whole model's fp32 weights (master weights) and moments,
   // chunk by chunk in flat order, each chunk gathered from the ranks' shards
   // into host memory valid during the call. A model larger than the host
   // streams through one chunk (checkpoints).
-  void visit_state(const StateVisitor& visit);
+  void visit_state(const StateVisitor& visit) override;
+  // Collective: the step's reduced gradient (fp32, still multiplied by the
+  // loss scale) chunk by chunk in flat order, like visit_state; valid between
+  // the gradient store's finish() and step().
+  void visit_gradients(const GradientVisitor& visit) override;
   // Every rank takes its shards from `fill`, which writes the whole state of
   // each chunk's range.
-  void load_state(const StateFiller& fill);
+  void load_state(const StateFiller& fill) override;
 
  private:
   friend class ChunkParamStore;

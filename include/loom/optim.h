@@ -72,6 +72,27 @@ class AdamW {
   Tensor m_, v_;
 };
 
+// The single-rank reference's optimizer store: AdamW over the whole flat
+// space of a ParamStore and a GradStore that keep it in one buffer each.
+class ReferenceOptimizer final : public OptimizerStore {
+ public:
+  ReferenceOptimizer(ParamStore& params, GradStore& grads, const AdamWConfig& cfg);
+
+  GradientCheck check_gradients() override;
+  void step(float lr, float grad_scale) override;
+  int64_t steps() const override { return adamw_.steps(); }
+  void set_steps(int64_t t) override { adamw_.set_steps(t); }
+  // One piece: the whole model.
+  void visit_state(const StateVisitor& visit) override;
+  void load_state(const StateFiller& fill) override;
+  void visit_gradients(const GradientVisitor& visit) override;
+
+ private:
+  ParamStore& params_;
+  GradStore& grads_;
+  AdamW adamw_;
+};
+
 // The factor that scales gradients of global norm `norm` down to max_norm
 // (1 when clipping is off, max_norm <= 0).
 float clip_scale(double norm, float max_norm);

@@ -177,4 +177,50 @@ class GradStore {
   Tensor flat_;
 };
 
+// What a rank's gradients look like across the whole data-parallel group.
+struct GradientCheck {
+  double sum_squares = 0.0;  // of every gradient element of the model
+  int64_t non_finite = 0;    // Inf/NaN elements seen by any rank
+};
+
+// A piece of the whole model's fp32 state: the flat elements `range` (whole
+// parameters) with their weights and AdamW moments.
+using StateVisitor =
+    std::function<void(FlatRange range, const float* params, const float* exp_avg, const float* exp_avg_sq)>;
+using StateFiller = std::function<void(FlatRange range, float* params, float* exp_avg, float* exp_avg_sq)>;
+using GradientVisitor = std::function<void(FlatRange range, const float* grads)>;
+
+// The optimizer state of one rank and the update that applies the step's
+// reduced gradients to the parameters: the third store beside ParamStore and
+// GradStore. The reference's AdamW over the whole flat space
+// (ReferenceOptimizer, optim.h), ZeRO's over the owned blocks (ZeroOptimizer,
+// zero.h) and the chunk manager's chunk by chunk on whichever tier holds the
+// state (ChunkManager, memory.h) implement it; the Trainer holds one.
+class OptimizerStore {
+ public:
+  virtual ~OptimizerStore() = default;
+  // Collective: the sum of squares and non-finite count of the step's
+  // reduced gradients (still multiplied by the loss scale).
+  virtual GradientCheck check_gradients() = 0;
+  // Collective: one AdamW update with every gradient multiplied by
+  // grad_scale (clipping and loss-scale unscaling folded in).
+  virtual void step(float lr, float grad_scale) = 0;
+  // After a skipped update (fp16 overflow): whatever the step's gradients
+  // overwrote is restored from the optimizer state.
+  virtual void after_skip() {}
+  // AdamW updates applied.
+  virtual int64_t steps() const = 0;
+  virtual void set_steps(int64_t t) = 0;
+  // Collective: this rank's layout's whole state in flat order, in pieces of
+  // whole parameters, in host memory valid during the call.
+  virtual void visit_state(const StateVisitor& visit) = 0;
+  // Collective: every rank takes its part of the state `fill` writes, piece
+  // by piece.
+  virtual void load_state(const StateFiller& fill) = 0;
+  // Collective: the step's reduced gradient (fp32, still multiplied by the
+  // loss scale) in flat order, in pieces like visit_state; valid between the
+  // gradient store's finish() and step().
+  virtual void visit_gradients(const GradientVisitor& visit) = 0;
+};
+
 }  // namespace loom

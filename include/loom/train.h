@@ -98,14 +98,14 @@ class Trainer {
   // policy, the allocators' figures otherwise.
   MemoryReport memory_report() const;
   // The chunk manager under a memory policy (nullptr otherwise).
-  const ChunkManager* memory_manager() const { return chunk_memory_.get(); }
+  const ChunkManager* memory_manager() const { return chunk_memory_; }
   // AdamW updates applied (fp16 skips excluded).
   int64_t optimizer_steps() const;
 
   GPT& model() { return model_; }
   ParamStore& params() { return *params_; }
   GradStore& grads() { return *grads_; }
-  AdamW& optimizer();
+  OptimizerStore& optimizer() { return *optim_; }
   const TrainOptions& options() const { return opts_; }
   Communicator* data_parallel() const { return dp_; }
   // Steps run (skipped ones included); the optimizer counts applied updates.
@@ -131,6 +131,11 @@ class Trainer {
   State gather_state();
   // Collective under dp (the whole mesh): every rank takes its part of `state`.
   void load_state(const State& state);
+  // Collective under dp (the whole mesh): the step's reduced gradient of the
+  // whole model in state_layout()'s flat order, fp32 and divided by the loss
+  // scale, on the host tier of every rank; called from
+  // TrainOptions::on_gradients (tests compare layouts' gradients with it).
+  Tensor gather_gradients();
   // Collective: the whole state in pieces of whole parameters in flat order:
   // one piece (gathered on the host), or one chunk at a time under a memory
   // policy, so that a model larger than the host streams through (checkpoints
@@ -141,8 +146,9 @@ class Trainer {
   void load_state(const State& counters, const StateFiller& fill);
 
  private:
-  // The ZeRO stores over dp_, for the model's (local) layout.
-  void build_zero_stores();
+  // The ZeRO stores over dp_, for the model's (local) layout; returns the
+  // optimizer store it made.
+  ZeroOptimizer& build_zero_stores();
   // The chunk stores of memory.h under a memory policy.
   void build_chunk_stores();
   // The mesh step: this rank's micro-batches through the pipeline schedule.
@@ -153,6 +159,10 @@ class Trainer {
   StepStats apply_update(StepStats stats);
   // The step counters and the loss scaler's state of a State.
   void load_counters(const State& s);
+  // Collective over the replica: the whole model's tensor (host tier) from
+  // this rank's flat tensor of its own layout (itself unless split over tp
+  // or pp).
+  Tensor to_whole(const Tensor& local);
 
   TrainOptions opts_;
   Communicator* dp_;
@@ -166,9 +176,10 @@ class Trainer {
   std::unique_ptr<ZeroPartition> partition_;
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<GradStore> grads_;
-  std::unique_ptr<AdamW> reference_optim_;
-  std::unique_ptr<ZeroOptimizer> zero_optim_;
-  std::unique_ptr<ChunkManager> chunk_memory_;
+  // The optimizer store of whichever family holds the state (reference,
+  // ZeRO, chunks); the chunk manager is also the memory policy's manager.
+  std::unique_ptr<OptimizerStore> optim_;
+  ChunkManager* chunk_memory_ = nullptr;
   std::unique_ptr<LossScaler> scaler_;
   int64_t steps_ = 0;
 };

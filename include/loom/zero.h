@@ -28,6 +28,8 @@
 #pragma once
 
 #include <deque>
+#include <functional>
+#include <span>
 #include <vector>
 
 #include "loom/comm.h"
@@ -196,16 +198,10 @@ class ZeroGradStore final : public GradStore {
   bool reduce_ = true;
 };
 
-// What a rank's gradients look like across the whole data-parallel group.
-struct GradientCheck {
-  double sum_squares = 0.0;  // of every gradient element of the model
-  int64_t non_finite = 0;    // Inf/NaN elements seen by any rank
-};
-
 // Optimizer state: AdamW moments (and, for bf16/f16, fp32 master weights) of
 // the elements this rank owns: all of them under stage 0, its blocks under
 // stages 1-3.
-class ZeroOptimizer {
+class ZeroOptimizer final : public OptimizerStore {
  public:
   ZeroOptimizer(const ParamLayout& layout, const ZeroPartition& partition, Communicator& dp,
                 const ZeroOptions& opts, const AdamWConfig& cfg, uint64_t seed, ZeroParamStore& params,
@@ -219,14 +215,24 @@ class ZeroOptimizer {
   // the token table). Call before the first step.
   void count_norm_over(Communicator& model_parallel, std::vector<FlatRange> duplicates);
   // Collective: the gradients' global sum of squares and non-finite count.
-  GradientCheck check_gradients();
+  GradientCheck check_gradients() override;
   // Collective: one AdamW update of the owned elements with every gradient
   // multiplied by grad_scale, then the working parameters republished.
-  void step(float lr, float grad_scale);
+  void step(float lr, float grad_scale) override;
+  int64_t steps() const override { return adamw_->steps(); }
+  void set_steps(int64_t t) override { adamw_->set_steps(t); }
+  // One piece: the whole model, gathered on the host tier of every rank.
+  void visit_state(const StateVisitor& visit) override;
+  void load_state(const StateFiller& fill) override;
+  void visit_gradients(const GradientVisitor& visit) override;
 
   // Collective: the whole model's fp32 weights (the master weights) and
   // moments, in the layout's flat order, on every rank.
   void gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_avg_sq);
+  // Collective: the step's reduced gradient of the whole model in fp32 (still
+  // multiplied by the loss scale), in the layout's flat order, on every rank
+  // (host tier); valid between the gradient store's finish() and step().
+  Tensor gather_gradients();
   // Collective: takes this rank's elements from whole-model tensors and
   // republishes the working parameters.
   void load_state(const Tensor& params, const Tensor& exp_avg, const Tensor& exp_avg_sq);
@@ -239,6 +245,11 @@ class ZeroOptimizer {
   float* master(size_t range) const;
 
  private:
+  // Collective: whole-model fp32 tensors (host tier) assembled from every
+  // rank's owned ranges; values(k, i) gives the fp32 values of range i for
+  // outs[k], read before the next call.
+  void gather_owned(std::span<Tensor* const> outs, const std::function<const float*(int kind, size_t range)>& values);
+
   const ParamLayout& layout_;
   const ZeroPartition& partition_;
   Communicator& dp_;

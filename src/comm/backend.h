@@ -30,6 +30,9 @@ struct CollectiveCall {
   uint64_t seq = 0;
   // How long to wait for the other members (CommOptions::timeout).
   std::chrono::milliseconds timeout{0};
+  // CommOptions::test_double_sums applied to this call: the result is added
+  // to itself after the collective.
+  bool doubled = false;
   // Set when the caller abandons its asynchronous operations: a backend still
   // waiting for the other ranks to join gives up.
   const std::atomic<bool>* cancelled = nullptr;

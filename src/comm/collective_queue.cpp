@@ -1,8 +1,21 @@
 #include "comm/collective_queue.h"
 
+#include "comm/buffer_ops.h"
 #include "loom/kernels.h"
 
 namespace loom::detail {
+
+namespace {
+
+// Runs a collective, then applies CommOptions::test_double_sums to its result.
+void run_on(Backend& backend, const CollectiveCall& call) {
+  backend.run_collective(call);
+  if (!call.doubled) return;
+  const void* twice[2] = {call.recv, call.recv};
+  reduce_into(twice, 2, &call.recv, 1, call.count, call.dtype, ReduceOp::sum);
+}
+
+}  // namespace
 
 // The handle's side of a queued collective.
 class QueuedCollective : public PendingOp {
@@ -75,7 +88,7 @@ void CollectiveQueue::run_now(CollectiveCall call) {
   }
   throw_if_failed(describe_on_group(call, backend_.world_ranks()));
   try {
-    backend_.run_collective(call);
+    run_on(backend_, call);
   } catch (...) {
     record_failure(current_exception_message());
     throw;
@@ -116,7 +129,7 @@ void CollectiveQueue::run_task(QueuedCollective& task) {
   try {
     throw_if_failed(what);
     if (cancelled_.load()) throw Error(str(what, " was cancelled before it started"));
-    backend_.run_collective(task.call());
+    run_on(backend_, task.call());
     task.finish({});
   } catch (...) {
     const std::string message = current_exception_message();

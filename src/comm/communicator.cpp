@@ -194,6 +194,8 @@ CollectiveCall Communicator::issue(CollectiveKind kind, const void* send, void* 
   call.root = root;
   call.seq = seq_ + 1;
   call.timeout = options_.timeout;
+  call.doubled = options_.test_double_sums && detail::is_reduction(kind) && op == ReduceOp::sum &&
+                 (dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16);
   const char* name = detail::collective_name(kind);
   if (count < 0) throw Error(str(name, ": element count ", count, " is negative"));
   if (kind == CollectiveKind::broadcast && (root < 0 || root >= size_))

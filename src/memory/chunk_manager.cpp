@@ -544,15 +544,19 @@ void ChunkManager::step(float lr, float grad_scale) {
   const HostSection host;
   impl_->step(lr, grad_scale);
 }
-void ChunkManager::restore_parameters() {
+void ChunkManager::after_skip() {
   const HostSection host;
   impl_->restore_parameters();
 }
-int64_t ChunkManager::optimizer_steps() const { return impl_->adamw.steps(); }
-void ChunkManager::set_optimizer_steps(int64_t t) { impl_->adamw.set_steps(t); }
+int64_t ChunkManager::steps() const { return impl_->adamw.steps(); }
+void ChunkManager::set_steps(int64_t t) { impl_->adamw.set_steps(t); }
 void ChunkManager::visit_state(const StateVisitor& visit) {
   const HostSection host;
   impl_->visit_state(visit);
+}
+void ChunkManager::visit_gradients(const GradientVisitor& visit) {
+  const HostSection host;
+  impl_->visit_gradients(visit);
 }
 void ChunkManager::load_state(const StateFiller& fill) {
   const HostSection host;

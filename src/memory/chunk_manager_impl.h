@@ -5,6 +5,7 @@
 #pragma once
 
 #include <deque>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -118,7 +119,14 @@ struct ChunkManager::Impl {
   void publish(int c, const float* master, Tier on);
   void restore_parameters();
   void end_update();
+  // Gathers the chunks one at a time: shard(c, out) writes `kinds` fp32
+  // values per element of this rank's shard of chunk c (kinds blocks of the
+  // shard size), and visit gets each chunk's whole range with each kind's
+  // values `stride` apart.
+  void gather_chunks(int kinds, const std::function<void(int c, float* shard)>& shard,
+                     const std::function<void(FlatRange range, const float* whole, int64_t stride)>& visit);
   void visit_state(const StateVisitor& visit);
+  void visit_gradients(const std::function<void(FlatRange range, const float* grads)>& visit);
   void load_state(const StateFiller& fill);
 
   const ParamLayout& layout;

@@ -143,25 +143,53 @@ void ChunkManager::Impl::restore_parameters() {
   end_update();
 }
 
-void ChunkManager::Impl::visit_state(const StateVisitor& visit) {
+void ChunkManager::Impl::gather_chunks(int kinds, const std::function<void(int c, float* shard)>& shard,
+                                       const std::function<void(FlatRange range, const float* whole, int64_t stride)>& visit) {
   const int64_t S = chunks.shard_numel(), C = chunks.chunk_numel();
-  // Host staging for one chunk at a time: this rank's shard of the three
-  // kinds, and the whole chunk of each once gathered.
-  Tensor state = Tensor::empty({3 * S}, DType::f32, Tier::host);
-  Tensor whole = ranks > 1 ? Tensor::empty({3 * C}, DType::f32, Tier::host) : Tensor();
+  // Host staging for one chunk at a time: this rank's shard of each kind,
+  // and the whole chunk of each once gathered.
+  Tensor state = Tensor::empty({kinds * S}, DType::f32, Tier::host);
+  Tensor whole = ranks > 1 ? Tensor::empty({kinds * C}, DType::f32, Tier::host) : Tensor();
   for (int c = 0; c < chunks.num_chunks(); ++c) {
     const Chunk& ch = chunks.chunk(c);
-    load(cs[static_cast<size_t>(c)].optim, state.raw(), Tier::host);
-    const float* kinds = state.data<float>();
+    shard(c, state.data<float>());
+    const float* values = state.data<float>();
     int64_t stride = S;
     if (ranks > 1) {
-      for (int k = 0; k < 3; ++k)
+      for (int k = 0; k < kinds; ++k)
         dp->all_gather(state.data<float>() + k * S, whole.data<float>() + k * C, S, DType::f32);
-      kinds = whole.data<float>();
+      values = whole.data<float>();
       stride = C;
     }
-    visit({ch.begin, ch.end}, kinds, kinds + stride, kinds + 2 * stride);
+    visit({ch.begin, ch.end}, values, stride);
   }
+}
+
+void ChunkManager::Impl::visit_state(const StateVisitor& visit) {
+  gather_chunks(
+      3, [&](int c, float* shard) { load(cs[static_cast<size_t>(c)].optim, shard, Tier::host); },
+      [&](FlatRange range, const float* kinds, int64_t stride) {
+        visit(range, kinds, kinds + stride, kinds + 2 * stride);
+      });
+}
+
+void ChunkManager::Impl::visit_gradients(const std::function<void(FlatRange range, const float* grads)>& visit) {
+  const int64_t S = chunks.shard_numel();
+  Tensor staged = Tensor::empty({S}, precision, Tier::host);
+  gather_chunks(
+      1,
+      [&](int c, float* shard) {
+        // Where the update reads it: the parameters' memory (reused) or the
+        // shard's own gradient.
+        const ChunkState& s = cs[static_cast<size_t>(c)];
+        const void* src = s.grad_shard.raw();
+        if (reuse) {
+          load(s.param, staged.raw(), Tier::host);
+          src = staged.raw();
+        }
+        convert(src, precision, shard, DType::f32, S);
+      },
+      [&](FlatRange range, const float* grads, int64_t) { visit(range, grads); });
 }
 
 void ChunkManager::Impl::load_state(const StateFiller& fill) {

@@ -149,7 +149,7 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, Communicator*
                       " needs a data-parallel communicator; the single-rank reference is stage 0 in fp32"));
     params_ = std::make_unique<ParamStore>(layout, opts_.seed);
     grads_ = std::make_unique<GradStore>(layout);
-    reference_optim_ = std::make_unique<AdamW>(layout, opts_.adamw);
+    optim_ = std::make_unique<ReferenceOptimizer>(*params_, *grads_, opts_.adamw);
     return;
   }
   build_zero_stores();
@@ -176,15 +176,15 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, DeviceMesh& m
     embedding_group_ = world.split(holds_table ? mesh.coord(MeshAxis::dp) * tp + mesh.coord(MeshAxis::tp) : -1, stage);
   }
   defer_reduction_ = pp > 1 || tpl.splits_tokens();
-  build_zero_stores();
+  ZeroOptimizer& zero = build_zero_stores();
   std::vector<FlatRange> duplicates;
   for (const ParamSpec& p : model_.layout().params())
     if (!owns_values(p, tpl.rank()))
       duplicates.push_back({p.offset, p.offset + p.numel()});
-  zero_optim_->count_norm_over(*model_parallel_group_, std::move(duplicates));
+  zero.count_norm_over(*model_parallel_group_, std::move(duplicates));
 }
 
-void Trainer::build_zero_stores() {
+ZeroOptimizer& Trainer::build_zero_stores() {
   const ZeroOptions& z = opts_.zero;
   const ParamLayout& layout = model_.layout();
   if (z.precision == DType::f16) scaler_ = std::make_unique<LossScaler>(opts_.loss_scale);
@@ -194,9 +194,12 @@ void Trainer::build_zero_stores() {
   partition_ = std::make_unique<ZeroPartition>(layout, dp_->size(), dp_->rank(), bucket_numel);
   auto params = std::make_unique<ZeroParamStore>(layout, *partition_, *dp_, z, opts_.seed);
   auto grads = std::make_unique<ZeroGradStore>(layout, *partition_, *dp_, z);
-  zero_optim_ = std::make_unique<ZeroOptimizer>(layout, *partition_, *dp_, z, opts_.adamw, opts_.seed, *params, *grads);
+  auto optim = std::make_unique<ZeroOptimizer>(layout, *partition_, *dp_, z, opts_.adamw, opts_.seed, *params, *grads);
+  ZeroOptimizer& zero = *optim;
   params_ = std::move(params);
   grads_ = std::move(grads);
+  optim_ = std::move(optim);
+  return zero;
 }
 
 void Trainer::build_chunk_stores() {
@@ -209,24 +212,17 @@ void Trainer::build_chunk_stores() {
   // The activations are not known before the first batch: the manager
   // checks the model state and its own working set against the budgets,
   // plan_training the whole step.
-  chunk_memory_ = std::make_unique<ChunkManager>(model_.layout(), opts_.memory, z.precision, dp_, opts_.adamw,
-                                                 opts_.seed, 0);
-  params_ = std::make_unique<ChunkParamStore>(*chunk_memory_);
-  grads_ = std::make_unique<ChunkGradStore>(*chunk_memory_);
+  auto manager = std::make_unique<ChunkManager>(model_.layout(), opts_.memory, z.precision, dp_, opts_.adamw,
+                                                opts_.seed, 0);
+  chunk_memory_ = manager.get();
+  params_ = std::make_unique<ChunkParamStore>(*manager);
+  grads_ = std::make_unique<ChunkGradStore>(*manager);
+  optim_ = std::move(manager);
 }
 
 Trainer::~Trainer() = default;
 
-AdamW& Trainer::optimizer() {
-  LOOM_CHECK(!chunk_memory_, "a chunk-placed optimizer keeps its moments in the chunks: use optimizer_steps() "
-                             "and gather_state()");
-  return reference_optim_ ? *reference_optim_ : zero_optim_->adamw();
-}
-
-int64_t Trainer::optimizer_steps() const {
-  if (chunk_memory_) return chunk_memory_->optimizer_steps();
-  return reference_optim_ ? reference_optim_->steps() : zero_optim_->adamw().steps();
-}
+int64_t Trainer::optimizer_steps() const { return optim_->steps(); }
 
 MemoryReport Trainer::memory_report() const {
   return chunk_memory_ ? chunk_memory_->report() : allocator_report();
@@ -369,16 +365,7 @@ StepStats Trainer::apply_update(StepStats stats) {
     return Error(str("the gradient norm is ", stats.grad_norm, " at step ", steps_ + 1,
                      ": training diverged; lower train.lr or enable train.grad_clip"));
   };
-  if (reference_optim_) {
-    Tensor g = grads_->flat();
-    stats.grad_norm = std::sqrt(ops::sum_squares(g.data<float>(), g.numel()));
-    if (!std::isfinite(stats.grad_norm)) throw diverged();
-    Tensor p = params_->flat();
-    reference_optim_->step(p.data<float>(), g.data<float>(), stats.lr, clip_scale(stats.grad_norm, opts_.grad_clip));
-    ++steps_;
-    return stats;
-  }
-  const GradientCheck check = chunk_memory_ ? chunk_memory_->check_gradients() : zero_optim_->check_gradients();
+  const GradientCheck check = optim_->check_gradients();
   stats.grad_norm = std::sqrt(check.sum_squares) / static_cast<double>(stats.loss_scale);
   const bool overflow = check.non_finite > 0 || !std::isfinite(stats.grad_norm);
   if (overflow && !scaler_) throw diverged();
@@ -388,14 +375,10 @@ StepStats Trainer::apply_update(StepStats stats) {
     // fp16: every rank saw the same count, so every rank skips this update
     // and its parameters and optimizer state stay as they were.
     stats.skipped = true;
-    if (chunk_memory_) chunk_memory_->restore_parameters();
+    optim_->after_skip();
     return stats;
   }
-  const float scale = clip_scale(stats.grad_norm, opts_.grad_clip) / stats.loss_scale;
-  if (chunk_memory_)
-    chunk_memory_->step(stats.lr, scale);
-  else
-    zero_optim_->step(stats.lr, scale);
+  optim_->step(stats.lr, clip_scale(stats.grad_norm, opts_.grad_clip) / stats.loss_scale);
   return stats;
 }
 
@@ -407,52 +390,50 @@ Trainer::State Trainer::gather_state() {
   s.steps = steps_;
   s.optimizer_steps = optimizer_steps();
   if (scaler_) s.loss_scale = scaler_->state();
-  if (reference_optim_) {
-    s.params = params_->flat().clone(Tier::host);
-    s.exp_avg = reference_optim_->exp_avg().clone(Tier::host);
-    s.exp_avg_sq = reference_optim_->exp_avg_sq().clone(Tier::host);
-  } else if (chunk_memory_) {
-    for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq})
-      *t = Tensor::empty({model_.layout().numel()}, DType::f32, Tier::host);
-    chunk_memory_->visit_state([&](FlatRange r, const float* p, const float* m, const float* v) {
-      std::copy_n(p, r.numel(), s.params.data<float>() + r.begin);
-      std::copy_n(m, r.numel(), s.exp_avg.data<float>() + r.begin);
-      std::copy_n(v, r.numel(), s.exp_avg_sq.data<float>() + r.begin);
-    });
-  } else {
-    zero_optim_->gather_state(s.params, s.exp_avg, s.exp_avg_sq);
-  }
-  if (whole_) {
-    // Each element of the whole model comes from exactly one rank of the
-    // replica (zeros elsewhere), so a sum assembles it.
-    const int tp_rank = model_.parallel().tp.rank();
-    for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq}) {
-      Tensor whole = Tensor::zeros({state_layout().numel()}, DType::f32, Tier::host);
-      for_each_whole_run(model_.layout(), state_layout(), [&](const ParamSpec& p, int64_t local, int64_t global, int64_t n) {
-        if (global < 0 || !owns_values(p, tp_rank)) return;
-        std::copy_n(t->data<float>() + local, n, whole.data<float>() + global);
-      });
-      model_parallel_group_->all_reduce(whole);
-      *t = std::move(whole);
-    }
-  }
+  for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq})
+    *t = Tensor::empty({model_.layout().numel()}, DType::f32, Tier::host);
+  optim_->visit_state([&](FlatRange r, const float* p, const float* m, const float* v) {
+    std::copy_n(p, r.numel(), s.params.data<float>() + r.begin);
+    std::copy_n(m, r.numel(), s.exp_avg.data<float>() + r.begin);
+    std::copy_n(v, r.numel(), s.exp_avg_sq.data<float>() + r.begin);
+  });
+  for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq}) *t = to_whole(*t);
   return s;
+}
+
+Tensor Trainer::gather_gradients() {
+  ops::synchronize();
+  Tensor g = Tensor::empty({model_.layout().numel()}, DType::f32, Tier::host);
+  optim_->visit_gradients(
+      [&](FlatRange r, const float* grads) { std::copy_n(grads, r.numel(), g.data<float>() + r.begin); });
+  if (scaler_) {
+    const float unscale = 1.0f / scaler_->scale();
+    float* values = g.data<float>();  // host memory
+    for (int64_t i = 0; i < g.numel(); ++i) values[i] *= unscale;
+  }
+  return to_whole(g);
+}
+
+Tensor Trainer::to_whole(const Tensor& local) {
+  if (!whole_) return local;
+  // Each element of the whole model comes from exactly one rank of the
+  // replica (zeros elsewhere), so a sum assembles it.
+  const int tp_rank = model_.parallel().tp.rank();
+  Tensor whole = Tensor::zeros({state_layout().numel()}, DType::f32, Tier::host);
+  for_each_whole_run(model_.layout(), state_layout(), [&](const ParamSpec& p, int64_t at, int64_t global, int64_t n) {
+    if (global < 0 || !owns_values(p, tp_rank)) return;
+    std::copy_n(local.data<float>() + at, n, whole.data<float>() + global);
+  });
+  model_parallel_group_->all_reduce(whole);
+  return whole;
 }
 
 void Trainer::load_state(const State& s) {
   ops::synchronize();
-  if (reference_optim_) {
-    params_->flat().copy_from(s.params);
-    reference_optim_->exp_avg().copy_from(s.exp_avg);
-    reference_optim_->exp_avg_sq().copy_from(s.exp_avg_sq);
-  } else if (chunk_memory_) {
-    chunk_memory_->load_state([&](FlatRange r, float* p, float* m, float* v) {
-      std::copy_n(s.params.data<float>() + r.begin, r.numel(), p);
-      std::copy_n(s.exp_avg.data<float>() + r.begin, r.numel(), m);
-      std::copy_n(s.exp_avg_sq.data<float>() + r.begin, r.numel(), v);
-    });
-  } else if (whole_) {
-    State local;
+  // This rank's layout's elements of the whole-model state.
+  State local;
+  const State* own = &s;
+  if (whole_) {
     for (auto [from, to] : {std::pair{&s.params, &local.params}, {&s.exp_avg, &local.exp_avg},
                             {&s.exp_avg_sq, &local.exp_avg_sq}}) {
       *to = Tensor::zeros({model_.layout().numel()}, DType::f32, Tier::host);
@@ -460,18 +441,18 @@ void Trainer::load_state(const State& s) {
         if (global >= 0) std::copy_n(from->data<float>() + global, n, to->data<float>() + local_at);
       });
     }
-    zero_optim_->load_state(local.params, local.exp_avg, local.exp_avg_sq);
-  } else {
-    zero_optim_->load_state(s.params, s.exp_avg, s.exp_avg_sq);
+    own = &local;
   }
+  optim_->load_state([&](FlatRange r, float* p, float* m, float* v) {
+    std::copy_n(own->params.data<float>() + r.begin, r.numel(), p);
+    std::copy_n(own->exp_avg.data<float>() + r.begin, r.numel(), m);
+    std::copy_n(own->exp_avg_sq.data<float>() + r.begin, r.numel(), v);
+  });
   load_counters(s);
 }
 
 void Trainer::load_counters(const State& s) {
-  if (chunk_memory_)
-    chunk_memory_->set_optimizer_steps(s.optimizer_steps);
-  else
-    optimizer().set_steps(s.optimizer_steps);
+  optim_->set_steps(s.optimizer_steps);
   steps_ = s.steps;
   // A state saved without fp16 has no scaler state: the scaler starts afresh.
   if (scaler_ && s.loss_scale.scale > 0.0f) scaler_->restore(s.loss_scale);
@@ -479,32 +460,27 @@ void Trainer::load_counters(const State& s) {
 
 void Trainer::visit_state(const StateVisitor& visit) {
   ops::synchronize();
-  if (chunk_memory_) {
-    chunk_memory_->visit_state(visit);
+  // A split model's pieces are assembled into the whole model's order first.
+  if (whole_) {
+    const State s = gather_state();
+    visit({0, s.params.numel()}, s.params.data<float>(), s.exp_avg.data<float>(), s.exp_avg_sq.data<float>());
     return;
   }
-  // The reference's own tensors are its whole state already.
-  if (reference_optim_) {
-    visit({0, params_->flat().numel()}, params_->flat().data<float>(), reference_optim_->exp_avg().data<float>(),
-          reference_optim_->exp_avg_sq().data<float>());
-    return;
-  }
-  const State s = gather_state();
-  visit({0, s.params.numel()}, s.params.data<float>(), s.exp_avg.data<float>(), s.exp_avg_sq.data<float>());
+  optim_->visit_state(visit);
 }
 
 void Trainer::load_state(const State& counters, const StateFiller& fill) {
   ops::synchronize();
-  if (chunk_memory_) {
-    chunk_memory_->load_state(fill);
-    load_counters(counters);
+  if (whole_) {
+    State s = counters;
+    const int64_t n = state_layout().numel();
+    for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq}) *t = Tensor::empty({n}, DType::f32, Tier::host);
+    fill({0, n}, s.params.data<float>(), s.exp_avg.data<float>(), s.exp_avg_sq.data<float>());
+    load_state(s);
     return;
   }
-  State s = counters;
-  const int64_t n = state_layout().numel();
-  for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq}) *t = Tensor::empty({n}, DType::f32, Tier::host);
-  fill({0, n}, s.params.data<float>(), s.exp_avg.data<float>(), s.exp_avg_sq.data<float>());
-  load_state(s);
+  optim_->load_state(fill);
+  load_counters(counters);
 }
 
 }  // namespace loom

@@ -109,21 +109,40 @@ void ZeroOptimizer::step(float lr, float grad_scale) {
 
 void ZeroOptimizer::gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_avg_sq) {
   params_.synchronize();
-  const int64_t n = layout_.numel();
   const float* m = adamw_->exp_avg().data<float>();
   const float* v = adamw_->exp_avg_sq().data<float>();
   Tensor* outs[3] = {&params, &exp_avg, &exp_avg_sq};
+  gather_owned(outs, [&](int kind, size_t i) -> const float* {
+    return kind == 0 ? master(i) : (kind == 1 ? m : v) + adamw_->offset(i);
+  });
+}
+
+Tensor ZeroOptimizer::gather_gradients() {
+  Tensor grads, converted;
+  Tensor* outs[1] = {&grads};
+  gather_owned(outs, [&](int, size_t i) -> const float* {
+    const FlatRange r = ranges_[i];
+    const Tensor g = grads_.owned(r);
+    if (opts_.precision == DType::f32) return g.data<float>();
+    converted = Tensor::empty({r.numel()}, DType::f32, Tier::host);
+    convert(g.raw(), opts_.precision, converted.raw(), DType::f32, r.numel());
+    return converted.data<float>();
+  });
+  return grads;
+}
+
+void ZeroOptimizer::gather_owned(std::span<Tensor* const> outs,
+                                 const std::function<const float*(int kind, size_t range)>& values) {
+  const int64_t n = layout_.numel();
+  // The values are read on the host, straight from the shards.
+  const HostSection host;
   // Staged on the host tier: a checkpoint must not need a device budget
   // for a whole model that only fits sharded.
   for (Tensor* t : outs) *t = Tensor::zeros({n}, DType::f32, Tier::host);
   if (opts_.stage == 0) {
-    for (size_t i = 0; i < ranges_.size(); ++i) {
-      const FlatRange r = ranges_[i];
-      ops::copy(params.data<float>() + r.begin, master(i), static_cast<size_t>(r.numel()) * 4);
-      ops::copy(exp_avg.data<float>() + r.begin, m + adamw_->offset(i), static_cast<size_t>(r.numel()) * 4);
-      ops::copy(exp_avg_sq.data<float>() + r.begin, v + adamw_->offset(i), static_cast<size_t>(r.numel()) * 4);
-    }
-    ops::synchronize();
+    for (size_t i = 0; i < ranges_.size(); ++i)
+      for (size_t k = 0; k < outs.size(); ++k)
+        std::copy_n(values(static_cast<int>(k), i), ranges_[i].numel(), outs[k]->data<float>() + ranges_[i].begin);
     return;
   }
   // Each bucket: every rank's block (padding included) gathered, then the
@@ -132,19 +151,35 @@ void ZeroOptimizer::gather_state(Tensor& params, Tensor& exp_avg, Tensor& exp_av
   for (const ZeroBucket& b : partition_.buckets()) {
     const FlatRange own = partition_.owned(b);
     const bool has = own.numel() > 0;
-    const float* sources[3] = {has ? master(i) : nullptr, has ? m + adamw_->offset(i) : nullptr,
-                               has ? v + adamw_->offset(i) : nullptr};
     Tensor block = Tensor::zeros({b.shard}, DType::f32, Tier::host);
     Tensor whole = Tensor::empty({b.shard * partition_.ranks()}, DType::f32, Tier::host);
-    for (int k = 0; k < 3; ++k) {
+    for (size_t k = 0; k < outs.size(); ++k) {
       block.zero_();
-      if (has) ops::copy(block.data<float>(), sources[k], static_cast<size_t>(own.numel()) * 4);
+      if (has) std::copy_n(values(static_cast<int>(k), i), own.numel(), block.data<float>());
       dp_.all_gather(block.raw(), whole.raw(), b.shard, DType::f32);
-      ops::copy(outs[k]->data<float>() + b.begin, whole.data<float>(), static_cast<size_t>(b.numel()) * 4);
+      std::copy_n(whole.data<float>(), b.numel(), outs[k]->data<float>() + b.begin);
     }
     if (has) ++i;
   }
-  ops::synchronize();
+}
+
+void ZeroOptimizer::visit_state(const StateVisitor& visit) {
+  Tensor p, m, v;
+  gather_state(p, m, v);
+  visit({0, p.numel()}, p.data<float>(), m.data<float>(), v.data<float>());
+}
+
+void ZeroOptimizer::load_state(const StateFiller& fill) {
+  const int64_t n = layout_.numel();
+  Tensor p = Tensor::empty({n}, DType::f32, Tier::host), m = Tensor::empty({n}, DType::f32, Tier::host),
+         v = Tensor::empty({n}, DType::f32, Tier::host);
+  fill({0, n}, p.data<float>(), m.data<float>(), v.data<float>());
+  load_state(p, m, v);
+}
+
+void ZeroOptimizer::visit_gradients(const GradientVisitor& visit) {
+  const Tensor g = gather_gradients();
+  visit({0, g.numel()}, g.data<float>());
 }
 
 void ZeroOptimizer::load_state(const Tensor& params, const Tensor& exp_avg, const Tensor& exp_avg_sq) {

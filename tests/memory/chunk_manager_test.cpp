@@ -78,7 +78,7 @@ TEST(ChunkManager, TensorStatesFollowTheStepAndAChunkReducesOnceAllItsTensorsAre
     ps.acquire(0);
     EXPECT_LT(ps.param(m.a1).data<float>()[0], before) << "a positive gradient lowers the parameter";
     ps.release(0);
-    EXPECT_EQ(mgr.optimizer_steps(), 1);
+    EXPECT_EQ(mgr.steps(), 1);
   }
 }
 

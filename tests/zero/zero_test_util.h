@@ -4,6 +4,8 @@
 #pragma once
 
 #include <functional>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "loom/comm.h"
@@ -31,6 +33,9 @@ struct DataParallelRun {
   // Chunk placement (memory.h) and the per-rank budgets it runs under.
   MemoryOptions memory;
   size_t device_budget = kUnlimited, host_budget = kUnlimited;
+  // Shows that a comparison catches a faulty reduction: the floating-point
+  // sums of this axis's group are doubled (CommOptions::test_double_sums).
+  std::optional<MeshAxis> doubled_sums;
   bool uses_mesh() const { return mesh || tp > 1 || pp > 1; }
 };
 
@@ -39,6 +44,7 @@ struct RunResult {
   std::vector<StepStats> stats;  // rank 0's, per step
   std::vector<float> params;     // the final weights (master weights), layout order
   std::vector<float> exp_avg, exp_avg_sq;
+  std::vector<float> grads;  // step 0's reduced gradient (Trainer::gather_gradients)
   MemoryReport memory;  // rank 0's, after the last step
   ChunkPlacement placement;  // rank 0's final placement under a memory policy
 };
@@ -110,7 +116,17 @@ inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& re
   const GPTConfig cfg = small_gpt(r.dropout, r.n_layer, r.n_head);
   TrainOptions opts = small_options(r);
   int step = 0;
-  if (r.on_gradients) opts.on_gradients = [&](GradStore& g) { r.on_gradients(step, g); };
+  Trainer* trainer_of_step = nullptr;
+  std::vector<float> grads;
+  opts.on_gradients = [&](GradStore& g) {
+    if (step == 0) {
+      // Gathered on the host, which the run's budget need not hold.
+      context.tier(Tier::host).set_budget(kUnlimited);
+      grads = to_vector(trainer_of_step->gather_gradients());
+      context.tier(Tier::host).set_budget(r.host_budget);
+    }
+    if (r.on_gradients) r.on_gradients(step, g);
+  };
   std::unique_ptr<DeviceMesh> mesh;
   if (r.uses_mesh()) {
     MeshShape shape;
@@ -119,8 +135,15 @@ inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& re
     shape[MeshAxis::pp] = r.pp;
     mesh = std::make_unique<DeviceMesh>(*comm, shape);
   }
+  if (r.doubled_sums) {
+    Communicator& group = mesh ? mesh->group(*r.doubled_sums) : *comm;
+    CommOptions faulty = group.options();
+    faulty.test_double_sums = true;
+    group.set_options(faulty);
+  }
   std::unique_ptr<Trainer> trainer =
       mesh ? std::make_unique<Trainer>(cfg, opts, *mesh) : std::make_unique<Trainer>(cfg, opts, comm);
+  trainer_of_step = trainer.get();
   const int dp = mesh ? r.dp : comm ? comm->size() : 1;
   const int rank = mesh ? mesh->coord(MeshAxis::dp) : comm ? comm->rank() : 0;
   std::vector<StepStats> stats;
@@ -141,6 +164,7 @@ inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& re
     result.params = to_vector(s.params);
     result.exp_avg = to_vector(s.exp_avg);
     result.exp_avg_sq = to_vector(s.exp_avg_sq);
+    result.grads = std::move(grads);
   }
 }
 
@@ -199,6 +223,59 @@ inline double key_bias_max_abs_diff(const RunResult& a, const RunResult& ref) {
     if (is_key_bias(model.layout(), static_cast<int64_t>(i)))
       worst = std::max(worst, std::fabs(static_cast<double>(a.params[i]) - ref.params[i]));
   return worst;
+}
+
+// The equivalence check of every layout against its reference: the loss and
+// the global gradient norm of every step (relative difference), the whole
+// parameters after the run (param_rel_diff) and the step-0 gradient of every
+// parameter (its largest absolute difference over its largest absolute value
+// in the reference), each within `tolerance`. A gradient off by a constant
+// factor (a sum where a mean belongs, a reduction applied twice, a tied
+// weight counted twice) fails; the message names the worst step and tensor.
+inline ::testing::AssertionResult matches_reference(const RunResult& a, const RunResult& ref, double tolerance) {
+  if (a.stats.size() != ref.stats.size() || a.grads.size() != ref.grads.size() || ref.grads.empty())
+    return ::testing::AssertionFailure() << a.stats.size() << " steps and " << a.grads.size()
+                                         << " gradients against the reference's " << ref.stats.size() << " and "
+                                         << ref.grads.size();
+  const auto rel = [](double x, double r) { return std::fabs(x - r) / std::fabs(r); };
+  std::string failures;
+  size_t loss_step = 0, norm_step = 0;
+  for (size_t s = 0; s < ref.stats.size(); ++s) {
+    if (rel(a.stats[s].loss, ref.stats[s].loss) > rel(a.stats[loss_step].loss, ref.stats[loss_step].loss)) loss_step = s;
+    if (rel(a.stats[s].grad_norm, ref.stats[s].grad_norm) >
+        rel(a.stats[norm_step].grad_norm, ref.stats[norm_step].grad_norm))
+      norm_step = s;
+  }
+  const double loss = rel(a.stats[loss_step].loss, ref.stats[loss_step].loss);
+  if (!(loss <= tolerance))
+    failures += str("\n  loss of step ", loss_step, ": ", a.stats[loss_step].loss, " vs ", ref.stats[loss_step].loss,
+                    " (relative difference ", loss, ")");
+  const double norm = rel(a.stats[norm_step].grad_norm, ref.stats[norm_step].grad_norm);
+  if (!(norm <= tolerance))
+    failures += str("\n  gradient norm of step ", norm_step, ": ", a.stats[norm_step].grad_norm, " vs ",
+                    ref.stats[norm_step].grad_norm, " (relative difference ", norm, ")");
+  const double params = param_rel_diff(a, ref);
+  if (!(params <= tolerance)) failures += str("\n  final parameters: relative L2 difference ", params);
+  GPT model(ref.model);
+  double worst = -1.0;
+  std::string worst_name;
+  for (const ParamSpec& p : model.layout().params()) {
+    double diff = 0.0, scale = 0.0;
+    for (int64_t i = p.offset; i < p.offset + p.numel(); ++i) {
+      const size_t k = static_cast<size_t>(i);
+      diff = std::max(diff, std::fabs(static_cast<double>(a.grads[k]) - ref.grads[k]));
+      scale = std::max(scale, std::fabs(static_cast<double>(ref.grads[k])));
+    }
+    const double d = diff / scale;
+    if (!(d <= worst)) {
+      worst = d;
+      worst_name = str(p.name, " (max abs difference ", diff, ", max abs ", scale, ")");
+    }
+  }
+  if (!(worst <= tolerance))
+    failures += str("\n  step-0 gradient of ", worst_name, ": ", worst, " of its scale");
+  if (failures.empty()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "differs from the reference beyond " << tolerance << ":" << failures;
 }
 
 }  // namespace loom::testing
