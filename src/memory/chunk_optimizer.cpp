@@ -182,12 +182,12 @@ void ChunkManager::Impl::visit_gradients(const std::function<void(FlatRange rang
         // Where the update reads it: the parameters' memory (reused) or the
         // shard's own gradient.
         const ChunkState& s = cs[static_cast<size_t>(c)];
-        const void* src = s.grad_shard.raw();
-        if (reuse) {
-          load(s.param, staged.raw(), Tier::host);
-          src = staged.raw();
+        if (!reuse) {
+          convert(s.grad_shard.raw(), DType::f32, shard, DType::f32, S);  // the fp32 accumulation
+          return;
         }
-        convert(src, precision, shard, DType::f32, S);
+        load(s.param, staged.raw(), Tier::host);
+        convert(staged.raw(), precision, shard, DType::f32, S);
       },
       [&](FlatRange range, const float* grads, int64_t) { visit(range, grads); });
 }

@@ -123,9 +123,9 @@ Tensor ZeroOptimizer::gather_gradients() {
   gather_owned(outs, [&](int, size_t i) -> const float* {
     const FlatRange r = ranges_[i];
     const Tensor g = grads_.owned(r);
-    if (opts_.precision == DType::f32) return g.data<float>();
+    if (g.dtype() == DType::f32) return g.data<float>();
     converted = Tensor::empty({r.numel()}, DType::f32, Tier::host);
-    convert(g.raw(), opts_.precision, converted.raw(), DType::f32, r.numel());
+    convert(g.raw(), g.dtype(), converted.raw(), DType::f32, r.numel());
     return converted.data<float>();
   });
   return grads;
