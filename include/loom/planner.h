@@ -51,8 +51,10 @@ double activation_bytes_per_layer(const GPTConfig& cfg, int64_t B, int64_t T, in
 // ranks under ZeRO `stage` (Rajbhandari et al. 2020). fp32 training keeps
 // parameters, gradients and both AdamW moments at 4 bytes: 16, 8+8/N,
 // 4+12/N, 16/N bytes per parameter for stages 0-3. bf16/f16 keep 2-byte
-// parameters and gradients plus 12 bytes of fp32 master weights and moments:
-// 16, 4+12/N, 2+14/N, 16/N.
+// parameters, 12 bytes of fp32 master weights and moments, and gradients of
+// 2 bytes under stages 0-1 (rounded once from the transient fp32 sum of the
+// micro-batches) or 4 under stages 2-3 (the sharded fp32 accumulation):
+// 16, 4+12/N, 2+16/N, 18/N.
 double zero_model_state_bytes(int stage, DType precision, double params, int ranks);
 
 // The cost a pipeline's stages are balanced by: each transformer layer's

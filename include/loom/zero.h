@@ -143,14 +143,15 @@ class ZeroParamStore final : public ParamStore {
   bool in_step_ = false, recording_ = true;
 };
 
-// Gradients. The model accumulates each micro-batch in fp32; a bucket is
-// handed to its collective when the last of its groups is ready:
-//   stages 0-1: into the padded working-precision buffer (directly when f32,
-//     rounded once per micro-batch otherwise), then all-reduced (stage 0) or
-//     reduce-scattered (stage 1), on the last micro-batch of the step only;
-//   stages 2-3: a transient fp32 bucket, reduce-scattered on every
-//     micro-batch (no rank keeps a whole gradient) and added into this rank's
-//     working-precision shard; at most two buckets are in flight.
+// Gradients. The model accumulates in fp32; a bucket is handed to its
+// collective when the last of its groups is ready:
+//   stages 0-1: the fp32 sum over the step's micro-batches (in the padded
+//     buffer itself when f32, in an fp32 bucket otherwise, rounded once into
+//     the working-precision buffer), all-reduced (stage 0) or
+//     reduce-scattered (stage 1) on the last micro-batch of the step only;
+//   stages 2-3: a transient fp32 bucket, rounded to the working precision and
+//     reduce-scattered on every micro-batch (no rank keeps a whole gradient),
+//     then added into this rank's fp32 shard; at most two buckets in flight.
 class ZeroGradStore final : public GradStore {
  public:
   ZeroGradStore(const ParamLayout& layout, const ZeroPartition& partition, Communicator& dp,
@@ -163,15 +164,16 @@ class ZeroGradStore final : public GradStore {
   void group_ready(int group) override;
   void finish() override;
 
-  // This rank's reduced gradient of the elements `range` (owned by it), in the
-  // working precision; valid after finish().
+  // This rank's reduced gradient of the elements `range` (owned by it): in
+  // the working precision under stages 0-1, fp32 under stages 2-3; valid
+  // after finish().
   Tensor owned(FlatRange range) const;
 
   // Model parallelism reduces some gradients over other groups before the
   // data-parallel reduction (tensor-parallel partial sums, the pipeline's
   // tied embedding). For that, stages 0-1 run every micro-batch with
   // set_reduce(false); then accumulated() gives a parameter's local gradient
-  // (working precision) to reduce, and reduce_all() starts every bucket's
+  // (the fp32 sum, before its rounding) to reduce, and reduce_all() starts every bucket's
   // data-parallel reduction, in bucket order (finish() waits for them).
   Tensor accumulated(int id) const;
   void reduce_all();

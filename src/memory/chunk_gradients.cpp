@@ -111,8 +111,11 @@ void ChunkManager::Impl::write_gradient(int c, const float* shard) {
     s.holds_grads = true;
     return;
   }
-  // Accumulation: each micro-batch's reduced gradient is added into the
-  // shard's gradient, rounded once to the working precision.
+  // Accumulation: each micro-batch's gradient is reduced in fp32 (as
+  // Megatron reduces bf16 gradients) and added into the shard's fp32
+  // gradient; the sum is rounded to the working precision once, after the
+  // last micro-batch, so the update sees what one micro-batch of the whole
+  // batch would write into the parameters' memory above.
   const Tier at_tier = s.grad_shard.tier();
   const float* src = shard;
   Tensor moved;
@@ -122,10 +125,12 @@ void ChunkManager::Impl::write_gradient(int c, const float* shard) {
     count(Tier::device, at_tier, S * 4);
     src = moved.data<float>();
   }
-  ops::add_rounded(s.grad_shard.raw(), precision, src, S);
+  float* acc = s.grad_shard.data<float>();
+  ops::add_rounded(acc, DType::f32, src, S);
   if (final_micro_batch) {
-    s.sum_squares = ops::sum_squares(s.grad_shard.raw(), precision, len);
-    s.non_finite = ops::count_non_finite(s.grad_shard.raw(), precision, len);
+    ops::round_to(acc, S, precision);
+    s.sum_squares = ops::sum_squares(acc, DType::f32, len);
+    s.non_finite = ops::count_non_finite(acc, DType::f32, len);
   }
 }
 

@@ -102,7 +102,7 @@ void ChunkManager::Impl::initialize(uint64_t seed) {
     store(s.param, working.raw(), Tier::host);
     store(s.optim, values.raw(), Tier::host);
     if (!reuse)
-      s.grad_shard = Tensor::zeros({S}, precision, s.optim.tier == Tier::device ? Tier::device : Tier::host);
+      s.grad_shard = Tensor::zeros({S}, DType::f32, s.optim.tier == Tier::device ? Tier::device : Tier::host);
   }
   wait_writes(std::nullopt);
   traffic = {};  // placing the initial values is not traffic of training
@@ -462,7 +462,7 @@ void ChunkManager::Impl::place_after_warm_up() {
     return a.budget() == kUnlimited ? INT64_MAX / 4 : static_cast<int64_t>(a.budget());
   };
   const int64_t P = chunks.shard_numel() * w, O = optim_payload_bytes(chunks.shard_numel());
-  const int64_t grad_shard = reuse ? 0 : chunks.shard_numel() * w;
+  const int64_t grad_shard = reuse ? 0 : chunks.shard_numel() * 4;
   // The device keeps what the budget leaves after the traced non-model peak
   // and the working set of a placement that stages chunks.
   ChunkPlacement staged = placement();

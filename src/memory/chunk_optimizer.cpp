@@ -14,9 +14,9 @@ GradientCheck ChunkManager::Impl::check_gradients() {
   if (!dp) return local;
   // Every rank decides from the same reduced figures, so all skip or all
   // step together.
-  float both[2] = {static_cast<float>(local.sum_squares), static_cast<float>(local.non_finite)};
-  dp->all_reduce(both, 2, DType::f32, ReduceOp::sum);
-  return {static_cast<double>(both[0]), static_cast<int64_t>(both[1])};
+  double both[2] = {local.sum_squares, static_cast<double>(local.non_finite)};
+  dp->all_reduce(both, 2, DType::f64, ReduceOp::sum);
+  return {both[0], static_cast<int64_t>(both[1])};
 }
 
 void ChunkManager::Impl::publish(int c, const float* master, Tier on) {
@@ -110,7 +110,7 @@ void ChunkManager::Impl::step(float lr, float grad_scale) {
       convert(src, precision, g, DType::f32, r.numel());
     } else {
       LOOM_CHECK(s.grad_shard.tier() == on, "chunk ", c, "'s gradient shard is not where its update runs");
-      convert(s.grad_shard.raw(), precision, g, DType::f32, r.numel());
+      convert(s.grad_shard.raw(), DType::f32, g, DType::f32, r.numel());
     }
     adamw.update(r, o, g, o + S, o + 2 * S);
     publish(c, o, on);
@@ -181,12 +181,12 @@ void ChunkManager::Impl::visit_gradients(const std::function<void(FlatRange rang
         // Where the update reads it: the parameters' memory (reused) or the
         // shard's own gradient.
         const ChunkState& s = cs[static_cast<size_t>(c)];
-        const void* src = s.grad_shard.raw();
-        if (reuse) {
-          load(s.param, staged.raw(), Tier::host);
-          src = staged.raw();
+        if (!reuse) {
+          convert(s.grad_shard.raw(), DType::f32, shard, DType::f32, S);  // the fp32 accumulation
+          return;
         }
-        convert(src, precision, shard, DType::f32, S);
+        load(s.param, staged.raw(), Tier::host);
+        convert(staged.raw(), precision, shard, DType::f32, S);
       },
       [&](FlatRange range, const float* grads, int64_t) { visit(range, grads); });
 }

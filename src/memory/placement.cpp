@@ -60,8 +60,8 @@ MemoryNeeds memory_needs(const ChunkLayout& chunks, const ChunkPlacement& placem
     n.model_state[ot] += optim_payload_bytes(S);
     // Gradient shards of their own (gradient accumulation) live where the
     // update reads them: on the device, or on the host for host and NVMe
-    // optimizer state.
-    if (!reuse) n.model_state[ot == Tier::device ? Tier::device : Tier::host] += S * w;
+    // optimizer state; they accumulate in fp32.
+    if (!reuse) n.model_state[ot == Tier::device ? Tier::device : Tier::host] += S * 4;
     any_nvme_param |= pt == Tier::nvme;
     any_nvme_optim |= ot == Tier::nvme;
     any_off_device_param |= pt != Tier::device;

@@ -71,8 +71,8 @@ double zero_model_state_bytes(int stage, DType precision, double params, int ran
   switch (stage) {
     case 0: return 16 * psi;
     case 1: return fp32 ? 8 * psi + 8 * psi / n : 4 * psi + 12 * psi / n;
-    case 2: return fp32 ? 4 * psi + 12 * psi / n : 2 * psi + 14 * psi / n;
-    default: return 16 * psi / n;
+    case 2: return fp32 ? 4 * psi + 12 * psi / n : 2 * psi + 16 * psi / n;
+    default: return fp32 ? 16 * psi / n : 18 * psi / n;
   }
 }
 

@@ -114,11 +114,10 @@ class MicroBatchWork final : public PipelineStageWork {
   // stage computes losses (its tensor-parallel ranks all the same ones).
   // One read of the device accumulator.
   double loss_sum(Communicator& pipeline) const {
-    const double sum = loss_sum_.clone(Tier::host).data<double>()[0];
+    double sum = loss_sum_.clone(Tier::host).data<double>()[0];
     if (pipeline.size() == 1) return sum;
-    float reduced = static_cast<float>(sum);
-    pipeline.all_reduce(&reduced, 1, DType::f32, ReduceOp::sum);
-    return reduced;
+    pipeline.all_reduce(&sum, 1, DType::f64, ReduceOp::sum);
+    return sum;
   }
 
  private:
@@ -285,9 +284,7 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
   grads_->finish();
   params_->end_step();
   if (dp_) {
-    float sum = static_cast<float>(loss_sum);
-    dp_->all_reduce(&sum, 1, DType::f32, ReduceOp::sum);
-    loss_sum = sum;
+    dp_->all_reduce(&loss_sum, 1, DType::f64, ReduceOp::sum);
   }
   if (!std::isfinite(loss_sum))
     throw Error(str("the loss is ", loss_sum, " (not finite) at step ", steps_ + 1,

@@ -8,7 +8,11 @@ using zero_detail::at;
 
 struct ZeroGradStore::Bucket {
   int groups_left = 0;  // groups of the bucket not yet ready in this micro-batch
-  Tensor scratch;       // fp32, padded: where the model accumulates the micro-batch
+  // fp32, padded: where the model accumulates. Stages 0-1 keep it across the
+  // step's micro-batches (Megatron's main_grad) and round it to the working
+  // precision once, before the reduction; stages 2-3 hand it over after each
+  // micro-batch.
+  Tensor scratch;
 };
 
 struct ZeroGradStore::InFlight {
@@ -27,7 +31,10 @@ ZeroGradStore::ZeroGradStore(const ParamLayout& layout, const ZeroPartition& par
                              const ZeroOptions& opts)
     : GradStore(layout, NoStorage{}), partition_(partition), dp_(dp), opts_(opts), buckets_(partition.buckets().size()) {
   validate(opts);
-  storage_ = Tensor::zeros({opts.stage >= 2 ? partition.shard_numel() : partition.padded_numel()}, opts.precision);
+  // Stages 2-3 reduce every micro-batch, so the accumulation across
+  // micro-batches happens in the shard: fp32 whatever the precision.
+  storage_ = opts.stage >= 2 ? Tensor::zeros({partition.shard_numel()})
+                             : Tensor::zeros({partition.padded_numel()}, opts.precision);
   for (size_t i = 0; i < buckets_.size(); ++i) {
     const ZeroBucket& b = partition.buckets()[i];
     buckets_[i].groups_left = b.end_group - b.first_group;
@@ -73,18 +80,14 @@ void ZeroGradStore::launch(size_t index) {
   const DType dt = opts_.precision;
   const int64_t padded = b.shard * partition_.ranks();
   if (opts_.stage <= 1) {
-    void* bucket = at(storage_.raw(), dt, b.padded_begin);
-    if (s.scratch.defined()) {
-      // bf16/f16: the micro-batch's fp32 gradient is rounded once into the
-      // accumulator.
-      ops::add_rounded(bucket, dt, s.scratch.data<float>(), padded);
-      s.scratch = Tensor();
-    }
     if (reduce_) communicate(index);
     return;
   }
   // Stages 2-3: no rank keeps the whole gradient, so every micro-batch's
-  // bucket goes to its owners at once.
+  // bucket goes to its owners at once, rounded to the working precision
+  // (the volume of stages 0-1), and the owners accumulate it in fp32
+  // (DeepSpeed's bf16 ZeRO-2: working-precision reduce-scatter, fp32
+  // gradient accumulation).
   LOOM_CHECK(s.scratch.defined(), "bucket of groups ", b.first_group, "-", b.end_group - 1, " ready without gradients");
   InFlight op{index, Tensor(), Work()};
   if (dt == DType::f32) {
@@ -103,6 +106,15 @@ void ZeroGradStore::communicate(size_t index) {
   const ZeroBucket& b = partition_.buckets()[index];
   const DType dt = opts_.precision;
   void* bucket = at(storage_.raw(), dt, b.padded_begin);
+  Bucket& s = buckets_[index];
+  if (s.scratch.defined()) {
+    // bf16/f16: the fp32 sum of the step's micro-batches is rounded once and
+    // reduced in the working precision, as stages 2-3 reduce (Megatron keeps
+    // bf16 reductions in fp32 at twice the volume; the rounding of a sum
+    // loses no small micro-batch contribution, only the last bits).
+    ops::convert(s.scratch.raw(), DType::f32, bucket, dt, b.shard * partition_.ranks());
+    s.scratch = Tensor();
+  }
   InFlight op{index, Tensor(), Work()};
   if (opts_.stage == 0)
     op.work = dp_.all_reduce_async(bucket, b.numel(), dt, ReduceOp::sum);
@@ -113,10 +125,7 @@ void ZeroGradStore::communicate(size_t index) {
 
 Tensor ZeroGradStore::accumulated(int id) const {
   LOOM_CHECK(opts_.stage <= 1, "only stages 0-1 keep a whole local gradient");
-  const ParamSpec& p = layout_.param(id);
-  const ZeroBucket& b = partition_.buckets()[static_cast<size_t>(partition_.bucket_index(p.group))];
-  return Tensor::borrow(at(storage_.raw(), opts_.precision, partition_.padded(b, p.offset)), p.shape, opts_.precision,
-                        storage_.tier());
+  return grad(id);
 }
 
 void ZeroGradStore::reduce_all() {
@@ -129,8 +138,14 @@ void ZeroGradStore::retire(InFlight& op) {
   if (opts_.stage <= 1) return;
   const ZeroBucket& b = partition_.buckets()[op.bucket];
   const DType dt = opts_.precision;
-  ops::add_rounded(at(storage_.raw(), dt, b.shard_begin), at(op.buffer.raw(), dt, partition_.rank() * b.shard), dt,
-              b.shard);
+  float* shard = storage_.data<float>() + b.shard_begin;
+  if (dt == DType::f32) {
+    ops::add_rounded(shard, DType::f32, op.buffer.data<float>() + partition_.rank() * b.shard, b.shard);
+  } else {
+    Tensor widened = Tensor::empty({b.shard});
+    ops::convert(at(op.buffer.raw(), dt, partition_.rank() * b.shard), dt, widened.raw(), DType::f32, b.shard);
+    ops::add_rounded(shard, DType::f32, widened.data<float>(), b.shard);
+  }
   op.buffer = Tensor();
 }
 
@@ -149,7 +164,7 @@ Tensor ZeroGradStore::owned(FlatRange range) const {
   LOOM_CHECK(opts_.stage == 0 || (own.begin <= range.begin && range.end <= own.end), "range [", range.begin, ", ",
              range.end, ") is not owned by rank ", partition_.rank());
   const int64_t pos = opts_.stage >= 2 ? partition_.shard_position(range.begin) : partition_.padded(b, range.begin);
-  return Tensor::borrow(at(storage_.raw(), opts_.precision, pos), {range.numel()}, opts_.precision, storage_.tier());
+  return Tensor::borrow(at(storage_.raw(), storage_.dtype(), pos), {range.numel()}, storage_.dtype(), storage_.tier());
 }
 
 }  // namespace loom

@@ -56,8 +56,7 @@ GradientCheck ZeroOptimizer::check_gradients() {
     int64_t at_elem = r.begin;
     const auto add = [&](int64_t end) {
       if (end > at_elem)
-        sum += ops::sum_squares(zero_detail::at(g.raw(), opts_.precision, at_elem - r.begin),
-                                        opts_.precision, end - at_elem);
+        sum += ops::sum_squares(zero_detail::at(g.raw(), g.dtype(), at_elem - r.begin), g.dtype(), end - at_elem);
     };
     for (const FlatRange& d : duplicates_) {
       if (d.end <= at_elem || d.begin >= r.end) continue;
@@ -70,20 +69,20 @@ GradientCheck ZeroOptimizer::check_gradients() {
   // Stage 0 replicas check everything they would apply; the sum of squares
   // counts each element once, on its owner.
   if (opts_.stage == 0)
-    local.non_finite = ops::count_non_finite(grads_.storage().raw(), opts_.precision, grads_.storage().numel());
+    local.non_finite = ops::count_non_finite(grads_.storage().raw(), grads_.storage().dtype(), grads_.storage().numel());
   for (const ZeroBucket& b : partition_.buckets()) {
     const FlatRange r = partition_.owned(b);
     if (r.numel() == 0) continue;
     const Tensor g = grads_.owned(r);
-    if (opts_.stage > 0) local.non_finite += ops::count_non_finite(g.raw(), opts_.precision, r.numel());
+    if (opts_.stage > 0) local.non_finite += ops::count_non_finite(g.raw(), g.dtype(), r.numel());
     local.sum_squares += counted_squares(r, g);
   }
   // Every rank decides from the same reduced figures, so all skip or all
   // step together.
-  float both[2] = {static_cast<float>(local.sum_squares), static_cast<float>(local.non_finite)};
-  dp_.all_reduce(both, 2, DType::f32, ReduceOp::sum);
-  if (model_parallel_) model_parallel_->all_reduce(both, 2, DType::f32, ReduceOp::sum);
-  return {static_cast<double>(both[0]), static_cast<int64_t>(both[1])};
+  double both[2] = {local.sum_squares, static_cast<double>(local.non_finite)};
+  dp_.all_reduce(both, 2, DType::f64, ReduceOp::sum);
+  if (model_parallel_) model_parallel_->all_reduce(both, 2, DType::f64, ReduceOp::sum);
+  return {both[0], static_cast<int64_t>(both[1])};
 }
 
 void ZeroOptimizer::step(float lr, float grad_scale) {
@@ -93,11 +92,11 @@ void ZeroOptimizer::step(float lr, float grad_scale) {
     const FlatRange r = ranges_[i];
     const Tensor g = grads_.owned(r);
     const float* grad = nullptr;
-    if (opts_.precision == DType::f32) {
+    if (g.dtype() == DType::f32) {
       grad = g.data<float>();
     } else {
       if (!converted.defined() || converted.numel() < r.numel()) converted = Tensor::empty({r.numel()});
-      ops::convert(g.raw(), opts_.precision, converted.raw(), DType::f32, r.numel());
+      ops::convert(g.raw(), g.dtype(), converted.raw(), DType::f32, r.numel());
       grad = converted.data<float>();
     }
     adamw_->update(i, master(i), grad);
@@ -123,9 +122,9 @@ Tensor ZeroOptimizer::gather_gradients() {
   gather_owned(outs, [&](int, size_t i) -> const float* {
     const FlatRange r = ranges_[i];
     const Tensor g = grads_.owned(r);
-    if (opts_.precision == DType::f32) return g.data<float>();
+    if (g.dtype() == DType::f32) return g.data<float>();
     converted = Tensor::empty({r.numel()}, DType::f32, Tier::host);
-    convert(g.raw(), opts_.precision, converted.raw(), DType::f32, r.numel());
+    convert(g.raw(), g.dtype(), converted.raw(), DType::f32, r.numel());
     return converted.data<float>();
   });
   return grads;

@@ -4,6 +4,8 @@
 // gradients.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "loom/memory.h"
 #include "test_util.h"
 
@@ -107,6 +109,53 @@ TEST(ChunkManager, ReportsWhereTheBytesLive) {
   EXPECT_EQ(r.model_state[Tier::host], 4096 * 12) << "fp32 master weights, m and v";
   EXPECT_EQ(r.model_state[Tier::nvme], 0);
   EXPECT_CONTAINS(describe(r), "host");
+}
+
+// Sixteen micro-batches under bf16: 1, then 15 times 2^-9 per element. A bf16
+// accumulator rounds 1 + 2^-9 back to 1 each time; the gradient shard adds
+// them in fp32 and rounds the sum once, after the last micro-batch, and the
+// sum of squares the update checks shows which happened.
+TEST(ChunkManager, SixteenBf16MicroBatchesAccumulateInFp32) {
+  constexpr int kMicroBatches = 16;
+  const auto contribution = [](int mb) { return mb == 0 ? 1.0f : 0x1p-9f; };
+  const auto bf16 = [](float x) {
+    round_to(&x, 1, DType::bf16);
+    return x;
+  };
+  float fp32 = 0.0f, per_micro_batch = 0.0f;
+  for (int mb = 0; mb < kMicroBatches; ++mb) {
+    fp32 += contribution(mb);
+    per_micro_batch = bf16(per_micro_batch + contribution(mb));
+  }
+  TwoGroups m;
+  m.opts.micro_batches = kMicroBatches;
+  m.opts.chunk_bytes = 4096 * 2;
+  ChunkManager mgr(m.layout, m.opts, DType::bf16, nullptr, AdamWConfig{}, 7, 0);
+  ChunkParamStore ps(mgr);
+  ChunkGradStore gs(mgr);
+  ps.begin_step();
+  gs.zero();
+  for (int mb = 0; mb < kMicroBatches; ++mb) {
+    gs.set_reduce(mb + 1 == kMicroBatches);
+    ps.acquire(1);
+    gs.grad(m.b0).fill_(contribution(mb));
+    ps.release(1);
+    gs.group_ready(1);
+    ps.acquire(0);
+    gs.grad(m.a0).fill_(contribution(mb));
+    gs.grad(m.a1).fill_(contribution(mb));
+    ps.release(0);
+    gs.group_ready(0);
+  }
+  gs.finish();
+  ps.end_step();
+  const double rounded_once = bf16(fp32), old = per_micro_batch;
+  const GradientCheck check = mgr.check_gradients();
+  EXPECT_EQ(check.non_finite, 0);
+  EXPECT_EQ(check.sum_squares, 3000 * rounded_once * rounded_once);
+  // One bf16 rounding from the fp32 sum; a bf16 accumulator is further off.
+  EXPECT_LE(std::fabs(rounded_once - fp32) / fp32, 0x1p-8);
+  EXPECT_GT(std::fabs(old - fp32) / fp32, 0x1p-8);
 }
 
 }  // namespace
