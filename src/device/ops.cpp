@@ -27,6 +27,15 @@ void launch(CpuKernel&& kernel) {
   LOOM_CHECK(false, "this build of loom has no kernels for ", s.device().name());
 }
 
+// Runs a kernel that returns a value to the host and waits for it.
+template <typename Result, typename CpuKernel>
+Result launch_and_read(CpuKernel kernel) {
+  Result result{};
+  launch([&result, kernel] { result = kernel(); });
+  current_stream().synchronize();
+  return result;
+}
+
 }  // namespace
 
 // One line per kernel: the CPU implementation of the same name and arguments.
@@ -140,10 +149,7 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
 }
 
 double sum_squares(const float* x, int64_t n) {
-  double result = 0.0;
-  launch([=, &result] { result = cpu::sum_squares(x, n); });
-  current_stream().synchronize();
-  return result;
+  return launch_and_read<double>([=] { return cpu::sum_squares(x, n); });
 }
 
 void add_rounded(void* dst, DType dt, const float* src, int64_t n) {
@@ -154,17 +160,11 @@ void add_rounded(void* dst, const void* src, DType dt, int64_t n) {
 }
 
 int64_t count_non_finite(const void* x, DType dt, int64_t n) {
-  int64_t result = 0;
-  launch([=, &result] { result = cpu::count_non_finite(x, dt, n); });
-  current_stream().synchronize();
-  return result;
+  return launch_and_read<int64_t>([=] { return cpu::count_non_finite(x, dt, n); });
 }
 
 double sum_squares(const void* x, DType dt, int64_t n) {
-  double result = 0.0;
-  launch([=, &result] { result = cpu::sum_squares(x, dt, n); });
-  current_stream().synchronize();
-  return result;
+  return launch_and_read<double>([=] { return cpu::sum_squares(x, dt, n); });
 }
 
 void copy(void* dst, const void* src, std::size_t bytes) { launch([=] { cpu::copy_bytes(dst, src, bytes); }); }
