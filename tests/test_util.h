@@ -15,12 +15,27 @@
 #include <vector>
 
 #include "loom/core.h"
+#include "loom/device.h"
 
 // Passes when `needle` occurs in `haystack`; on failure prints both.
 #define EXPECT_CONTAINS(haystack, needle) \
   EXPECT_PRED_FORMAT2(::testing::IsSubstring, std::string(needle), std::string(haystack))
 
 namespace loom::testing {
+
+// Runs the body with the given CPU stream mode on a MemoryContext of its own
+// (streams take the mode they are created with).
+template <typename Fn>
+void with_cpu_stream_mode(CpuStreamMode mode, Fn fn) {
+  const CpuStreamMode before = cpu_stream_mode();
+  set_cpu_stream_mode(mode);
+  {
+    MemoryContext memory;
+    MemoryContext::Install install(memory);
+    fn();
+  }
+  set_cpu_stream_mode(before);
+}
 
 // The message of the loom::Error that `fn` throws; fails the test if it throws none.
 template <typename Fn>

@@ -82,6 +82,11 @@ int host_threads();
 // a StreamGuard says otherwise.
 Stream current_stream();
 
+// The calling thread's stream for moves between memory tiers: the rank's copy
+// stream, so that moves overlap the compute stream's kernels, or inside a
+// HostSection the section's own stream (host code expects its moves done).
+Stream copy_stream();
+
 // Makes `stream` the calling thread's current stream for its lifetime (the
 // chunk manager's copies run on the copy stream this way).
 class StreamGuard {

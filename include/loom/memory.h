@@ -284,7 +284,8 @@ struct MemoryReport {
   int num_chunks = 0;
   int64_t chunk_numel = 0;
   TierBytes model_state;          // payloads and gradient shards, now
-  TierBytes peak;                 // the allocators' high-water marks
+  TierBytes peak;                 // the allocators' high-water marks of bytes in use
+  TierBytes peak_reserved;        // ... and of bytes held from the system (in use + cached)
   TierBytes budget;               // kUnlimited shows as -1
   int64_t traced_non_model = -1;  // auto: the warm-up step's peak device bytes besides model state
   // auto: the same per module (parameter group), at its boundaries

@@ -153,11 +153,24 @@ int host_threads() { return cpu::num_threads(); }
 
 namespace {
 thread_local std::shared_ptr<detail::StreamImpl> t_stream_override;
+
+// A HostSection's stream runs work as it is enqueued; one per thread, created
+// by the thread that uses it.
+Stream host_section_stream() {
+  thread_local const auto stream = std::make_shared<detail::StreamImpl>(Device::cpu(), CpuStreamMode::sync);
+  return Stream(stream);
 }
+}  // namespace
 
 Stream current_stream() {
   if (t_stream_override) return Stream(t_stream_override);
   return Stream(MemoryContext::current().stream(MemoryContext::StreamRole::compute));
+}
+
+Stream copy_stream() {
+  const Stream host = host_section_stream();
+  if (t_stream_override == host.impl_shared()) return host;
+  return Stream(MemoryContext::current().stream(MemoryContext::StreamRole::copy));
 }
 
 StreamGuard::StreamGuard(const Stream& stream) : previous_(std::move(t_stream_override)) {
@@ -166,14 +179,6 @@ StreamGuard::StreamGuard(const Stream& stream) : previous_(std::move(t_stream_ov
 
 StreamGuard::~StreamGuard() { t_stream_override = std::move(previous_); }
 
-namespace {
-// The section's stream runs work as it is enqueued; one per thread, created
-// by the thread that uses it.
-Stream host_section_stream() {
-  thread_local const auto stream = std::make_shared<detail::StreamImpl>(Device::cpu(), CpuStreamMode::sync);
-  return Stream(stream);
-}
-}  // namespace
 
 HostSection::HostSection() : guard_((ops::synchronize(), host_section_stream())) {
   LOOM_CHECK(MemoryContext::current().device().kind == DeviceKind::cpu,

@@ -121,7 +121,7 @@ void ChunkManager::Impl::write_gradient(int c, const float* shard) {
   Tensor moved;
   if (at_tier != Tier::device) {
     moved = Tensor::empty({S}, DType::f32, at_tier);
-    ops::copy(moved.raw(), shard, static_cast<size_t>(S) * 4);
+    move(moved.raw(), shard, static_cast<size_t>(S) * 4);
     count(Tier::device, at_tier, S * 4);
     src = moved.data<float>();
   }

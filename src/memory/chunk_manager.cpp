@@ -23,6 +23,11 @@ TierBytes available_budgets() {
   return b;
 }
 
+// A host buffer a copy-stream move reads from lives until the move has run.
+void free_after_copy(IoBuffer buffer) {
+  copy_stream().enqueue([held = std::make_shared<IoBuffer>(std::move(buffer))] {});
+}
+
 }  // namespace
 
 ChunkManager::Impl::Impl(const ParamLayout& layout_, const MemoryOptions& opts_, DType precision_, Communicator* dp_,
@@ -112,6 +117,18 @@ void ChunkManager::Impl::count(Tier from, Tier to, int64_t bytes) {
   if (from != to) traffic.at(from, to) += bytes;
 }
 
+Event ChunkManager::Impl::move_async(void* dst, const void* src, size_t bytes) {
+  const Stream copy = copy_stream();
+  Event::record(current_stream()).wait(copy);
+  const StreamGuard on_copy(copy);
+  ops::copy(dst, src, bytes);
+  return Event::record(copy);
+}
+
+void ChunkManager::Impl::move(void* dst, const void* src, size_t bytes) {
+  move_async(dst, src, bytes).wait(current_stream());
+}
+
 IoBuffer ChunkManager::Impl::read_now(const Payload& p) {
   LOOM_CHECK(p.slot.has_value(), "a payload on NVMe without a slot");
   wait_writes(p.slot);
@@ -146,26 +163,30 @@ void ChunkManager::Impl::wait_writes(std::optional<uint64_t> slot) {
   }
 }
 
-void ChunkManager::Impl::load(const Payload& p, void* dst, Tier to) {
+Event ChunkManager::Impl::load_async(const Payload& p, void* dst, Tier to) {
   if (p.tier == Tier::nvme) {
-    const IoBuffer b = read_now(p);
-    ops::copy(dst, b.data(), static_cast<size_t>(p.bytes));
+    IoBuffer b = read_now(p);
+    const Event done = move_async(dst, b.data(), static_cast<size_t>(p.bytes));
+    free_after_copy(std::move(b));
     count(Tier::host, to, p.bytes);
-    return;
+    return done;
   }
-  ops::copy(dst, p.mem.raw(), static_cast<size_t>(p.bytes));
   count(p.tier, to, p.bytes);
+  return move_async(dst, p.mem.raw(), static_cast<size_t>(p.bytes));
 }
+
+void ChunkManager::Impl::load(const Payload& p, void* dst, Tier to) { load_async(p, dst, to).wait(current_stream()); }
 
 void ChunkManager::Impl::store(Payload& p, const void* src, Tier from) {
   if (p.tier == Tier::nvme) {
     IoBuffer b(static_cast<size_t>(p.bytes));
-    ops::copy(b.data(), src, static_cast<size_t>(p.bytes));
+    // The NVMe engine reads the buffer from the host: the move must be done.
+    move_async(b.data(), src, static_cast<size_t>(p.bytes)).synchronize();
     count(from, Tier::host, p.bytes);
     write_behind(p, std::move(b));
     return;
   }
-  if (p.mem.raw() != src) ops::copy(p.mem.raw(), src, static_cast<size_t>(p.bytes));
+  if (p.mem.raw() != src) move(p.mem.raw(), src, static_cast<size_t>(p.bytes));
   count(from, p.tier, p.bytes);
 }
 
@@ -226,20 +247,22 @@ void ChunkManager::Impl::materialize(int c, bool wait) {
       nvme->wait(*s.read_ticket);
       s.read_ticket.reset();
       s.full = Tensor::empty({S}, precision, Tier::device);
-      ops::copy(s.full.raw(), s.read_buffer.data(), static_cast<size_t>(s.param.bytes));
+      s.copied = move_async(s.full.raw(), s.read_buffer.data(), static_cast<size_t>(s.param.bytes));
+      free_after_copy(std::move(s.read_buffer));
       count(Tier::host, Tier::device, s.param.bytes);
-      s.read_buffer = IoBuffer();
       return;
     }
+    // A prefetch only starts the move: acquire makes the compute stream wait.
     s.full = Tensor::empty({S}, precision, Tier::device);
-    load(s.param, s.full.raw(), Tier::device);
+    s.copied = load_async(s.param, s.full.raw(), Tier::device);
     return;
   }
-  // Several ranks: this rank's shard on the device, then the all-gather.
+  // Several ranks: this rank's shard on the device, then the all-gather
+  // (the communicator waits for the rank's streams when it issues it).
   const void* shard = s.param.mem.raw();
   if (s.param.tier != Tier::device) {
     s.staged = Tensor::empty({S}, precision, Tier::device);
-    load(s.param, s.staged.raw(), Tier::device);
+    s.copied = load_async(s.param, s.staged.raw(), Tier::device);
     shard = s.staged.raw();
   }
   s.full = Tensor::empty({chunks.chunk_numel()}, precision, Tier::device);
@@ -252,6 +275,10 @@ void ChunkManager::Impl::drop(int c) {
   LOOM_CHECK(s.refs == 0, "chunk ", c, " dropped while a group using it is acquired");
   s.gathering.wait();
   s.gathering = Work();
+  // Freeing is ordered on the compute stream, which must not free memory the
+  // copy stream may still be writing.
+  s.copied.wait(current_stream());
+  s.copied = Event();
   s.full = Tensor();
   s.staged = Tensor();
   s.aliased = false;
@@ -328,6 +355,7 @@ void ChunkManager::Impl::acquire(int group) {
       }
     }
     materialize(c, true);
+    s.copied.wait(current_stream());
     ++s.refs;
     const Chunk& ch = chunks.chunk(c);
     for (int id = ch.first_param; id < ch.end_param; ++id)
@@ -533,9 +561,10 @@ ChunkManager::~ChunkManager() = default;
 const ChunkLayout& ChunkManager::chunks() const { return impl_->chunks; }
 ChunkPlacement ChunkManager::placement() const { return impl_->placement(); }
 TensorState ChunkManager::state(int param) const { return impl_->states.at(static_cast<size_t>(param)); }
-// The manager moves chunks and runs the CPU optimizer on the host: each entry
-// point that touches chunk memory is a HostSection (the moves are not yet
-// copy-stream operations of their own).
+// The optimizer, the gradient reductions and the whole-state visits run on
+// the host: those entry points are HostSections. Acquire and release only
+// enqueue moves (copy stream) and kernels (compute stream), so the host runs
+// ahead of both and a prefetch overlaps the computation.
 GradientCheck ChunkManager::check_gradients() {
   const HostSection host;
   return impl_->check_gradients();
@@ -590,12 +619,10 @@ MemoryReport ChunkManager::report() const {
 ChunkParamStore::ChunkParamStore(ChunkManager& manager) : ParamStore(manager.impl_->layout), manager_(manager) {}
 void ChunkParamStore::acquire(int group) {
   check_group(group);
-  const HostSection host;
   manager_.impl_->acquire(group);
 }
 void ChunkParamStore::release(int group) {
   check_group(group);
-  const HostSection host;
   manager_.impl_->release(group);
 }
 Tensor ChunkParamStore::param(int id) const { return manager_.impl_->param(id); }

@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "loom/device.h"
 #include "loom/memory.h"
 #include "memory/chunk_sizes.h"
 
@@ -32,6 +33,7 @@ struct ChunkState {
   Tensor full;
   bool aliased = false;
   Tensor staged;   // dp > 1: the device copy of an off-device shard being gathered
+  Event copied;    // the copy-stream move filling `full` (one rank) or `staged`
   Work gathering;  // the all-gather filling `full`
   // An NVMe read of the parameters started ahead of use (one rank).
   IoBuffer read_buffer;
@@ -66,7 +68,15 @@ struct ChunkManager::Impl {
   // --- chunk_manager.cpp ---
   void initialize(uint64_t seed);
   void count(Tier from, Tier to, int64_t bytes);
-  // Copies a payload into `dst`, memory on tier `to`.
+  // Copies bytes between tiers on the copy stream, once the compute work
+  // enqueued so far has run (it may have written the source or last used
+  // the destination); the event marks the copy's end.
+  Event move_async(void* dst, const void* src, size_t bytes);
+  // The same, with the compute stream's later work waiting for the copy.
+  void move(void* dst, const void* src, size_t bytes);
+  // Copies a payload into `dst`, memory on tier `to`: load_async returns the
+  // copy's event, load makes the compute stream wait for it.
+  Event load_async(const Payload& p, void* dst, Tier to);
   void load(const Payload& p, void* dst, Tier to);
   // Copies `src`, memory on tier `from`, into a payload.
   void store(Payload& p, const void* src, Tier from);

@@ -17,6 +17,7 @@ MemoryReport allocator_report() {
   for (int t = 0; t < kNumTiers; ++t) {
     const Allocator& a = MemoryContext::current().tier(static_cast<Tier>(t));
     r.peak.bytes[static_cast<size_t>(t)] = static_cast<int64_t>(a.peak());
+    r.peak_reserved.bytes[static_cast<size_t>(t)] = static_cast<int64_t>(a.peak_reserved());
     r.budget.bytes[static_cast<size_t>(t)] = a.budget() == kUnlimited ? -1 : static_cast<int64_t>(a.budget());
   }
   return r;
@@ -28,7 +29,10 @@ std::string describe(const MemoryReport& r) {
     std::string out = "memory (policy none):";
     for (int i = 0; i < kNumTiers; ++i) {
       const Tier t = static_cast<Tier>(i);
-      out += str(" ", tier_name(t), " peak ", format_bytes(static_cast<double>(r.peak[t])), " of ",
+      out += str(" ", tier_name(t), " peak ", format_bytes(static_cast<double>(r.peak[t])),
+                 t == Tier::nvme ? std::string()
+                                 : str(" (", format_bytes(static_cast<double>(r.peak_reserved[t])), " reserved)"),
+                 " of ",
                  r.budget[t] < 0 ? std::string("unlimited") : format_bytes(static_cast<double>(r.budget[t])),
                  i + 1 < kNumTiers ? "," : "\n");
     }
@@ -44,7 +48,8 @@ std::string describe(const MemoryReport& r) {
     out += str("  ", tier_name(t), ": model state ", format_bytes(static_cast<double>(r.model_state[t])), ", peak ",
                format_bytes(static_cast<double>(r.peak[t])),
                t == Tier::nvme ? std::string()
-                               : str(" (", format_bytes(static_cast<double>(other)), " besides model state)"),
+                               : str(" (", format_bytes(static_cast<double>(other)), " besides model state, ",
+                                     format_bytes(static_cast<double>(r.peak_reserved[t])), " reserved)"),
                ", budget ",
                r.budget[t] < 0 ? std::string("unlimited") : format_bytes(static_cast<double>(r.budget[t])), "\n");
   }

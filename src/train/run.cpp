@@ -251,7 +251,9 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
                                {"tokens_per_s", tok_s},
                                {"mfu", mfu},
                                {"device_peak_bytes", device.peak()},
+                               {"device_peak_reserved_bytes", device.peak_reserved()},
                                {"host_peak_bytes", host.peak()},
+                               {"host_peak_reserved_bytes", host.peak_reserved()},
                                {"elapsed_s", now - t_start},
                                {"eta_s", eta}};
       if (placed) {

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include "loom/device.h"
 #include "loom/core.h"
 
 namespace loom {
@@ -47,6 +48,7 @@ TEST(Tensor, AllocationIsAccountedAndFreed) {
 TEST(Tensor, FillRoundsToDtype) {
   Tensor t = Tensor::empty({2}, DType::f16);
   t.fill_(0.1f);
+  ops::synchronize();  // the fill is stream work
   EXPECT_EQ(t.data<uint16_t>()[1], f32_to_f16(0.1f));
 }
 

@@ -8,30 +8,19 @@
 
 #include "loom/comm.h"
 #include "loom/device.h"
+#include "test_util.h"
 
 namespace loom {
 namespace {
 
 using namespace std::chrono_literals;
 
-// Runs the body with the given CPU stream mode on a MemoryContext of its own
-// (streams take the mode they are created with).
-template <typename Fn>
-void with_mode(CpuStreamMode mode, Fn fn) {
-  const CpuStreamMode before = cpu_stream_mode();
-  set_cpu_stream_mode(mode);
-  {
-    MemoryContext memory;
-    MemoryContext::Install install(memory);
-    fn();
-  }
-  set_cpu_stream_mode(before);
-}
+using testing::with_cpu_stream_mode;
 
 class StreamModes : public ::testing::TestWithParam<CpuStreamMode> {};
 
 TEST_P(StreamModes, WorkRunsInEnqueueOrderAndEventsMarkIt) {
-  with_mode(GetParam(), [] {
+  with_cpu_stream_mode(GetParam(), [] {
     const Stream s = current_stream();
     std::vector<int> order;
     for (int i = 0; i < 50; ++i) s.enqueue([&order, i] { order.push_back(i); });
@@ -44,7 +33,7 @@ TEST_P(StreamModes, WorkRunsInEnqueueOrderAndEventsMarkIt) {
 }
 
 TEST_P(StreamModes, KernelsThroughTheDispatchMatchTheCpuKernels) {
-  with_mode(GetParam(), [] {
+  with_cpu_stream_mode(GetParam(), [] {
     const int64_t N = 64, C = 48, OC = 40;
     Tensor x = Tensor::empty({N, C}), w = Tensor::empty({OC, C}), b = Tensor::empty({OC});
     {
@@ -67,7 +56,7 @@ TEST_P(StreamModes, KernelsThroughTheDispatchMatchTheCpuKernels) {
 }
 
 TEST_P(StreamModes, ResultsReturnedToTheHostAreReadAfterTheWork) {
-  with_mode(GetParam(), [] {
+  with_cpu_stream_mode(GetParam(), [] {
     Tensor x = Tensor::empty({1000});
     x.fill_(2.0f);
     ops::scale(x.data<float>(), x.numel(), 3.0f);
@@ -78,7 +67,7 @@ TEST_P(StreamModes, ResultsReturnedToTheHostAreReadAfterTheWork) {
 }
 
 TEST_P(StreamModes, AFailureInStreamWorkIsRethrownAtTheNextWait) {
-  with_mode(GetParam(), [] {
+  with_cpu_stream_mode(GetParam(), [] {
     const Stream s = current_stream();
     const auto fail = [] { throw Error("planted failure"); };
     if (GetParam() == CpuStreamMode::sync) {
@@ -95,7 +84,7 @@ TEST_P(StreamModes, AFailureInStreamWorkIsRethrownAtTheNextWait) {
 }
 
 TEST_P(StreamModes, AnEventOrdersAnotherStreamWithoutBlockingTheHost) {
-  with_mode(GetParam(), [] {
+  with_cpu_stream_mode(GetParam(), [] {
     MemoryContext& ctx = MemoryContext::current();
     const Stream compute(ctx.stream(MemoryContext::StreamRole::compute));
     const Stream copy(ctx.stream(MemoryContext::StreamRole::copy));
@@ -119,7 +108,7 @@ INSTANTIATE_TEST_SUITE_P(Cpu, StreamModes, ::testing::Values(CpuStreamMode::sync
 // result without waiting for it reads the old bytes. The same code with the
 // wait reads the new ones.
 TEST(AsyncStreams, AMissingWaitReadsStaleData) {
-  with_mode(CpuStreamMode::async, [] {
+  with_cpu_stream_mode(CpuStreamMode::async, [] {
     Tensor x = Tensor::zeros({4096});
     ops::synchronize();
     // The stream is busy when the kernel is enqueued, as a GPU often is.
@@ -134,7 +123,7 @@ TEST(AsyncStreams, AMissingWaitReadsStaleData) {
 }
 
 TEST(AsyncStreams, MemoryIsCountedFreeAtOnceAndReturnedInStreamOrder) {
-  with_mode(CpuStreamMode::async, [] {
+  with_cpu_stream_mode(CpuStreamMode::async, [] {
     Allocator& device = MemoryContext::current().tier(Tier::device);
     std::atomic<bool> read_after_free{false};
     {
@@ -153,7 +142,7 @@ TEST(AsyncStreams, MemoryIsCountedFreeAtOnceAndReturnedInStreamOrder) {
 }
 
 TEST(AsyncStreams, CollectivesSeeTheResultsOfEarlierKernels) {
-  with_mode(CpuStreamMode::async, [] {
+  with_cpu_stream_mode(CpuStreamMode::async, [] {
     run_local(2, [](Communicator& comm) {
       Tensor x = Tensor::zeros({256});
       current_stream().enqueue([] { std::this_thread::sleep_for(20ms); });

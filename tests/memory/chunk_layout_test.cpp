@@ -331,6 +331,7 @@ TEST(MemoryReport, DescribeShowsEveryTierAndTheTraffic) {
   r.model_state[Tier::host] = 5 * MiB;
   r.model_state[Tier::nvme] = 7 * MiB;
   r.peak[Tier::device] = 9 * MiB;
+  r.peak_reserved[Tier::device] = 10 * MiB;
   r.budget[Tier::device] = 16 * MiB;
   r.budget[Tier::host] = -1;
   r.budget[Tier::nvme] = -1;
@@ -343,8 +344,10 @@ TEST(MemoryReport, DescribeShowsEveryTierAndTheTraffic) {
   EXPECT_CONTAINS(d, "static");
   EXPECT_CONTAINS(d, "12 chunks");
   EXPECT_CONTAINS(d, str(64 * A, " elements"));
-  EXPECT_CONTAINS(d, "device: model state 3.00 MiB, peak 9.00 MiB (6.00 MiB besides model state), budget 16.00 MiB");
-  EXPECT_CONTAINS(d, "host: model state 5.00 MiB, peak 0 B (0 B besides model state), budget unlimited");
+  EXPECT_CONTAINS(d,
+                  "device: model state 3.00 MiB, peak 9.00 MiB (6.00 MiB besides model state, 10.00 MiB reserved), "
+                  "budget 16.00 MiB");
+  EXPECT_CONTAINS(d, "host: model state 5.00 MiB, peak 0 B (0 B besides model state, 0 B reserved), budget unlimited");
   EXPECT_CONTAINS(d, "nvme: model state 7.00 MiB");
   EXPECT_CONTAINS(d, "host->device 12.00 MiB");
   EXPECT_CONTAINS(d, "nvme->host 2.00 MiB");
@@ -359,8 +362,9 @@ TEST(MemoryReport, DescribeShowsEveryTierAndTheTraffic) {
   EXPECT_CONTAINS(describe(r), "traced device peak besides model state: 1.50 MiB");
   // Without a policy only the allocators' figures are known.
   r.policy = MemoryPolicy::none;
-  EXPECT_EQ(describe(r), "memory (policy none): device peak 9.00 MiB of 16.00 MiB, host peak 0 B of unlimited, "
-                         "nvme peak 0 B of unlimited\n");
+  EXPECT_EQ(describe(r),
+            "memory (policy none): device peak 9.00 MiB (10.00 MiB reserved) of 16.00 MiB, host peak 0 B (0 B "
+            "reserved) of unlimited, nvme peak 0 B of unlimited\n");
 }
 
 }  // namespace

@@ -4,8 +4,12 @@
 // gradients.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <thread>
 
+#include "loom/device.h"
 #include "loom/memory.h"
 #include "test_util.h"
 
@@ -44,6 +48,7 @@ TEST(ChunkManager, TensorStatesFollowTheStepAndAChunkReducesOnceAllItsTensorsAre
     ps.acquire(0);
     EXPECT_EQ(state(m.a0), TensorState::compute);
     EXPECT_EQ(state(m.b0), TensorState::hold) << "gathered with its chunk, not in use";
+    ops::synchronize();  // the host reads the chunk: its move must have run
     const float before = ps.param(m.a1).data<float>()[0];
     EXPECT_EQ(before, 1.0f);
     ps.release(0);
@@ -76,10 +81,42 @@ TEST(ChunkManager, TensorStatesFollowTheStepAndAChunkReducesOnceAllItsTensorsAre
     EXPECT_EQ(check.non_finite, 0);
     mgr.step(0.1f, 1.0f);
     ps.acquire(0);
+    ops::synchronize();
     EXPECT_LT(ps.param(m.a1).data<float>()[0], before) << "a positive gradient lowers the parameter";
     ps.release(0);
     EXPECT_EQ(mgr.steps(), 1);
   }
+}
+
+// Acquiring an offloaded chunk only enqueues its move on the copy stream, and
+// the compute stream's later kernels wait for it: with the copy stream held
+// back, acquire returns, a kernel reading the parameter stays pending, and
+// both finish with the right values once the copy stream runs.
+TEST(ChunkManager, AcquireMovesTheChunkOnTheCopyStreamAndComputeWaitsForIt) {
+  testing::with_cpu_stream_mode(CpuStreamMode::async, [] {
+    TwoGroups m;
+    m.opts.offload_param_frac = 1.0;
+    ChunkManager mgr(m.layout, m.opts, DType::f32, nullptr, AdamWConfig{}, 7, 0);
+    ChunkParamStore ps(mgr);
+    ASSERT_EQ(mgr.placement().param.at(0), Tier::host);
+
+    std::atomic<bool> open{false};
+    copy_stream().enqueue([&] {
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (!open && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
+    });
+    ps.acquire(0);
+    EXPECT_FALSE(open) << "acquire waited for the copy stream";
+    Tensor read = Tensor::empty({1000});
+    ops::copy(read.raw(), ps.param(m.a1).raw(), read.nbytes());
+    const Event read_done = Event::record(current_stream());
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_FALSE(read_done.query()) << "a kernel ran before the chunk's move";
+    open = true;
+    const Tensor got = read.clone(Tier::host);
+    for (int64_t i = 0; i < got.numel(); ++i) ASSERT_EQ(got.data<float>()[i], 1.0f) << i;
+    ps.release(0);
+  });
 }
 
 TEST(ChunkManager, GradientsAfterTheGroupIsReadyAndUnbalancedReleasesAreChecks) {

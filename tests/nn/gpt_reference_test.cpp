@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "loom/device.h"
 #include "loom/io.h"
 #include "loom/nn.h"
 #include "loom/train.h"
@@ -49,6 +50,7 @@ class GPTReference : public ::testing::Test {
 
   // Compares a trained parameter set with fixture tensors "<prefix><name>".
   void expect_params_match(const GPT& model, const ParamStore& ps, const std::string& prefix, double atol) const {
+    ops::synchronize();  // the optimizer's updates are stream work
     const int64_t C = cfg_.n_embd;
     for (int id = 0; id < static_cast<int>(model.layout().params().size()); ++id) {
       const ParamSpec& p = model.layout().param(id);
@@ -109,6 +111,7 @@ TEST_F(GPTReference, LogitsLossAndGradientsMatchPyTorch) {
   for (int64_t i = 0; i < want_logits.numel(); ++i) ASSERT_NEAR(got[i], want_logits.data<float>()[i], kLogitsAtol);
 
   model.backward(ps, gs, s, 1.0f / static_cast<float>(bs_.N()));
+  ops::synchronize();
   const int64_t C = cfg_.n_embd;
   for (int id = 0; id < static_cast<int>(model.layout().params().size()); ++id) {
     const ParamSpec& p = model.layout().param(id);

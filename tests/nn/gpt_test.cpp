@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "loom/nn.h"
+#include "loom/device.h"
 #include "loom/train.h"
 #include "test_util.h"
 
@@ -190,6 +191,7 @@ TEST(GPT, MicroBatchesAccumulateToTheFullBatchGradient) {
     model.forward(ps, s, tok.data() + mb * 20, tgt.data() + mb * 20, {2, 10}, f);
     model.backward(ps, gs, s, 1.0f / 40.0f);
   }
+  ops::synchronize();
   const float* a = gs.flat().data<float>();
   const float* b = full.data<float>();
   double scale = 0;
@@ -214,7 +216,7 @@ TEST(GPT, KVCacheMatchesTheFullForward) {
   std::vector<int32_t> chunk(static_cast<size_t>(B * 5));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < 5; ++t) chunk[static_cast<size_t>(b * 5 + t)] = tok[static_cast<size_t>(b * T + t)];
-  Tensor logits = model.forward_cached(ps, cache, chunk.data(), 5);
+  Tensor logits = model.forward_cached(ps, cache, chunk.data(), 5).clone(Tier::host);
   for (int64_t t = 5; t <= T; ++t) {
     const int64_t V = cfg.vocab_size;
     for (int64_t b = 0; b < B; ++b) {
@@ -223,7 +225,7 @@ TEST(GPT, KVCacheMatchesTheFullForward) {
     }
     if (t == T) break;
     int32_t next[2] = {tok[static_cast<size_t>(t)], tok[static_cast<size_t>(T + t)]};
-    logits = model.forward_cached(ps, cache, next, 1);
+    logits = model.forward_cached(ps, cache, next, 1).clone(Tier::host);
   }
   EXPECT_EQ(cache.length(), T);
   int32_t more[2] = {0, 0};

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "loom/optim.h"
+#include "loom/device.h"
 #include "test_util.h"
 
 namespace loom {
@@ -33,6 +34,7 @@ TEST(AdamW, DecaysOnlyParametersThatAskForIt) {
   AdamW opt(l, {0.1f, 0.9f, 0.999f, 1e-8f, 0.5f});
   float p[4] = {1, 1, 1, 1}, grad[4] = {0.5f, -0.5f, 0.5f, -0.5f};
   opt.step(p, grad, 0.1f, 1.0f);
+  ops::synchronize();  // the update is stream work
   // Step 1: the bias-corrected update is lr * sign(g) (m/sqrt(v) = g/|g|).
   EXPECT_NEAR(p[0], 1.0f * (1 - 0.1f * 0.5f) - 0.1f, 1e-6);
   EXPECT_NEAR(p[1], 1.0f * (1 - 0.1f * 0.5f) + 0.1f, 1e-6);

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "loom/device.h"
 #include "loom/parallel.h"
 #include "test_util.h"
 
@@ -48,7 +49,10 @@ class AffineStages : public PipelineStageWork {
 
   Shape activation_shape(int, int micro_batch) const override { return micro_batch_shape(micro_batch); }
 
+  // Host code on device tensors, so each body is a HostSection: it must see
+  // the fill and the received activations complete.
   Tensor forward(int chunk, int micro_batch, const Tensor& input) override {
+    HostSection host;
     log.push_back({Kind::forward, chunk, micro_batch});
     const int k = chunk * stages_ + stage_;
     Tensor x;
@@ -70,6 +74,7 @@ class AffineStages : public PipelineStageWork {
   }
 
   Tensor backward(int chunk, int micro_batch, const Tensor& grad_output) override {
+    HostSection host;
     log.push_back({Kind::backward, chunk, micro_batch});
     const int k = chunk * stages_ + stage_;
     const Tensor x = inputs_.at({chunk, micro_batch});

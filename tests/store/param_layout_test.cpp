@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "loom/store.h"
+#include "loom/device.h"
 #include "test_util.h"
 
 namespace loom {
@@ -49,11 +50,13 @@ TEST(ParamStore, ViewsAliasTheFlatBuffer) {
   ParamLayout l = sample_layout();
   ParamStore ps(l, 1);
   GradStore gs(l);
+  ops::synchronize();  // zeroing the gradients is stream work, and so is each zero() below
   ps.param(2).data<float>()[0] = 9.0f;
   EXPECT_EQ(ps.flat().data<float>()[42], 9.0f);
   gs.grad(1).data<float>()[3] = 2.0f;
   EXPECT_EQ(gs.flat().data<float>()[38], 2.0f);
   gs.zero();
+  ops::synchronize();
   EXPECT_EQ(gs.flat().data<float>()[38], 0.0f);
   EXPECT_EQ(ps.param(0).shape(), (Shape{5, 7}));
 }

@@ -241,6 +241,11 @@ TEST_F(MainJob, MemoryPoliciesReproduceTheDeviceOnlyLosses) {
   const std::vector<nlohmann::json> device_only = train("mem-none", {"train.steps=6"});
   ASSERT_EQ(device_only.size(), 6u);
   EXPECT_TRUE(device_only.back().contains("host_peak_bytes"));
+  // The caching allocator holds at least what was in use at the peak.
+  for (const char* tier : {"device", "host"})
+    EXPECT_GE(device_only.back().at(str(tier, "_peak_reserved_bytes")).get<int64_t>(),
+              device_only.back().at(str(tier, "_peak_bytes")).get<int64_t>())
+        << tier;
   EXPECT_FALSE(device_only.back().contains("host_to_device_bytes"));
   const std::vector<double> want = losses_of(device_only);
 
