@@ -53,7 +53,7 @@ TEST(HFConfig, ReadsLlamaFixtureWithLlama3Rope) {
   EXPECT_DOUBLE_EQ(c.rope_scaling.factor, 8.0);
   EXPECT_DOUBLE_EQ(c.rope_scaling.low_freq_factor, 1.0);
   EXPECT_DOUBLE_EQ(c.rope_scaling.high_freq_factor, 4.0);
-  EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 16);
+  EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 32);
   EXPECT_EQ(read_hf_config(hf_fixture("llama_bf16_sharded")).dtype, DType::bf16);
 }
 
