@@ -159,35 +159,28 @@ HFModelConfig parse_hf_config(std::string_view json_text, const std::string& sou
   HFModelConfig c;
   // The architecture decides the key names; without "architectures" (a config
   // written by hand) model_type decides.
-  if (r.has("architectures")) {
+  const bool by_class = r.has("architectures");
+  const char* key = by_class ? "architectures" : "model_type";
+  const char* ArchRow::*field = by_class ? &ArchRow::architecture : &ArchRow::model_type;
+  std::string name;
+  if (by_class) {
     const Json& a = j["architectures"];
     if (!a.is_array() || a.size() != 1 || !a[0].is_string())
-      r.fail("architectures", str("is ", a.dump(), ", not a list of one class name"));
-    const std::string name = a[0].get<std::string>();
-    const ArchRow* found = nullptr;
-    for (const ArchRow& row : kArchitectures)
-      if (name == row.architecture) found = &row;
-    if (!found) {
-      std::string supported;
-      for (const ArchRow& row : kArchitectures) supported += (supported.empty() ? "" : ", ") + std::string(row.architecture);
-      r.fail("architectures", str("is [\"", name, "\"]; loom supports ", supported));
-    }
-    c.architecture = found->architecture;
-    c.arch = found->arch;
-    c.model_type = r.text_or("model_type", found->model_type);
+      r.fail(key, str("is ", a.dump(), ", not a list of one class name"));
+    name = a[0].get<std::string>();
   } else {
-    c.model_type = r.text_or("model_type", nullptr);
-    const ArchRow* found = nullptr;
-    for (const ArchRow& row : kArchitectures)
-      if (c.model_type == row.model_type) found = &row;
-    if (!found) {
-      std::string supported;
-      for (const ArchRow& row : kArchitectures) supported += (supported.empty() ? "" : ", ") + std::string(row.model_type);
-      r.fail("model_type", str("is \"", c.model_type, "\"; loom supports ", supported));
-    }
-    c.architecture = found->architecture;
-    c.arch = found->arch;
+    name = r.text_or(key, nullptr);
   }
+  const ArchRow* found = nullptr;
+  std::string supported;
+  for (const ArchRow& row : kArchitectures) {
+    if (name == row.*field) found = &row;
+    supported += (supported.empty() ? "" : ", ") + std::string(row.*field);
+  }
+  if (!found) r.fail(key, str("is \"", name, "\"; loom supports ", supported));
+  c.architecture = found->architecture;
+  c.arch = found->arch;
+  c.model_type = r.text_or("model_type", found->model_type);
   const ArchKeys& k = keys_of(c.arch);
 
   c.vocab_size = r.count("vocab_size");

@@ -108,7 +108,7 @@ TEST(HFConfig, ErrorsNameTheFileTheKeyAndWhatIsSupported) {
   const std::string arch = error_of([] { parse_hf_config(llama_with("architectures", R"(["BertForMaskedLM"])"), "m/config.json"); });
   EXPECT_CONTAINS(arch, "m/config.json");
   EXPECT_CONTAINS(arch, "'architectures'");
-  EXPECT_CONTAINS(arch, "BertForMaskedLM");
+  EXPECT_CONTAINS(arch, "\"BertForMaskedLM\"");
   EXPECT_CONTAINS(arch, "LlamaForCausalLM");
 
   const std::string yarn =
@@ -146,6 +146,25 @@ TEST(HFConfig, LegacyRopeScalingDynamicIsRefused) {
   const std::string e = error_of([&] { parse_hf_config(legacy); });
   EXPECT_CONTAINS(e, "'rope_scaling.type'");
   EXPECT_CONTAINS(e, "dynamic");
+}
+
+// Without "architectures" the model_type chooses; GPT-2's own switches are refused.
+TEST(HFConfig, ModelTypeAloneChoosesTheArchitecture) {
+  const std::string base = R"("vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "intermediate_size": 96, "max_position_embeddings": 64, "hidden_act": "silu", "sliding_window": null)";
+  const HFModelConfig c = parse_hf_config("{\"model_type\": \"mistral\", " + base + "}");
+  EXPECT_EQ(c.arch, HFArch::llama);
+  EXPECT_EQ(c.architecture, "MistralForCausalLM");
+  EXPECT_EQ(c.num_key_value_heads, 4);
+  EXPECT_DOUBLE_EQ(c.norm_eps, 1e-6);  // LlamaConfig's default
+  const std::string e = error_of([&] { parse_hf_config("{\"model_type\": \"bert\", " + base + "}"); });
+  EXPECT_CONTAINS(e, "'model_type' is \"bert\"; loom supports gpt2, llama, mistral");
+
+  std::string gpt2 = read_file(hf_fixture("gpt2") / "config.json");
+  const std::string flag = "\"scale_attn_by_inverse_layer_idx\": false";
+  ASSERT_NE(gpt2.find(flag), std::string::npos);
+  gpt2.replace(gpt2.find(flag), flag.size(), "\"scale_attn_by_inverse_layer_idx\": true");
+  EXPECT_CONTAINS(error_of([&] { parse_hf_config(gpt2); }), "'scale_attn_by_inverse_layer_idx'");
 }
 
 }  // namespace
