@@ -219,7 +219,7 @@ class HFCheckpoint {
 
 struct HFExportOptions {
   DType dtype = DType::f32;                // f32, bf16 or f16 (round to nearest even)
-  uint64_t max_shard_bytes = 5ull << 30;  // transformers' default max_shard_size
+  uint64_t max_shard_bytes = 5'000'000'000;  // "5GB", transformers 4's default max_shard_size
 };
 
 // Writes `dir` (replacing it atomically): config.json (with torch_dtype set to
