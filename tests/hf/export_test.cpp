@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -104,8 +105,29 @@ TEST(HFExport, Bf16ShardedExportMatchesTorchAndRoundTrips) {
 
   export_params(dir / "b", config, loom_params(dir / "a"), options);
   EXPECT_EQ(stored_bytes(HFCheckpoint(dir / "b")), stored_bytes(a));
-  export_params(dir / "c", config, loom_params(dir / "a"), {DType::f16, 1 << 30});
-  EXPECT_EQ(HFCheckpoint(dir / "c").tensor("lm_head.weight").dtype, DType::f16);
+}
+
+// f16 is read back as the f32 values rounded to f16; a limit below every
+// tensor's size gives each tensor a shard of its own.
+TEST(HFExport, F16ExportReadsBackRoundedAndTinyShardsHoldOneTensorEach) {
+  TempDir dir;
+  const HFModelConfig config = read_hf_config(hf_fixture("llama_mqa"));
+  const auto params = loom_params(hf_fixture("llama_mqa"));
+  export_params(dir / "f16", config, params, {DType::f16, 1});
+  const HFCheckpoint c(dir / "f16");
+  const HFParamMap map(config);
+  ASSERT_EQ(c.tensors().size(), map.params().size());
+  std::set<fs::path> files;
+  for (const HFParam& p : map.params()) {
+    const HFTensorInfo& t = c.tensor(p.hf_name);
+    EXPECT_EQ(t.dtype, DType::f16);
+    EXPECT_TRUE(files.insert(t.file).second) << t.file;
+    std::vector<float> expected = params.at(p.loom_name), read(expected.size());
+    round_to(expected.data(), static_cast<int64_t>(expected.size()), DType::f16);
+    c.read_param(p, read.data());
+    EXPECT_TRUE(testing::bit_equal(read, expected)) << p.hf_name;
+  }
+  EXPECT_TRUE(fs::exists(dir / "f16" / ("model-00001-of-000" + std::to_string(files.size()) + ".safetensors")));
 }
 
 TEST(HFExport, ReplacesAtomicallyAndLeavesNothingOnFailure) {
