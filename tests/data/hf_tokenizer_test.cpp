@@ -12,12 +12,7 @@ namespace loom {
 namespace {
 
 using nlohmann::json;
-using testing::error_of;
-using testing::expect_mentions;
-using testing::read_bytes;
-using testing::shakespeare;
-using testing::TempDir;
-using testing::write_bytes;
+using namespace loom::testing;  // TempDir, error_of, expect_mentions, read_bytes, write_bytes, shakespeare
 
 const std::filesystem::path kFixtures = std::filesystem::path(LOOM_SOURCE_DIR) / "tests/fixtures/tokenizer";
 
@@ -54,10 +49,12 @@ TEST_P(HfTokenizerFixture, GivesTheIdsOfHuggingFaceTokenizers) {
   // One pre-token with thousands of merges.
   const std::string word = exp["long_word"];
   EXPECT_EQ(tok.encode(word), exp["long_word_ids"].get<std::vector<int32_t>>());
-  EXPECT_EQ(tok.decode(tok.encode(word)), word);
 }
 
-TEST_P(HfTokenizerFixture, RoundTripsTextThatNoStrippingTokenTouches) {
+// gpt2 and llama3: fallback/ maps newlines to <unk>, so it cannot round-trip.
+class HfTokenizerRoundTrip : public HfTokenizerFixture {};
+
+TEST_P(HfTokenizerRoundTrip, RoundTripsTextThatNoStrippingTokenTouches) {
   const Tokenizer tok = Tokenizer::load(dir() / "tokenizer.json");
   size_t round_trips = 0;
   const json exp = expected();
@@ -70,9 +67,13 @@ TEST_P(HfTokenizerFixture, RoundTripsTextThatNoStrippingTokenTouches) {
   EXPECT_GE(round_trips + 2, exp["samples"].size());
   const std::string text = shakespeare(400000, 60000);
   EXPECT_EQ(tok.decode(tok.encode(text)), text);
+  const std::string word = exp["long_word"];
+  EXPECT_EQ(tok.decode(tok.encode(word)), word);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, HfTokenizerFixture, ::testing::Values("gpt2", "llama3"));
+// fallback/: byte_fallback, a fused unk_token and add_prefix_space.
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfTokenizerFixture, ::testing::Values("gpt2", "llama3", "fallback"));
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfTokenizerRoundTrip, ::testing::Values("gpt2", "llama3"));
 
 TEST(HfTokenizer, SpecialTokensAreSingleIdsAndNameBosEos) {
   const Tokenizer gpt2 = Tokenizer::load(kFixtures / "gpt2");
