@@ -44,6 +44,9 @@ using json = nlohmann::json;
 constexpr std::string_view kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
+// Far above any real vocabulary (LLaMA-3: 128,256).
+constexpr int64_t kMaxTokenId = int64_t{1} << 24;
+
 // A pre-token longer than this is not cached: long runs (whitespace, minified
 // code) rarely repeat, and the cache should hold words.
 constexpr size_t kMaxCachedPiece = 256;
@@ -180,6 +183,12 @@ class Reader {
     if (!obj.at(key).is_boolean()) fail(join(where, key), str("must be true or false, not ", obj.at(key).dump()));
     return obj.at(key).get<bool>();
   }
+  // Ids index a table of pieces, so a typo of a huge id must not allocate it.
+  int32_t token_id(const json& id, const std::string& key) const {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= kMaxTokenId)
+      fail(key, str("is ", id.dump(), "; token ids are integers in [0, ", kMaxTokenId, ")"));
+    return id.get<int32_t>();
+  }
   static std::string join(const std::string& where, const std::string& key) {
     return where.empty() ? key : where + "." + key;
   }
@@ -303,10 +312,9 @@ class HfBpeBackend final : public TokenizerBackend {
     const json& vocab = r.at(model, "vocab", "model");
     if (!vocab.is_object()) r.fail("model.vocab", "must be an object of token: id");
     for (const auto& [token, id] : vocab.items()) {
-      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
-        r.fail("model.vocab", str("gives \"", token, "\" the id ", id.dump(), "; ids are integers >= 0"));
-      vocab_.emplace(token, id.get<int32_t>());
-      set_piece(id.get<int32_t>(), token);
+      const int32_t checked = r.token_id(id, str("model.vocab[\"", token, "\"]"));
+      vocab_.emplace(token, checked);
+      set_piece(checked, token);
     }
 
     const json& merges = r.at(model, "merges", "model");
@@ -427,12 +435,9 @@ class HfBpeBackend final : public TokenizerBackend {
       const std::string where = str("added_tokens[", i, "]");
       AddedToken t;
       t.content = r.string_at(list[i], "content", where);
-      const json& id = r.at(list[i], "id", where);
-      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
-        r.fail(where + ".id", str("is ", id.dump(), "; ids are integers >= 0"));
+      t.id = r.token_id(r.at(list[i], "id", where), where + ".id");
       if (t.content.empty()) r.fail(where + ".content", "is empty");
       if (invalid_utf8_offset(t.content)) r.fail(where + ".content", "is not valid UTF-8");
-      t.id = id.get<int32_t>();
       t.single_word = r.flag(list[i], "single_word", where);
       t.lstrip = r.flag(list[i], "lstrip", where);
       t.rstrip = r.flag(list[i], "rstrip", where);

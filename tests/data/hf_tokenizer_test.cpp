@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "data/data_test_util.h"
@@ -98,6 +99,17 @@ TEST(HfTokenizer, SpecialTokensAreSingleIdsAndNameBosEos) {
   EXPECT_EQ(llama.decode_piece(eot[0]), "<|eot_id|>");
 }
 
+TEST(HfTokenizer, ConcurrentEncodesAgree) {
+  const Tokenizer tok = Tokenizer::load(kFixtures / "llama3");
+  const std::string text = read_bytes(kFixtures / "corpus.txt") + shakespeare(0, 30000);
+  const std::vector<int32_t> expected = tok.encode(text);
+  std::vector<std::vector<int32_t>> got(4);
+  std::vector<std::thread> threads;
+  for (auto& g : got) threads.emplace_back([&] { g = tok.encode(text); });
+  for (auto& t : threads) t.join();
+  for (const auto& g : got) EXPECT_EQ(g, expected);
+}
+
 TEST(HfTokenizer, LoadsByContentAndPrefersTokenizerJsonInADirectory) {
   TempDir dir;
   const std::string json_text = read_bytes(kFixtures / "gpt2/tokenizer.json");
@@ -140,6 +152,9 @@ TEST(HfTokenizer, UnsupportedOrBrokenFilesAreErrorsNamingFileAndKey) {
   expect_mentions(error_for("regex.json",
                             [](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed"; }),
                   {"regex.json", "pre_tokenizer.pretokenizers[0].pattern.Regex", "(unclosed"});
+
+  expect_mentions(error_for("huge_id.json", [](json& j) { j["added_tokens"][0]["id"] = 1 << 30; }),
+                  {"huge_id.json", "added_tokens[0].id", "1073741824"});
 
   std::string text = read_bytes(kFixtures / "gpt2/tokenizer.json");
   write_bytes(dir / "truncated.json", text.substr(0, text.size() / 2));
