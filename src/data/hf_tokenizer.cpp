@@ -50,6 +50,9 @@ constexpr int64_t kMaxTokenId = int64_t{1} << 24;
 // A pre-token longer than this is not cached: long runs (whitespace, minified
 // code) rarely repeat, and the cache should hold words.
 constexpr size_t kMaxCachedPiece = 256;
+// Entries of the per-call cache: a large corpus's distinct words stop being
+// added here, so its memory stays bounded (some tens of MB).
+constexpr size_t kMaxCacheEntries = size_t{1} << 18;
 
 // GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves, the
 // others for U+0100 onwards in byte order, so every token is printable text.
@@ -601,7 +604,7 @@ class HfBpeBackend final : public TokenizerBackend {
     }
     const size_t first = out.size();
     merge_word(word, scratch, out);
-    if (cacheable)
+    if (cacheable && scratch.cache.size() < kMaxCacheEntries)
       scratch.cache.emplace(word, std::vector<int32_t>(out.begin() + static_cast<std::ptrdiff_t>(first), out.end()));
   }
 
