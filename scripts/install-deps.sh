@@ -7,7 +7,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libopenblas-openmp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libsentencepiece-dev
+  libsentencepiece-dev libpcre2-dev
   libopenmpi-dev openmpi-bin
   liburing-dev
   libtomlplusplus-dev nlohmann-json3-dev libcli11-dev

@@ -1,4 +1,4 @@
-// loom data: the sentencepiece tokenizer, llm.c token shards, `prepare` (text ->
+// loom data: tokenizers (sentencepiece, Hugging Face tokenizer.json), llm.c token shards, `prepare` (text ->
 // tokenizer + train/val shards + dataset.json) and the sharded, resumable loader.
 // docs/data.md describes the file formats and the loader's semantics.
 #pragma once
@@ -47,22 +47,40 @@ struct TokenizerTrainOptions {
   uint32_t seed = 1234;
 };
 
-// A byte-fallback BPE sentencepiece model that reproduces its input exactly:
-// decode(encode(text)) == text for every valid UTF-8 string, including
-// newlines (a token of their own), runs of spaces, tabs and any code point.
+namespace data {
+class TokenizerBackend;  // src/data/tokenizer_backend.h
+}
+
+// A tokenizer from one of two file formats:
+// - a sentencepiece model (tokenizer.model): loom's own, trained by `train`, a
+//   byte-fallback BPE that reproduces its input exactly: decode(encode(text)) ==
+//   text for every valid UTF-8 string, including newlines (a token of their
+//   own), runs of spaces, tabs and any code point;
+// - a Hugging Face tokenizer.json with a byte-level BPE model (GPT-2, LLaMA-3
+//   and their fine-tunes), giving exactly the ids of Hugging Face `tokenizers`'
+//   encode(text, add_special_tokens=False): added and special tokens written in
+//   the text become their ids, and no post-processor runs (no BOS is prepended).
+//   Byte-level BPE reproduces any text too, except the spaces an added token
+//   with lstrip/rstrip removes.
 // Immutable after construction, so encode/decode may be called concurrently.
 class Tokenizer {
  public:
-  // Trains on `text` (valid UTF-8) and writes the model to `model_path`
-  // atomically. Deterministic: the same text and options give the same bytes.
+  // Trains a sentencepiece model on `text` (valid UTF-8) and writes it to
+  // `model_path` atomically. Deterministic: the same text and options give the
+  // same bytes.
   static Tokenizer train(std::string_view text, const std::filesystem::path& model_path,
                          const TokenizerTrainOptions& opts = {});
   // The same, reading the text from `text_path`.
   static Tokenizer train_file(const std::filesystem::path& text_path, const std::filesystem::path& model_path,
                               const TokenizerTrainOptions& opts = {});
-  // Throws Error naming the path when it is missing, unreadable or not a
-  // sentencepiece model.
-  static Tokenizer load(const std::filesystem::path& model_path);
+  // A file is read as tokenizer.json when its name ends in .json or its first
+  // byte is '{', else as a sentencepiece model; a directory (a Hugging Face
+  // checkpoint, a `prepare` output) by its tokenizer.json, else its
+  // tokenizer.model. bos_id/eos_id of a tokenizer.json come from the
+  // bos_token/eos_token of a tokenizer_config.json beside it, when there is one.
+  // Throws Error naming the path when it is missing or unreadable, and the path
+  // and the key when the file is not a tokenizer loom reads.
+  static Tokenizer load(const std::filesystem::path& path);
 
   Tokenizer(Tokenizer&&) noexcept;
   Tokenizer& operator=(Tokenizer&&) noexcept;
@@ -70,23 +88,27 @@ class Tokenizer {
 
   // Throws Error giving the byte offset of invalid UTF-8.
   std::vector<int32_t> encode(std::string_view text) const;
-  // Throws Error naming an id outside [0, vocab_size()).
+  // Throws Error naming an id outside [0, vocab_size()) or one no token has.
+  // Special tokens are decoded to their text.
   std::string decode(std::span<const int32_t> ids) const;
   // The bytes of one token, for printing tokens as they are generated: byte
-  // pieces give their raw byte (a character may span several tokens, so the
-  // concatenation, not each piece, is UTF-8), control tokens give "".
-  // Concatenating decode_piece over ids equals decode(ids).
+  // tokens give their raw byte (a character may span several tokens, so the
+  // concatenation, not each piece, is UTF-8), sentencepiece control tokens
+  // give "". Concatenating decode_piece over ids equals decode(ids).
   std::string decode_piece(int32_t id) const;
 
+  // One more than the largest id (a tokenizer.json's added tokens included).
   int vocab_size() const;
   std::optional<int32_t> bos_id() const;
   std::optional<int32_t> eos_id() const;
+  // The file read (a directory given to `load` resolved to its file).
   const std::filesystem::path& path() const;
+  // Whether this is a Hugging Face tokenizer.json (else a sentencepiece model).
+  bool is_hf_json() const;
 
  private:
-  struct Impl;
-  explicit Tokenizer(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  explicit Tokenizer(std::unique_ptr<const data::TokenizerBackend> impl);
+  std::unique_ptr<const data::TokenizerBackend> impl_;
 };
 
 // ---------------------------------------------------------------------------

@@ -88,10 +88,14 @@ DatasetInfo prepare_dataset(const PrepareOptions& opts) {
   check_split_size("val", static_cast<int64_t>(val_text.size()), "bytes", opts);
 
   std::optional<Tokenizer> reused;
+  std::filesystem::path reused_path;  // the file, when opts.tokenizer is a directory
   std::string reused_bytes;
+  bool reused_hf_json = false;
   if (!opts.tokenizer.empty()) {
-    reused_bytes = data::read_file(opts.tokenizer, "tokenizer model");
     reused = Tokenizer::load(opts.tokenizer);
+    reused_path = reused->path();
+    reused_hf_json = reused->is_hf_json();
+    reused_bytes = data::read_file(reused_path, "tokenizer");
     if (opts.vocab_size != 0 && opts.vocab_size != reused->vocab_size())
       throw Error(str("prepare: tokenizer ", opts.tokenizer, " has a vocabulary of ", reused->vocab_size(),
                       " tokens but vocab_size ", opts.vocab_size,
@@ -103,7 +107,7 @@ DatasetInfo prepare_dataset(const PrepareOptions& opts) {
   if (ec) throw Error(str("prepare: cannot create output directory ", opts.out_dir, ": ", ec.message()));
   DatasetInfo info;
   info.dir = std::filesystem::absolute(opts.out_dir);
-  info.tokenizer = info.dir / "tokenizer.model";
+  info.tokenizer = info.dir / (reused_hf_json ? "tokenizer.json" : "tokenizer.model");
   // The directory's files are about to change: a previous description goes
   // first, so a failure below never leaves one describing files it no longer matches.
   std::filesystem::remove(info.dir / "dataset.json", ec);
@@ -130,8 +134,13 @@ DatasetInfo prepare_dataset(const PrepareOptions& opts) {
     }
   }
 
-  if (reused && !std::filesystem::equivalent(opts.tokenizer, info.tokenizer, ec))
+  if (!reused_path.empty() && !std::filesystem::equivalent(reused_path, info.tokenizer, ec)) {
     write_file_atomic(info.tokenizer, reused_bytes);
+    // A tokenizer.json's bos/eos come from the tokenizer_config.json beside it.
+    const std::filesystem::path config = reused_path.parent_path() / "tokenizer_config.json";
+    if (reused_hf_json && std::filesystem::is_regular_file(config, ec))
+      write_file_atomic(info.dir / "tokenizer_config.json", read_file(config));
+  }
   for (const auto& [start, path] : corpus.starts) info.sources.push_back(path.string());
   info.val_fraction = opts.val_fraction;
   info.vocab_size = tok.vocab_size();

@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "data/file_io.h"
+#include "data/tokenizer_backend.h"
 #include "loom/data.h"
 #include "loom/io.h"
 
@@ -66,35 +67,104 @@ void check_utf8(std::string_view text, std::string_view what) {
     throw Error(str(what, " is not valid UTF-8 at byte offset ", *off, "; convert it to UTF-8 first"));
 }
 
+void check_id(const data::TokenizerBackend& impl, int32_t id, std::string_view where) {
+  const int vocab = impl.vocab_size();
+  if (id < 0 || id >= vocab)
+    throw Error(str("token id ", id, where, " is outside the vocabulary [0, ", vocab, ") of tokenizer ", impl.path()));
+  if (impl.is_hole(id))
+    throw Error(str("token id ", id, where, " names no token of tokenizer ", impl.path(),
+                    " (its ids leave a gap there)"));
+}
+
 }  // namespace
 
-struct Tokenizer::Impl {
-  sentencepiece::SentencePieceProcessor sp;
-  std::filesystem::path path;
-  std::array<int32_t, 3> marker_bytes{-1, -1, -1};  // byte pieces of U+2581, -1 without byte fallback
-  std::vector<int16_t> byte_of_id;                  // per id: the byte of a byte piece, else -1
+namespace data {
+namespace {
 
-  void init(std::string_view serialized) {
-    auto status = sp.LoadFromSerializedProto(serialized);
-    if (!status.ok() || sp.GetPieceSize() <= 0)
-      throw Error(str("tokenizer model ", path, " is not a sentencepiece model (", status.ToString(),
-                      "); point to the tokenizer.model that `loom prepare` wrote"));
-    byte_of_id.assign(sp.GetPieceSize(), -1);
-    for (int id = 0; id < sp.GetPieceSize(); ++id) {
-      if (!sp.IsByte(id)) continue;
+class SentencePieceBackend final : public TokenizerBackend {
+ public:
+  SentencePieceBackend(std::filesystem::path path, std::string_view serialized) : TokenizerBackend(std::move(path)) {
+    auto status = sp_.LoadFromSerializedProto(serialized);
+    if (!status.ok() || sp_.GetPieceSize() <= 0)
+      throw Error(str("tokenizer model ", this->path(), " is not a sentencepiece model (", status.ToString(),
+                      "); point to the tokenizer.model that `loom prepare` wrote, or a Hugging Face tokenizer.json"));
+    byte_of_id_.assign(sp_.GetPieceSize(), -1);
+    for (int id = 0; id < sp_.GetPieceSize(); ++id) {
+      if (!sp_.IsByte(id)) continue;
       // Byte pieces are spelled <0xNN>.
-      byte_of_id[id] = static_cast<int16_t>(std::stoi(sp.IdToPiece(id).substr(3, 2), nullptr, 16));
+      byte_of_id_[id] = static_cast<int16_t>(std::stoi(sp_.IdToPiece(id).substr(3, 2), nullptr, 16));
     }
     for (int k = 0; k < 3; ++k) {
       char name[8];
       std::snprintf(name, sizeof(name), "<0x%02X>", static_cast<uint8_t>(kSpaceMarker[k]));
-      int id = sp.PieceToId(name);
-      marker_bytes[k] = id != sp.unk_id() && sp.IsByte(id) ? id : -1;
+      int id = sp_.PieceToId(name);
+      marker_bytes_[k] = id != sp_.unk_id() && sp_.IsByte(id) ? id : -1;
     }
   }
+
+  std::vector<int32_t> encode(std::string_view text) const override {
+    const bool escape = marker_bytes_[0] >= 0;
+    std::vector<int32_t> out;
+    std::vector<int> ids;
+    while (true) {
+      size_t marker = escape ? text.find(kSpaceMarker) : std::string_view::npos;
+      std::string_view segment = text.substr(0, marker);
+      if (!segment.empty()) {
+        auto status = sp_.Encode(segment, &ids);
+        LOOM_CHECK(status.ok(), "sentencepiece encode failed: ", status.ToString());
+        out.insert(out.end(), ids.begin(), ids.end());
+      }
+      if (marker == std::string_view::npos) break;
+      out.insert(out.end(), marker_bytes_.begin(), marker_bytes_.end());
+      text.remove_prefix(marker + kSpaceMarker.size());
+    }
+    return out;
+  }
+
+  std::string decode(std::span<const int32_t> ids) const override {
+    std::string text;
+    auto status = sp_.Decode(std::vector<int>(ids.begin(), ids.end()), &text);
+    LOOM_CHECK(status.ok(), "sentencepiece decode failed: ", status.ToString());
+    return text;
+  }
+
+  std::string decode_piece(int32_t id) const override {
+    // sentencepiece turns a lone byte of a multi-byte character into U+FFFD;
+    // the raw byte is what a stream of pieces needs.
+    if (byte_of_id_[id] >= 0) return std::string(1, static_cast<char>(byte_of_id_[id]));
+    return decode(std::span<const int32_t>(&id, 1));
+  }
+
+  int vocab_size() const override { return sp_.GetPieceSize(); }
+  std::optional<int32_t> bos_id() const override { return optional_id(sp_.bos_id()); }
+  std::optional<int32_t> eos_id() const override { return optional_id(sp_.eos_id()); }
+  bool is_hf_json() const override { return false; }
+
+ private:
+  static std::optional<int32_t> optional_id(int id) { return id >= 0 ? std::optional<int32_t>(id) : std::nullopt; }
+
+  sentencepiece::SentencePieceProcessor sp_;
+  std::array<int32_t, 3> marker_bytes_{-1, -1, -1};  // byte pieces of U+2581, -1 without byte fallback
+  std::vector<int16_t> byte_of_id_;                  // per id: the byte of a byte piece, else -1
 };
 
-Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+// A tokenizer.json names itself by its extension or, renamed, by being a JSON
+// object: a sentencepiece model is a protobuf, whose first byte is a field tag
+// and never '{'.
+bool is_json_tokenizer(const std::filesystem::path& path, std::string_view bytes) {
+  return path.extension() == ".json" || bytes.starts_with('{');
+}
+
+std::unique_ptr<const TokenizerBackend> load_backend(const std::filesystem::path& path) {
+  std::string bytes = read_file(path, "tokenizer");
+  if (is_json_tokenizer(path, bytes)) return load_hf_tokenizer(path, bytes);
+  return std::make_unique<SentencePieceBackend>(path, bytes);
+}
+
+}  // namespace
+}  // namespace data
+
+Tokenizer::Tokenizer(std::unique_ptr<const data::TokenizerBackend> impl) : impl_(std::move(impl)) {}
 Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 Tokenizer::~Tokenizer() = default;
@@ -138,10 +208,7 @@ Tokenizer Tokenizer::train(std::string_view text, const std::filesystem::path& m
                     " Choose a vocab_size this text supports."));
   }
   write_file_atomic(model_path, serialized);
-  auto impl = std::make_unique<Impl>();
-  impl->path = model_path;
-  impl->init(serialized);
-  return Tokenizer(std::move(impl));
+  return Tokenizer(std::make_unique<data::SentencePieceBackend>(model_path, serialized));
 }
 
 Tokenizer Tokenizer::train_file(const std::filesystem::path& text_path, const std::filesystem::path& model_path,
@@ -151,67 +218,34 @@ Tokenizer Tokenizer::train_file(const std::filesystem::path& text_path, const st
   return train(text, model_path, opts);
 }
 
-Tokenizer Tokenizer::load(const std::filesystem::path& model_path) {
-  std::string serialized = data::read_file(model_path, "tokenizer model");
-  auto impl = std::make_unique<Impl>();
-  impl->path = model_path;
-  impl->init(serialized);
-  return Tokenizer(std::move(impl));
+Tokenizer Tokenizer::load(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(path, ec)) return Tokenizer(data::load_backend(path));
+  for (const char* name : {"tokenizer.json", "tokenizer.model"})
+    if (std::filesystem::exists(path / name, ec)) return Tokenizer(data::load_backend(path / name));
+  throw Error(str("tokenizer ", path,
+                  " is a directory without a tokenizer.json or tokenizer.model; point to the tokenizer file"));
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
   check_utf8(text, "text to encode");
-  const bool escape = impl_->marker_bytes[0] >= 0;
-  std::vector<int32_t> out;
-  std::vector<int> ids;
-  while (true) {
-    size_t marker = escape ? text.find(kSpaceMarker) : std::string_view::npos;
-    std::string_view segment = text.substr(0, marker);
-    if (!segment.empty()) {
-      auto status = impl_->sp.Encode(segment, &ids);
-      LOOM_CHECK(status.ok(), "sentencepiece encode failed: ", status.ToString());
-      out.insert(out.end(), ids.begin(), ids.end());
-    }
-    if (marker == std::string_view::npos) break;
-    out.insert(out.end(), impl_->marker_bytes.begin(), impl_->marker_bytes.end());
-    text.remove_prefix(marker + kSpaceMarker.size());
-  }
-  return out;
+  return impl_->encode(text);
 }
 
 std::string Tokenizer::decode(std::span<const int32_t> ids) const {
-  const int vocab = vocab_size();
-  for (size_t i = 0; i < ids.size(); ++i)
-    if (ids[i] < 0 || ids[i] >= vocab)
-      throw Error(str("token id ", ids[i], " at position ", i, " is outside the vocabulary [0, ", vocab,
-                      ") of tokenizer ", impl_->path));
-  std::string text;
-  auto status = impl_->sp.Decode(std::vector<int>(ids.begin(), ids.end()), &text);
-  LOOM_CHECK(status.ok(), "sentencepiece decode failed: ", status.ToString());
-  return text;
+  for (size_t i = 0; i < ids.size(); ++i) check_id(*impl_, ids[i], str(" at position ", i));
+  return impl_->decode(ids);
 }
 
 std::string Tokenizer::decode_piece(int32_t id) const {
-  if (id < 0 || id >= vocab_size())
-    throw Error(str("token id ", id, " is outside the vocabulary [0, ", vocab_size(), ") of tokenizer ", impl_->path));
-  // sentencepiece turns a lone byte of a multi-byte character into U+FFFD;
-  // the raw byte is what a stream of pieces needs.
-  if (impl_->byte_of_id[id] >= 0) return std::string(1, static_cast<char>(impl_->byte_of_id[id]));
-  return decode(std::span<const int32_t>(&id, 1));
+  check_id(*impl_, id, "");
+  return impl_->decode_piece(id);
 }
 
-int Tokenizer::vocab_size() const { return impl_->sp.GetPieceSize(); }
-
-std::optional<int32_t> Tokenizer::bos_id() const {
-  int id = impl_->sp.bos_id();
-  return id >= 0 ? std::optional<int32_t>(id) : std::nullopt;
-}
-
-std::optional<int32_t> Tokenizer::eos_id() const {
-  int id = impl_->sp.eos_id();
-  return id >= 0 ? std::optional<int32_t>(id) : std::nullopt;
-}
-
-const std::filesystem::path& Tokenizer::path() const { return impl_->path; }
+int Tokenizer::vocab_size() const { return impl_->vocab_size(); }
+std::optional<int32_t> Tokenizer::bos_id() const { return impl_->bos_id(); }
+std::optional<int32_t> Tokenizer::eos_id() const { return impl_->eos_id(); }
+const std::filesystem::path& Tokenizer::path() const { return impl_->path(); }
+bool Tokenizer::is_hf_json() const { return impl_->is_hf_json(); }
 
 }  // namespace loom

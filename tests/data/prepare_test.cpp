@@ -89,6 +89,25 @@ TEST(Prepare, IsDeterministicAndReusesTokenizers) {
                   {"out/tokenizer.model", "vocabulary of 400", "vocab_size 512"});
 }
 
+TEST(Prepare, ReusesAHuggingFaceTokenizerJson) {
+  TempDir dir;
+  const std::string text = shakespeare(100000, 40000);
+  PrepareOptions opts = small_options(dir, text);
+  opts.vocab_size = 0;
+  // A checkpoint directory: its tokenizer.json, with the config naming bos/eos.
+  opts.tokenizer = std::filesystem::path(LOOM_SOURCE_DIR) / "tests/fixtures/tokenizer/llama3";
+  DatasetInfo info = prepare_dataset(opts);
+  EXPECT_EQ(info.tokenizer, info.dir / "tokenizer.json");
+  EXPECT_EQ(read_bytes(info.tokenizer), read_bytes(opts.tokenizer / "tokenizer.json"));
+  const Tokenizer source = Tokenizer::load(opts.tokenizer), copy = Tokenizer::load(info.tokenizer);
+  EXPECT_EQ(info.vocab_size, source.vocab_size());
+  EXPECT_EQ(copy.eos_id(), source.eos_id());
+  EXPECT_TRUE(copy.eos_id().has_value());
+  const std::vector<int32_t> train = read_all(info.train.file), val = read_all(info.val.file);
+  EXPECT_EQ(copy.decode(train) + copy.decode(val), text);
+  EXPECT_EQ(train, source.encode(copy.decode(train)));
+}
+
 TEST(Prepare, ConcatenatesInputsAtLineBoundaries) {
   TempDir dir;
   const std::string a = shakespeare(0, 40000), b = shakespeare(40000, 40000);

@@ -50,7 +50,9 @@ int main(int argc, char** argv) {
   double prep_val = 0.1;
   prepare->add_option("--text", texts, "UTF-8 text file(s)")->required();
   prepare->add_option("--out", prep_out, "output directory")->required();
-  prepare->add_option("--tokenizer", prep_tokenizer, "reuse this sentencepiece model instead of training one");
+  prepare->add_option("--tokenizer", prep_tokenizer,
+                      "reuse this tokenizer instead of training one: a sentencepiece tokenizer.model, a Hugging "
+                      "Face tokenizer.json, or a directory holding one");
   prepare->add_option("--vocab", prep_vocab, "vocabulary size of a new tokenizer");
   prepare->add_option("--val-fraction", prep_val, "share of the corpus (from its end) for validation");
   prepare->add_option("--seq-len", prep_seq, "training context, to check each split is long enough");
