@@ -150,6 +150,7 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* wei
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
                       const float* rstd, int64_t N, int64_t C, GradWrite dinp_write = GradWrite::accumulate);
 
+// inv_freq: cpu::rope_inv_freq's table (host code, once per model), copied to the device.
 void rope_tables(float* cos, float* sin, const float* inv_freq, int64_t T, int64_t half, int64_t pos0);
 void rope_forward(float* out, const float* inp, const float* cos, const float* sin, int64_t B, int64_t T,
                   int64_t n_heads, int64_t head_dim, int64_t stride);
