@@ -117,8 +117,9 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
                       const float* rstd, int64_t N, int64_t C, GradWrite dinp_write = GradWrite::accumulate);
 
 // ---------------------------------------------------------------------------
-// Rotary position embedding, rotate-half form (Hugging Face LLaMA, GPT-NeoX):
-// with half = head_dim / 2 and, for i < half, angle = inv_freq[i] * position,
+// Rotary position embedding, rotate-half form (Hugging Face LLaMA, GPT-NeoX).
+// With half = head_dim / 2 (head_dim even) and, for i < half,
+// angle = inv_freq[i] * position:
 //   out[i]        = x[i] cos - x[i + half] sin
 //   out[i + half] = x[i + half] cos + x[i] sin.
 // ---------------------------------------------------------------------------
@@ -126,7 +127,8 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
 enum class RopeScalingType { none, linear, llama3 };
 
 // rope_scaling of a Hugging Face config. linear: inverse frequencies divided
-// by factor (positions divided by factor). llama3 (Llama 3.1): wavelengths
+// by factor (as transformers does it; positions divided by factor in exact
+// arithmetic). llama3 (Llama 3.1): wavelengths
 // longer than original_max_position_embeddings / low_freq_factor divided by
 // factor, shorter than original_max_position_embeddings / high_freq_factor
 // kept, smoothly interpolated between.
