@@ -185,6 +185,21 @@ int main(int argc, char** argv) {
     });
   }
 
+  {
+    // Grouped-query attention, a kv head per 4 query heads: the same products
+    // as the multi-head rows above, a quarter of the kv heads to spread out.
+    const int64_t NKV = NH / 4, row = C + 2 * NKV * (C / NH);
+    const auto qkv = random_vector(N * row, 6, -2.0f, 2.0f), dout = random_vector(N * C, 7);
+    std::vector<float> out(static_cast<size_t>(N * C)), lse(static_cast<size_t>(B * NH * T));
+    std::vector<float> dqkv(qkv.size());
+    measure("attention forward NKV=NH/4", attention_flops(B, T, C, NH, 2), 0, [&] {
+      attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, NKV);
+    });
+    measure("attention backward NKV=NH/4", attention_flops(B, T, C, NH, 5), 0, [&] {
+      attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH, NKV);
+    });
+  }
+
   std::printf("\nMemory-bound kernels (bytes each call must read and write)\n");
   double ln_fwd, ln_bwd, gelu_fwd, gelu_bwd, add_s, acc_s, emb_fwd, emb_bwd, ce_fwd, ce_bwd, adamw_per_param;
   {

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <numbers>
+#include <utility>
 
 #include "kernel_test_util.h"
 
@@ -62,11 +63,12 @@ RopeScaling llama3(double factor) {
 
 // Llama 2 (theta 1e4), linear scaling, Llama 3.1 and 3.2 (theta 5e5, llama3
 // scaling with factor 8 and 32) and a small head.
-INSTANTIATE_TEST_SUITE_P(
-    Configs, RopeInvFreq,
-    ::testing::Values(InvFreqCase{128, 10000.0, {}}, InvFreqCase{64, 10000.0, {.type = RopeScalingType::linear, .factor = 4.0}},
-                      InvFreqCase{128, 500000.0, llama3(8.0)}, InvFreqCase{64, 500000.0, llama3(32.0)},
-                      InvFreqCase{16, 10000.0, llama3(8.0)}));
+INSTANTIATE_TEST_SUITE_P(Configs, RopeInvFreq,
+                         ::testing::Values(InvFreqCase{128, 10000.0, {}},
+                                           InvFreqCase{64, 10000.0, {.type = RopeScalingType::linear, .factor = 4.0}},
+                                           InvFreqCase{128, 500000.0, llama3(8.0)},
+                                           InvFreqCase{64, 500000.0, llama3(32.0)},
+                                           InvFreqCase{16, 10000.0, llama3(8.0)}));
 
 TEST(Rope, Llama3ScalingCoversAllThreeBands) {
   // The test above proves little unless frequencies fall in every band:
@@ -79,9 +81,12 @@ TEST(Rope, Llama3ScalingCoversAllThreeBands) {
   int kept = 0, divided = 0, between = 0;
   for (int64_t i = 0; i < head_dim / 2; ++i) {
     const double ratio = static_cast<double>(plain[i]) / scaled[i];
-    if (ratio == 1.0) ++kept;
-    else if (std::fabs(ratio - sc.factor) < 1e-5) ++divided;
-    else if (ratio > 1.0 && ratio < sc.factor) ++between;
+    if (ratio == 1.0)
+      ++kept;
+    else if (std::fabs(ratio - sc.factor) < 1e-5)
+      ++divided;
+    else if (ratio > 1.0 && ratio < sc.factor)
+      ++between;
   }
   EXPECT_GT(kept, 0);
   EXPECT_GT(divided, 0);
@@ -183,8 +188,7 @@ TEST(Rope, InPlaceOnPackedQkvRotatesOnlyItsHeads) {
   rope_forward(qkv.data() + C, qkv.data() + C, tab.cos.data(), tab.sin.data(), B, T, NKV, hd, row);
   for (const auto& [offset, width] : {std::pair<int64_t, int64_t>{0, C}, {C, NKV * hd}}) {
     std::vector<float> part(B * T * width), rotated(part.size());
-    for (int64_t i = 0; i < B * T; ++i)
-      std::memcpy(&part[i * width], &qkv0[i * row + offset], width * sizeof(float));
+    for (int64_t i = 0; i < B * T; ++i) std::memcpy(&part[i * width], &qkv0[i * row + offset], width * sizeof(float));
     rope_forward(rotated.data(), part.data(), tab.cos.data(), tab.sin.data(), B, T, width / hd, hd, width);
     for (int64_t i = 0; i < B * T; ++i)
       EXPECT_EQ(std::memcmp(&rotated[i * width], &qkv[i * row + offset], width * sizeof(float)), 0)
