@@ -166,10 +166,10 @@ int main(int argc, char** argv) {
     std::vector<float> out(static_cast<size_t>(N * C)), lse(static_cast<size_t>(B * NH * T));
     std::vector<float> dqkv(qkv.size());
     attn_fwd = measure("attention forward", attention_flops(B, T, C, NH, 2), 0, [&] {
-                 attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
+                 attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
                }).seconds;
     attn_bwd = measure("attention backward", attention_flops(B, T, C, NH, 5), 0, [&] {
-                 attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH);
+                 attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
                }).seconds;
   }
 
@@ -179,9 +179,24 @@ int main(int argc, char** argv) {
     const auto qkv = random_vector(Bf * Tf * 3 * Cf, 6, -2.0f, 2.0f), dout = random_vector(Bf * Tf * Cf, 7);
     std::vector<float> out(static_cast<size_t>(Bf * Tf * Cf)), lse(static_cast<size_t>(Bf * NHf * Tf));
     std::vector<float> dqkv(qkv.size());
-    attention_forward(out.data(), lse.data(), qkv.data(), Bf, Tf, Cf, NHf);
+    attention_forward(out.data(), lse.data(), qkv.data(), Bf, Tf, Cf, NHf, NHf);
     measure("attention backward B=1 T=1024 NH=4", attention_flops(Bf, Tf, Cf, NHf, 5), 0, [&] {
-      attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), Bf, Tf, Cf, NHf);
+      attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), Bf, Tf, Cf, NHf, NHf);
+    });
+  }
+
+  {
+    // Grouped-query attention, a kv head per 4 query heads: the same products
+    // as the multi-head rows above, a quarter of the kv heads to spread out.
+    const int64_t NKV = NH / 4, row = C + 2 * NKV * (C / NH);
+    const auto qkv = random_vector(N * row, 6, -2.0f, 2.0f), dout = random_vector(N * C, 7);
+    std::vector<float> out(static_cast<size_t>(N * C)), lse(static_cast<size_t>(B * NH * T));
+    std::vector<float> dqkv(qkv.size());
+    measure("attention forward NKV=NH/4", attention_flops(B, T, C, NH, 2), 0, [&] {
+      attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, NKV);
+    });
+    measure("attention backward NKV=NH/4", attention_flops(B, T, C, NH, 5), 0, [&] {
+      attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH, NKV);
     });
   }
 

@@ -151,6 +151,21 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
                         const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
                         GradWrite dinp_write = GradWrite::accumulate);
 
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps);
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int64_t N, int64_t C, GradWrite dinp_write = GradWrite::accumulate);
+
+// inv_freq: cpu::rope_inv_freq's table (host code, once per model), copied to the device.
+void rope_tables(float* cos, float* sin, const float* inv_freq, int64_t T, int64_t half, int64_t pos0);
+void rope_forward(float* out, const float* inp, const float* cos, const float* sin, int64_t B, int64_t T,
+                  int64_t n_heads, int64_t head_dim, int64_t stride);
+void rope_backward(float* dinp, const float* dout, const float* cos, const float* sin, int64_t B, int64_t T,
+                   int64_t n_heads, int64_t head_dim, int64_t stride, GradWrite dinp_write = GradWrite::accumulate);
+
+void swiglu_forward(float* h, const float* g, const float* u, int64_t N, int64_t I, int64_t ld);
+void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, int64_t N, int64_t I,
+                     int64_t ld, GradWrite dgu_write = GradWrite::accumulate);
+
 void gelu_forward(float* out, const float* inp, int64_t n);
 void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n,
                    GradWrite dinp_write = GradWrite::accumulate);
@@ -158,11 +173,13 @@ void add(float* out, const float* a, const float* b, int64_t n);
 void accumulate(float* y, const float* x, int64_t n);
 void scale(float* x, int64_t n, float s);
 
-void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t NH);
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t NH,
+                       int64_t NKV);
 void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
-                        int64_t B, int64_t T, int64_t C, int64_t NH, GradWrite dqkv_write = GradWrite::accumulate);
+                        int64_t B, int64_t T, int64_t C, int64_t NH, int64_t NKV,
+                        GradWrite dqkv_write = GradWrite::accumulate);
 void attention_cached(float* out, float* k_cache, float* v_cache, const float* qkv, int64_t B, int64_t n, int64_t pos0,
-                      int64_t block_size, int64_t C, int64_t NH);
+                      int64_t block_size, int64_t C, int64_t NH, int64_t NKV);
 
 void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
                            int64_t V);

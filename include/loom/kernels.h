@@ -105,6 +105,78 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
                         GradWrite dinp_write = GradWrite::accumulate);
 
 // ---------------------------------------------------------------------------
+// RMSNorm over the last dimension (LLaMA): out = x * rstd * weight with
+// rstd = 1 / sqrt(mean(x^2) + eps), in that order as Hugging Face's
+// LlamaRMSNorm (no mean subtraction, no bias). forward saves rstd[N];
+// backward writes dinp as dinp_write says and accumulates dweight (summed
+// over fixed row chunks in chunk order, as layernorm's).
+// ---------------------------------------------------------------------------
+
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps);
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int64_t N, int64_t C, GradWrite dinp_write = GradWrite::accumulate);
+
+// ---------------------------------------------------------------------------
+// Rotary position embedding, rotate-half form (Hugging Face LLaMA, GPT-NeoX).
+// With half = head_dim / 2 (head_dim even) and, for i < half,
+// angle = inv_freq[i] * position:
+//   out[i]        = x[i] cos - x[i + half] sin
+//   out[i + half] = x[i + half] cos + x[i] sin.
+// ---------------------------------------------------------------------------
+
+enum class RopeScalingType { none, linear, llama3 };
+
+// rope_scaling of a Hugging Face config. linear: inverse frequencies divided
+// by factor (as transformers does it; positions divided by factor in exact
+// arithmetic). llama3 (Llama 3.1): wavelengths
+// longer than original_max_position_embeddings / low_freq_factor divided by
+// factor, shorter than original_max_position_embeddings / high_freq_factor
+// kept, smoothly interpolated between.
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::none;
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+// inv_freq[head_dim / 2] for base theta, computed as transformers'
+// _compute_default_rope_parameters (+ _linear_scaling_ / _llama3_) does in
+// float32 tensors: every step rounded to float32, in its order, so the table
+// matches Hugging Face's to the last bit or so (pow may differ by an ulp).
+// Host code (a table of head_dim / 2 floats), not a device kernel.
+void rope_inv_freq(float* inv_freq, int64_t head_dim, double theta, const RopeScaling& scaling = {});
+
+// cos[T, half] and sin[T, half] for positions pos0 .. pos0 + T - 1, as
+// LlamaRotaryEmbedding forms them: angle = inv_freq * float(position) rounded
+// to float32, then its cosine and sine.
+void rope_tables(float* cos, float* sin, const float* inv_freq, int64_t T, int64_t half, int64_t pos0);
+
+// Rotates x[B, T, n_heads, head_dim] whose tokens lie `stride` floats apart
+// (n_heads * head_dim when contiguous; q or k inside a packed qkv row, see
+// attention) by the tables of rope_tables for those T positions. out has the
+// same layout and may be inp (in place, the usual use on qkv). backward is the
+// inverse rotation (sin -> -sin) of dout into dinp, written as dinp_write
+// says; in place (dinp == dout) it must overwrite.
+void rope_forward(float* out, const float* inp, const float* cos, const float* sin, int64_t B, int64_t T,
+                  int64_t n_heads, int64_t head_dim, int64_t stride);
+void rope_backward(float* dinp, const float* dout, const float* cos, const float* sin, int64_t B, int64_t T,
+                   int64_t n_heads, int64_t head_dim, int64_t stride, GradWrite dinp_write = GradWrite::accumulate);
+
+// ---------------------------------------------------------------------------
+// SwiGLU's elementwise part (LLaMA MLP): h = silu(g) * u, silu(g) = g
+// sigmoid(g), over N rows of I elements. g and u are read with leading
+// dimension ld: a fused gate|up GEMM output [N, 2I] passes g = gu, u = gu + I,
+// ld = 2I (gate first, then up); separate [N, I] buffers pass ld = I. dg and
+// du are written with the same ld (so the fused gradient [N, 2I] feeds one
+// backward GEMM), as dgu_write says.
+// ---------------------------------------------------------------------------
+
+void swiglu_forward(float* h, const float* g, const float* u, int64_t N, int64_t I, int64_t ld);
+void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, int64_t N, int64_t I,
+                     int64_t ld, GradWrite dgu_write = GradWrite::accumulate);
+
+// ---------------------------------------------------------------------------
 // GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 // ---------------------------------------------------------------------------
 
@@ -136,24 +208,29 @@ int64_t count_non_finite(const void* x, DType dt, int64_t n);
 double sum_squares(const void* x, DType dt, int64_t n);
 
 // ---------------------------------------------------------------------------
-// Causal self-attention, flash-attention style.
-// qkv[B,T,3C] holds q | k | v per token (as GPT-2's c_attn emits them); head h
-// uses columns [h*hs, (h+1)*hs) of each, hs = C/NH, scale 1/sqrt(hs).
-// forward writes out[B,T,C] (heads concatenated) and lse[B,NH,T], the
-// log-sum-exp of each query row's scaled scores. No B*NH*T*T matrix is kept:
-// backward recomputes the scores tile by tile from qkv and lse, so saved
-// activation memory is linear in T. backward writes dqkv[B,T,3C] as
-// dqkv_write says.
+// Causal self-attention, flash-attention style, with grouped-query attention.
+// NH query heads and NKV key/value heads of hs = C/NH each (NH % NKV == 0;
+// NKV == NH is multi-head attention, NKV == 1 multi-query): query head h
+// attends with kv head h / (NH / NKV). qkv[B, T, C + 2 NKV hs] holds
+// q (C) | k (NKV hs) | v (NKV hs) per token (GPT-2's c_attn emits this with
+// NKV == NH); head h uses columns [h*hs, (h+1)*hs) of its part; scale
+// 1/sqrt(hs). forward writes out[B,T,C] (heads concatenated) and lse[B,NH,T],
+// the log-sum-exp of each query row's scaled scores. No B*NH*T*T matrix is
+// kept: backward recomputes the scores tile by tile from qkv and lse, so saved
+// activation memory is linear in T. backward writes dqkv (qkv's layout) as
+// dqkv_write says; a kv head's dk and dv sum over its query heads in head order.
 // ---------------------------------------------------------------------------
 
-void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t NH);
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t NH,
+                       int64_t NKV);
 void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
-                        int64_t B, int64_t T, int64_t C, int64_t NH, GradWrite dqkv_write = GradWrite::accumulate);
-// Sampling with a KV cache ([B, NH, block_size, hs] each): appends the keys
-// and values of the n new positions pos0.. (from qkv [B, n, 3C]) and writes
-// out[B, n, C], each new query attending to every position up to its own.
+                        int64_t B, int64_t T, int64_t C, int64_t NH, int64_t NKV,
+                        GradWrite dqkv_write = GradWrite::accumulate);
+// Sampling with a KV cache ([B, NKV, block_size, hs] each): appends the keys
+// and values of the n new positions pos0.. (from qkv [B, n, C + 2 NKV hs]) and
+// writes out[B, n, C], each new query attending to every position up to its own.
 void attention_cached(float* out, float* k_cache, float* v_cache, const float* qkv, int64_t B, int64_t n, int64_t pos0,
-                      int64_t block_size, int64_t C, int64_t NH);
+                      int64_t block_size, int64_t C, int64_t NH, int64_t NKV);
 
 // ---------------------------------------------------------------------------
 // Fused softmax + cross-entropy over V classes.

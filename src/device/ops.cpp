@@ -85,6 +85,34 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
   LOOM_LAUNCH(layernorm_backward, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, dinp_write);
 }
 
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps) {
+  LOOM_LAUNCH(rmsnorm_forward, out, rstd, inp, weight, N, C, eps);
+}
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int64_t N, int64_t C, GradWrite dinp_write) {
+  LOOM_LAUNCH(rmsnorm_backward, dinp, dweight, dout, inp, weight, rstd, N, C, dinp_write);
+}
+
+void rope_tables(float* cos, float* sin, const float* inv_freq, int64_t T, int64_t half, int64_t pos0) {
+  LOOM_LAUNCH(rope_tables, cos, sin, inv_freq, T, half, pos0);
+}
+void rope_forward(float* out, const float* inp, const float* cos, const float* sin, int64_t B, int64_t T,
+                  int64_t n_heads, int64_t head_dim, int64_t stride) {
+  LOOM_LAUNCH(rope_forward, out, inp, cos, sin, B, T, n_heads, head_dim, stride);
+}
+void rope_backward(float* dinp, const float* dout, const float* cos, const float* sin, int64_t B, int64_t T,
+                   int64_t n_heads, int64_t head_dim, int64_t stride, GradWrite dinp_write) {
+  LOOM_LAUNCH(rope_backward, dinp, dout, cos, sin, B, T, n_heads, head_dim, stride, dinp_write);
+}
+
+void swiglu_forward(float* h, const float* g, const float* u, int64_t N, int64_t I, int64_t ld) {
+  LOOM_LAUNCH(swiglu_forward, h, g, u, N, I, ld);
+}
+void swiglu_backward(float* dg, float* du, const float* dh, const float* g, const float* u, int64_t N, int64_t I,
+                     int64_t ld, GradWrite dgu_write) {
+  LOOM_LAUNCH(swiglu_backward, dg, du, dh, g, u, N, I, ld, dgu_write);
+}
+
 void gelu_forward(float* out, const float* inp, int64_t n) { LOOM_LAUNCH(gelu_forward, out, inp, n); }
 void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, GradWrite dinp_write) {
   LOOM_LAUNCH(gelu_backward, dinp, inp, dout, n, dinp_write);
@@ -93,17 +121,18 @@ void add(float* out, const float* a, const float* b, int64_t n) { LOOM_LAUNCH(ad
 void accumulate(float* y, const float* x, int64_t n) { LOOM_LAUNCH(accumulate, y, x, n); }
 void scale(float* x, int64_t n, float s) { LOOM_LAUNCH(scale, x, n, s); }
 
-void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t NH) {
-  LOOM_LAUNCH(attention_forward, out, lse, qkv, B, T, C, NH);
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t NH,
+                       int64_t NKV) {
+  LOOM_LAUNCH(attention_forward, out, lse, qkv, B, T, C, NH, NKV);
 }
 void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
-                        int64_t B, int64_t T, int64_t C, int64_t NH, GradWrite dqkv_write) {
-  LOOM_LAUNCH(attention_backward, dqkv, dout, out, lse, qkv, B, T, C, NH, dqkv_write);
+                        int64_t B, int64_t T, int64_t C, int64_t NH, int64_t NKV, GradWrite dqkv_write) {
+  LOOM_LAUNCH(attention_backward, dqkv, dout, out, lse, qkv, B, T, C, NH, NKV, dqkv_write);
 }
 
 void attention_cached(float* out, float* k_cache, float* v_cache, const float* qkv, int64_t B, int64_t n, int64_t pos0,
-                      int64_t block_size, int64_t C, int64_t NH) {
-  LOOM_LAUNCH(attention_cached, out, k_cache, v_cache, qkv, B, n, pos0, block_size, C, NH);
+                      int64_t block_size, int64_t C, int64_t NH, int64_t NKV) {
+  LOOM_LAUNCH(attention_cached, out, k_cache, v_cache, qkv, B, n, pos0, block_size, C, NH, NKV);
 }
 
 void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,

@@ -19,7 +19,7 @@ Tensor CausalSelfAttention::forward(const ParamStore& ps, Saved& s, const Tensor
   s.att = Tensor::empty({bs.N(), local_C});
   s.lse = Tensor::empty({bs.B, local_heads_, bs.T});
   ops::attention_forward(s.att.data<float>(), s.lse.data<float>(), s.qkv.data<float>(), bs.B, bs.T, local_C,
-                         local_heads_);
+                         local_heads_, local_heads_);
   return c_proj_.forward(ps, s.att);
 }
 
@@ -29,7 +29,8 @@ Tensor CausalSelfAttention::backward(const Grads& g, const Tensor& dout, const T
   Tensor datt = c_proj_.backward(g, dout, s.att);
   Tensor dqkv = Tensor::empty({bs.N(), 3 * local_C});
   ops::attention_backward(dqkv.data<float>(), datt.data<float>(), s.att.data<float>(), s.lse.data<float>(),
-                          s.qkv.data<float>(), bs.B, bs.T, local_C, local_heads_, ops::GradWrite::overwrite);
+                          s.qkv.data<float>(), bs.B, bs.T, local_C, local_heads_, local_heads_,
+                          ops::GradWrite::overwrite);
   datt = Tensor();
   return c_attn_.backward(g, dqkv, in);
 }

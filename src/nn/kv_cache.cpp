@@ -18,7 +18,8 @@ void CausalSelfAttention::forward_cached(const ParamStore& ps, float* out, const
   Tensor qkv = Tensor::empty({B, n, 3 * C});
   c_attn_.local().forward(ps, qkv.data<float>(), in, B * n);
   Tensor att = Tensor::empty({B, n, C});
-  ops::attention_cached(att.data<float>(), k_cache, v_cache, qkv.data<float>(), B, n, pos0, block_size, C, n_head_);
+  ops::attention_cached(att.data<float>(), k_cache, v_cache, qkv.data<float>(), B, n, pos0, block_size, C, n_head_,
+                       n_head_);
   c_proj_.local().forward(ps, out, att.data<float>(), B * n);
 }
 

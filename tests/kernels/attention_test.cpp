@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernel_test_util.h"
@@ -9,10 +10,11 @@ namespace {
 
 using kernel_testing::random_vector;
 
-// Naive causal attention in double with the full T x T score matrix.
+// Naive causal attention in double with the full T x T score matrix; query
+// head h reads kv head h / (NH / NKV) of qkv [B, T, C + 2 NKV hs].
 void reference_attention(std::vector<double>& out, std::vector<double>& lse, const std::vector<float>& qkv, int64_t B,
-                         int64_t T, int64_t C, int64_t NH) {
-  const int64_t hs = C / NH;
+                         int64_t T, int64_t C, int64_t NH, int64_t NKV) {
+  const int64_t hs = C / NH, row = C + 2 * NKV * hs;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
   out.assign(B * T * C, 0.0);
   lse.assign(B * NH * T, 0.0);
@@ -20,10 +22,11 @@ void reference_attention(std::vector<double>& out, std::vector<double>& lse, con
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < NH; ++h)
       for (int64_t t = 0; t < T; ++t) {
-        const float* q = &qkv[(b * T + t) * 3 * C + h * hs];
+        const int64_t kv = h / (NH / NKV);
+        const float* q = &qkv[(b * T + t) * row + h * hs];
         double m = -INFINITY;
         for (int64_t j = 0; j <= t; ++j) {
-          const float* k = &qkv[(b * T + j) * 3 * C + C + h * hs];
+          const float* k = &qkv[(b * T + j) * row + C + kv * hs];
           double s = 0.0;
           for (int64_t d = 0; d < hs; ++d) s += static_cast<double>(q[d]) * k[d];
           scores[j] = s * scale;
@@ -34,7 +37,7 @@ void reference_attention(std::vector<double>& out, std::vector<double>& lse, con
         lse[(b * NH + h) * T + t] = m + std::log(sum);
         for (int64_t j = 0; j <= t; ++j) {
           const double p = std::exp(scores[j] - m) / sum;
-          const float* v = &qkv[(b * T + j) * 3 * C + 2 * C + h * hs];
+          const float* v = &qkv[(b * T + j) * row + C + (NKV + kv) * hs];
           for (int64_t d = 0; d < hs; ++d) out[(b * T + t) * C + h * hs + d] += p * v[d];
         }
       }
@@ -50,9 +53,9 @@ TEST_P(AttentionForward, MatchesNaiveAttention) {
   const auto [B, T, C, NH] = GetParam();
   const auto qkv = random_vector(B * T * 3 * C, 1, -2.0f, 2.0f);
   std::vector<float> out(B * T * C), lse(B * NH * T);
-  attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
+  attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
   std::vector<double> ref_out, ref_lse;
-  reference_attention(ref_out, ref_lse, qkv, B, T, C, NH);
+  reference_attention(ref_out, ref_lse, qkv, B, T, C, NH, NH);
   kernel_testing::expect_close("out", out, ref_out, 1e-5, 1e-5);
   kernel_testing::expect_close("lse", lse, ref_lse, 1e-6, 1e-6);
 }
@@ -71,12 +74,12 @@ TEST_P(AttentionBackward, MatchesFiniteDifferences) {
   auto qkv = random_vector(B * T * 3 * C, 1, -2.0f, 2.0f);
   const auto R = random_vector(B * T * C, 2);
   std::vector<float> out(B * T * C), lse(B * NH * T);
-  attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
+  attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
   std::vector<float> dqkv(qkv.size(), 0.0f);
-  attention_backward(dqkv.data(), R.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH);
+  attention_backward(dqkv.data(), R.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
   std::vector<float> out2(out.size()), lse2(lse.size());
   auto loss = [&] {
-    attention_forward(out2.data(), lse2.data(), qkv.data(), B, T, C, NH);
+    attention_forward(out2.data(), lse2.data(), qkv.data(), B, T, C, NH, NH);
     return kernel_testing::weighted_sum(out2, R);
   };
   kernel_testing::expect_gradient_matches("dqkv", qkv, dqkv, loss, {.max_checks = 600});
@@ -100,12 +103,12 @@ TEST(Attention, BackwardAccumulates) {
   const int64_t B = 2, T = 67, C = 12, NH = 2;
   const auto qkv = random_vector(B * T * 3 * C, 1, -2.0f, 2.0f), dout = random_vector(B * T * C, 2);
   std::vector<float> out(B * T * C), lse(B * NH * T);
-  attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
+  attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
   std::vector<float> fresh(qkv.size(), 0.0f);
-  attention_backward(fresh.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH);
+  attention_backward(fresh.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
   auto acc = random_vector(qkv.size(), 3);
   const auto acc0 = acc;
-  attention_backward(acc.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH);
+  attention_backward(acc.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
   std::vector<double> expect(acc.size());
   for (size_t i = 0; i < acc.size(); ++i) expect[i] = static_cast<double>(acc0[i]) + fresh[i];
   kernel_testing::expect_close("dqkv", acc, expect, 1e-5, 1e-5);
@@ -119,10 +122,145 @@ TEST(Attention, ResultsDoNotDependOnThreadCount) {
     const auto qkv = random_vector(B * T * 3 * C, 1, -2.0f, 2.0f), dout = random_vector(B * T * C, 2);
     kernel_testing::expect_thread_invariant([&] {
       std::vector<float> out(B * T * C), lse(B * NH * T), dqkv(qkv.size(), 0.0f);
-      attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
-      attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH);
+      attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
+      attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
       return kernel_testing::concat({&out, &lse, &dqkv});
     });
+  }
+}
+
+// Grouped-query attention: NKV kv heads shared by groups of NH / NKV query heads.
+struct GqaCase {
+  int64_t B, T, C, NH, NKV;
+  int64_t row() const { return C + 2 * NKV * (C / NH); }  // q | k | v floats per token
+};
+
+class GroupedQueryAttention : public ::testing::TestWithParam<GqaCase> {};
+
+TEST_P(GroupedQueryAttention, ForwardMatchesNaiveAttention) {
+  const GqaCase c = GetParam();
+  const auto qkv = random_vector(c.B * c.T * c.row(), 1, -2.0f, 2.0f);
+  std::vector<float> out(c.B * c.T * c.C), lse(c.B * c.NH * c.T);
+  attention_forward(out.data(), lse.data(), qkv.data(), c.B, c.T, c.C, c.NH, c.NKV);
+  std::vector<double> ref_out, ref_lse;
+  reference_attention(ref_out, ref_lse, qkv, c.B, c.T, c.C, c.NH, c.NKV);
+  kernel_testing::expect_close("out", out, ref_out, 1e-5, 1e-5);
+  kernel_testing::expect_close("lse", lse, ref_lse, 1e-6, 1e-6);
+}
+
+TEST_P(GroupedQueryAttention, BackwardMatchesFiniteDifferences) {
+  const GqaCase c = GetParam();
+  auto qkv = random_vector(c.B * c.T * c.row(), 1, -2.0f, 2.0f);
+  const auto R = random_vector(c.B * c.T * c.C, 2);
+  std::vector<float> out(c.B * c.T * c.C), lse(c.B * c.NH * c.T);
+  attention_forward(out.data(), lse.data(), qkv.data(), c.B, c.T, c.C, c.NH, c.NKV);
+  std::vector<float> dqkv(qkv.size(), 0.0f);
+  attention_backward(dqkv.data(), R.data(), out.data(), lse.data(), qkv.data(), c.B, c.T, c.C, c.NH, c.NKV);
+  std::vector<float> out2(out.size()), lse2(lse.size());
+  auto loss = [&] {
+    attention_forward(out2.data(), lse2.data(), qkv.data(), c.B, c.T, c.C, c.NH, c.NKV);
+    return kernel_testing::weighted_sum(out2, R);
+  };
+  kernel_testing::expect_gradient_matches("dqkv", qkv, dqkv, loss, {.max_checks = 600});
+  // Every query head and every kv head's k and v get a nonzero gradient.
+  const int64_t hs = c.C / c.NH;
+  for (int64_t col = 0; col < c.row(); col += hs) {
+    double norm = 0.0;
+    for (int64_t i = 0; i < c.B * c.T; ++i)
+      for (int64_t d = 0; d < hs; ++d) norm += std::fabs(dqkv[i * c.row() + col + d]);
+    EXPECT_GT(norm, 0.1) << "columns from " << col;
+  }
+}
+
+// One kv head (multi-query), two, and as many as query heads; with key
+// ranges shared out (few kv heads) and a partial last query tile.
+INSTANTIATE_TEST_SUITE_P(Shapes, GroupedQueryAttention,
+                         ::testing::Values(GqaCase{2, 70, 24, 4, 1}, GqaCase{1, 150, 16, 4, 2},
+                                           GqaCase{2, 70, 24, 4, 4}, GqaCase{2, 13, 18, 6, 3}));
+
+// qkv with each kv head repeated for the query heads of its group (repeat_kv):
+// the multi-head layout that grouped-query attention must equal.
+std::vector<float> repeat_kv(const std::vector<float>& qkv, const GqaCase& c) {
+  const int64_t hs = c.C / c.NH, group = c.NH / c.NKV;
+  std::vector<float> mha(static_cast<size_t>(c.B * c.T * 3 * c.C));
+  for (int64_t i = 0; i < c.B * c.T; ++i) {
+    const float* src = &qkv[i * c.row()];
+    float* dst = &mha[i * 3 * c.C];
+    std::copy_n(src, c.C, dst);
+    for (int64_t h = 0; h < c.NH; ++h) {
+      std::copy_n(src + c.C + h / group * hs, hs, dst + c.C + h * hs);
+      std::copy_n(src + c.C + (c.NKV + h / group) * hs, hs, dst + 2 * c.C + h * hs);
+    }
+  }
+  return mha;
+}
+
+TEST(GroupedQueryAttentionVsRepeatedKv, SameOutputAndSummedGradients) {
+  for (const GqaCase& c : {GqaCase{2, 70, 24, 4, 1}, GqaCase{1, 200, 24, 6, 2}, GqaCase{3, 20, 16, 4, 2}}) {
+    SCOPED_TRACE(::testing::Message() << "B=" << c.B << " T=" << c.T << " NH=" << c.NH << " NKV=" << c.NKV);
+    const auto qkv = random_vector(c.B * c.T * c.row(), 1, -2.0f, 2.0f), dout = random_vector(c.B * c.T * c.C, 2);
+    const auto mha = repeat_kv(qkv, c);
+    std::vector<float> out(c.B * c.T * c.C), lse(c.B * c.NH * c.T), out_mha(out.size()), lse_mha(lse.size());
+    attention_forward(out.data(), lse.data(), qkv.data(), c.B, c.T, c.C, c.NH, c.NKV);
+    attention_forward(out_mha.data(), lse_mha.data(), mha.data(), c.B, c.T, c.C, c.NH, c.NH);
+    // The same products on the same numbers, only read through other strides.
+    EXPECT_EQ(out, out_mha);
+    EXPECT_EQ(lse, lse_mha);
+    std::vector<float> dqkv(qkv.size(), 0.0f), dmha(mha.size(), 0.0f);
+    attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), c.B, c.T, c.C, c.NH, c.NKV);
+    attention_backward(dmha.data(), dout.data(), out_mha.data(), lse_mha.data(), mha.data(), c.B, c.T, c.C, c.NH,
+                       c.NH);
+    // dq as multi-head attention's; a kv head's dk and dv the sums over its
+    // group's repeated copies.
+    const int64_t hs = c.C / c.NH, group = c.NH / c.NKV;
+    std::vector<double> expect(dqkv.size(), 0.0);
+    for (int64_t i = 0; i < c.B * c.T; ++i) {
+      for (int64_t j = 0; j < c.C; ++j) expect[i * c.row() + j] = dmha[i * 3 * c.C + j];
+      for (int64_t h = 0; h < c.NH; ++h)
+        for (int64_t d = 0; d < hs; ++d) {
+          expect[i * c.row() + c.C + h / group * hs + d] += dmha[i * 3 * c.C + c.C + h * hs + d];
+          expect[i * c.row() + c.C + (c.NKV + h / group) * hs + d] += dmha[i * 3 * c.C + 2 * c.C + h * hs + d];
+        }
+    }
+    kernel_testing::expect_close("dqkv", dqkv, expect, 1e-5, 1e-5);
+  }
+}
+
+TEST(GroupedQueryAttention, ResultsDoNotDependOnThreadCount) {
+  // Several kv heads, and one kv head whose key ranges the threads share.
+  for (const GqaCase& c : {GqaCase{2, 150, 48, 4, 2}, GqaCase{1, 400, 16, 4, 1}}) {
+    SCOPED_TRACE(::testing::Message() << "B=" << c.B << " T=" << c.T << " NH=" << c.NH << " NKV=" << c.NKV);
+    const auto qkv = random_vector(c.B * c.T * c.row(), 1, -2.0f, 2.0f), dout = random_vector(c.B * c.T * c.C, 2);
+    kernel_testing::expect_thread_invariant([&] {
+      std::vector<float> out(c.B * c.T * c.C), lse(c.B * c.NH * c.T), dqkv(qkv.size(), 0.0f);
+      attention_forward(out.data(), lse.data(), qkv.data(), c.B, c.T, c.C, c.NH, c.NKV);
+      attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), c.B, c.T, c.C, c.NH, c.NKV);
+      return kernel_testing::concat({&out, &lse, &dqkv});
+    });
+  }
+}
+
+TEST(AttentionCached, MatchesFullAttentionChunkByChunk) {
+  // A prompt of 5 positions, then one at a time: each chunk's output is the
+  // full causal attention's rows for those positions.
+  const int64_t B = 2, T = 12, C = 24, NH = 4, block_size = 16;
+  for (int64_t NKV : {int64_t{1}, int64_t{2}, NH}) {
+    SCOPED_TRACE(::testing::Message() << "NKV=" << NKV);
+    const GqaCase c{B, T, C, NH, NKV};
+    const auto qkv = random_vector(B * T * c.row(), 1, -2.0f, 2.0f);
+    std::vector<float> full(B * T * C), lse(B * NH * T);
+    attention_forward(full.data(), lse.data(), qkv.data(), B, T, C, NH, NKV);
+    std::vector<float> k_cache(B * NKV * block_size * (C / NH)), v_cache(k_cache.size()), cached(B * T * C);
+    for (int64_t pos0 = 0; pos0 < T;) {
+      const int64_t n = pos0 == 0 ? 5 : 1;
+      std::vector<float> chunk(B * n * c.row()), out(B * n * C);
+      for (int64_t b = 0; b < B; ++b)
+        std::copy_n(&qkv[(b * T + pos0) * c.row()], n * c.row(), &chunk[b * n * c.row()]);
+      attention_cached(out.data(), k_cache.data(), v_cache.data(), chunk.data(), B, n, pos0, block_size, C, NH, NKV);
+      for (int64_t b = 0; b < B; ++b) std::copy_n(&out[b * n * C], n * C, &cached[(b * T + pos0) * C]);
+      pos0 += n;
+    }
+    kernel_testing::expect_close("out", cached, kernel_testing::to_double(full), 1e-5, 1e-5);
   }
 }
 

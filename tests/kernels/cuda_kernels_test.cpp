@@ -359,8 +359,8 @@ TEST_F(CudaKernels, AttentionForwardAndBackwardMatchCpu) {
     const auto qkv = random_vector(B * T * 3 * C, 1, -2.0f, 2.0f), dout = random_vector(B * T * C, 2);
     const auto dqkv0 = random_vector(B * T * 3 * C, 3);
     std::vector<float> out(B * T * C), lse(B * NH * T), dqkv = dqkv0;
-    cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
-    cpu::attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH);
+    cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
+    cpu::attention_backward(dqkv.data(), dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
     const auto got = run_twice(what, [&] {
       DeviceVector<float> x(qkv), g(dout), o(zeros(B * T * C)), l(zeros(B * NH * T)), dx(dqkv0);
       attention_forward(o.get(), l.get(), x.get(), B, T, C, NH, stream_);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <tuple>
 #include <utility>
 
 #include "kernel_test_util.h"
@@ -68,15 +69,58 @@ TEST(InputGradWrite, DropoutBackward) {
         n, [&](float* dinp, GradWrite mode) { dropout_backward(dinp, dout.data(), n, p, 7, 11, mode); });
 }
 
+TEST(InputGradWrite, RmsnormBackward) {
+  const int64_t N = 200, C = 300;
+  const auto inp = random_vector(N * C, 1), w = random_vector(C, 2), dout = random_vector(N * C, 4);
+  std::vector<float> out(N * C), rstd(N), dw(C);
+  rmsnorm_forward(out.data(), rstd.data(), inp.data(), w.data(), N, C, 1e-5f);
+  expect_overwrite_matches_zeros(N * C, [&](float* dinp, GradWrite mode) {
+    rmsnorm_backward(dinp, dw.data(), dout.data(), inp.data(), w.data(), rstd.data(), N, C, mode);
+  });
+}
+
+TEST(InputGradWrite, RopeBackward) {
+  const int64_t B = 2, T = 100, NH = 4, hd = 64;
+  std::vector<float> inv(hd / 2), cos(T * hd / 2), sin(T * hd / 2);
+  rope_inv_freq(inv.data(), hd, 10000.0);
+  rope_tables(cos.data(), sin.data(), inv.data(), T, hd / 2, 0);
+  const auto dout = random_vector(B * T * NH * hd, 1);
+  expect_overwrite_matches_zeros(B * T * NH * hd, [&](float* dinp, GradWrite mode) {
+    rope_backward(dinp, dout.data(), cos.data(), sin.data(), B, T, NH, hd, NH * hd, mode);
+  });
+}
+
+TEST(InputGradWrite, SwigluBackward) {
+  const int64_t N = 100, I = 300;
+  const auto gu = random_vector(N * 2 * I, 1, -6.0f, 6.0f), dh = random_vector(N * I, 2);
+  expect_overwrite_matches_zeros(N * 2 * I, [&](float* dgu, GradWrite mode) {
+    swiglu_backward(dgu, dgu + I, dh.data(), gu.data(), gu.data() + I, N, I, 2 * I, mode);
+  });
+}
+
 TEST(InputGradWrite, AttentionBackward) {
   // Several query tiles, with and without key ranges (3 heads: ranges; 48: none).
   for (const auto& [B, NH] : {std::pair<int64_t, int64_t>{1, 3}, {4, 12}}) {
     const int64_t T = 150, C = 4 * NH;
     const auto qkv = random_vector(B * T * 3 * C, 1, -2.0f, 2.0f), dout = random_vector(B * T * C, 2);
     std::vector<float> out(B * T * C), lse(B * NH * T);
-    attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
+    attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, NH);
     expect_overwrite_matches_zeros(B * T * 3 * C, [&](float* dqkv, GradWrite mode) {
-      attention_backward(dqkv, dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH, mode);
+      attention_backward(dqkv, dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH, NH, mode);
+    });
+  }
+}
+
+TEST(InputGradWrite, GroupedQueryAttentionBackward) {
+  // The group's later query heads add into the dk and dv its first one wrote;
+  // one kv head over key ranges, and 8 kv heads over 48 query heads in all.
+  for (const auto& [B, NH, NKV] : {std::tuple<int64_t, int64_t, int64_t>{1, 4, 1}, {4, 12, 2}}) {
+    const int64_t T = 150, C = 4 * NH, row = C + 2 * NKV * 4;
+    const auto qkv = random_vector(B * T * row, 1, -2.0f, 2.0f), dout = random_vector(B * T * C, 2);
+    std::vector<float> out(B * T * C), lse(B * NH * T);
+    attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, NKV);
+    expect_overwrite_matches_zeros(B * T * row, [&](float* dqkv, GradWrite mode) {
+      attention_backward(dqkv, dout.data(), out.data(), lse.data(), qkv.data(), B, T, C, NH, NKV, mode);
     });
   }
 }
