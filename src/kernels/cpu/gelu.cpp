@@ -21,8 +21,12 @@ void gelu_forward(float* out, const float* inp, int64_t n) {
   }
 }
 
-void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, GradWrite dinp_write) {
-  const bool overwrite = dinp_write == GradWrite::overwrite;
+namespace {
+// The write mode is a template argument: with a runtime select between the
+// new value and a load of the old one GCC does not vectorize the loop, which
+// then ran ten times slower than the forward.
+template <bool kOverwrite>
+void gelu_backward_as(float* dinp, const float* inp, const float* dout, int64_t n) {
 #pragma omp parallel for simd schedule(static) if (n >= kMinParallelWork)
   for (int64_t i = 0; i < n; ++i) {
     const float x = inp[i];
@@ -32,8 +36,19 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, 
     // that exp overflowing to inf (s = 0) gives 0, not inf * 0.
     const float du = kSqrt2OverPi * (1.0f + 3.0f * kCubic * x * x);
     const float d = dout[i] * (s + 2.0f * x * s * (1.0f - s) * du);
-    dinp[i] = overwrite ? d : dinp[i] + d;
+    if constexpr (kOverwrite)
+      dinp[i] = d;
+    else
+      dinp[i] += d;
   }
+}
+}  // namespace
+
+void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, GradWrite dinp_write) {
+  if (dinp_write == GradWrite::overwrite)
+    gelu_backward_as<true>(dinp, inp, dout, n);
+  else
+    gelu_backward_as<false>(dinp, inp, dout, n);
 }
 
 }  // namespace loom::cpu
