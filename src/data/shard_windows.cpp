@@ -37,7 +37,7 @@ std::vector<LossMask> open_masks(const std::vector<std::filesystem::path>& paths
                       "; they are from different runs of `loom prepare --sft`: prepare the dataset again"));
     if (mask.seq_len() != seq_len)
       throw Error(str(role, ": loss mask ", paths[s], " was packed for seq_len ", mask.seq_len(),
-                      " but the loader's seq_len is ", seq_len, ": train with seq_len ", mask.seq_len(),
+                      " but the loader's seq_len is ", seq_len, ": use seq_len ", mask.seq_len(),
                       " or run `loom prepare --sft` again with --seq-len ", seq_len));
     masks.push_back(std::move(mask));
   }

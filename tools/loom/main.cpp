@@ -98,7 +98,8 @@ int main(int argc, char** argv) {
   int64_t eval_seq = 0, eval_batch = 8;
   eval->add_option("--checkpoint", ckpt, "checkpoint directory, or a run directory (uses latest)")->required();
   eval->add_option("--data", eval_data, "token shard (.bin); its dataset.json gives chars per token")->required();
-  eval->add_option("--seq-len", eval_seq, "window length; default: the model's context");
+  eval->add_option("--seq-len", eval_seq,
+                   "window length; default: the model's context, or a fine-tuning dataset's packing length");
   eval->add_option("--batch", eval_batch, "sequences per forward");
 
   // export
@@ -148,6 +149,7 @@ int main(int argc, char** argv) {
       LoadedModel m(ckpt);
       const fs::path data(eval_data);
       double chars_per_token = 0.0;
+      int64_t T = eval_seq > 0 ? eval_seq : m.model.config().block_size;
       std::vector<fs::path> masks;
       std::error_code ec;
       if (fs::exists(data.parent_path() / "dataset.json", ec)) {
@@ -158,8 +160,9 @@ int main(int argc, char** argv) {
         const SplitInfo& split = fs::equivalent(data, d.val.file, ec) ? d.val : d.train;
         chars_per_token = split.chars_per_token();
         masks = split.masks();
+        // Packed rows are whole windows only at the packing's length.
+        if (eval_seq == 0 && d.mode == DatasetMode::sft) T = d.seq_len;
       }
-      const int64_t T = eval_seq > 0 ? eval_seq : m.model.config().block_size;
       const EvalResult r = evaluate(m.model, m.params, {data}, T, eval_batch, chars_per_token, 0, nullptr, masks);
       std::printf("loss %.6f nats/token", r.loss_per_token);
       if (chars_per_token > 0) std::printf(", %.6f nats/char", r.loss_per_char);
