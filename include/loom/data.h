@@ -165,17 +165,73 @@ class TokenShard {
 };
 
 // ---------------------------------------------------------------------------
+// Loss masks (loom's, beside a fine-tuning dataset's token shards)
+// ---------------------------------------------------------------------------
+//
+// Which tokens of a shard are loss targets. A header of 256 little-endian
+// int32: [0] kMaskMagic, [1] kMaskVersion, [2] token count N (the shard's),
+// [3] the row length T the examples were packed for (the training seq_len),
+// the rest zero; then ceil(N / 8) bytes, bit i (byte i / 8, bit i % 8 from the
+// least significant) set when token i is a target. The token shard itself
+// stays in llm.c's format.
+
+constexpr int32_t kMaskMagic = 20261124;
+constexpr int32_t kMaskVersion = 1;
+
+// Writes mask[i] != 0 as bit i, atomically.
+void write_loss_mask(const std::filesystem::path& path, std::span<const uint8_t> mask, int seq_len);
+
+// A mask read whole into memory (one bit per token) and validated: magic,
+// version, sizes (Error naming the file and the problem).
+class LossMask {
+ public:
+  explicit LossMask(const std::filesystem::path& path);
+  const std::filesystem::path& path() const { return path_; }
+  int64_t size() const { return count_; }
+  int seq_len() const { return seq_len_; }
+  bool is_target(int64_t i) const;
+  // targets[j] = -1 where token start + j is not a target; the range must lie
+  // within the mask.
+  void apply(int64_t start, std::span<int32_t> targets) const;
+
+ private:
+  std::filesystem::path path_;
+  std::vector<uint8_t> bits_;
+  int64_t count_ = 0;
+  int seq_len_ = 0;
+};
+
+// ---------------------------------------------------------------------------
 // prepare: text -> tokenizer + train/val shards + dataset.json
 // ---------------------------------------------------------------------------
 
 struct SplitInfo {
   std::filesystem::path file;  // absolute once read; relative to the dataset in JSON
   int64_t tokens = 0;
-  int64_t chars = 0;  // Unicode code points
-  int64_t bytes = 0;  // UTF-8 bytes
-  // loss per character = loss per token / chars_per_token().
-  double chars_per_token() const { return tokens > 0 ? static_cast<double>(chars) / tokens : 0.0; }
+  int64_t chars = 0;  // Unicode code points (of the responses, for fine-tuning data)
+  int64_t bytes = 0;  // UTF-8 bytes (likewise)
+  // Fine-tuning data only: the loss mask beside `file`, the tokens it marks
+  // as targets, the examples packed and how many of them were truncated.
+  std::filesystem::path mask{};
+  int64_t targets = 0;
+  int64_t examples = 0;
+  int64_t truncated = 0;
+  // loss per character = loss per target token / chars_per_token(): every
+  // token is a target of plain text, only the marked ones of fine-tuning data.
+  double chars_per_token() const {
+    const int64_t n = mask.empty() ? tokens : targets;
+    return n > 0 ? static_cast<double>(chars) / static_cast<double>(n) : 0.0;
+  }
+  // The loss masks for a loader: this split's, or none for text.
+  std::vector<std::filesystem::path> masks() const {
+    if (mask.empty()) return {};
+    return {mask};
+  }
 };
+
+// text: pretraining on every token; sft: supervised fine-tuning, the loss on
+// the response tokens only (a loss mask per split).
+enum class DatasetMode { text, sft };
 
 // What `prepare` wrote, from <dir>/dataset.json.
 struct DatasetInfo {
@@ -187,16 +243,21 @@ struct DatasetInfo {
   // Recorded so a dataset is never decoded with a tokenizer other than the one
   // that encoded it.
   std::string tokenizer_sha256;
+  DatasetMode mode = DatasetMode::text;
+  // sft: the row length the examples were packed for, which training's seq_len must equal.
+  int seq_len = 0;
   SplitInfo train, val;
 
-  // Throws Error naming the file when it is missing, not JSON or lacks a key.
+  // Throws Error naming the file when it is missing, not JSON or lacks a key,
+  // and naming a mask file the description lists that does not exist.
   static DatasetInfo read(const std::filesystem::path& dir);
   // Writes <dir>/dataset.json atomically.
   void write() const;
 };
 
 struct PrepareOptions {
-  std::vector<std::filesystem::path> inputs{};  // UTF-8 text, concatenated in order
+  // UTF-8 text, concatenated in order; with `sft`, JSONL files of examples.
+  std::vector<std::filesystem::path> inputs{};
   std::filesystem::path out_dir{};
   // Train a new tokenizer on the train split (empty), or reuse this model file.
   std::filesystem::path tokenizer{};
@@ -210,13 +271,21 @@ struct PrepareOptions {
   // Each split must hold at least seq_len + 1 tokens (one training sequence).
   int seq_len = 256;
   uint32_t seed = 1234;  // tokenizer training
+  // Supervised fine-tuning (docs/data.md): each input line is an example,
+  // {"prompt": ..., "response": ...} or {"messages": [{"role", "content"}]};
+  // examples are packed into rows of seq_len tokens with a loss mask on the
+  // responses. Needs `tokenizer`; val is the last val_fraction of the examples.
+  bool sft = false;
+  // sft: the id ending each response; default the tokenizer's eos_id.
+  std::optional<int32_t> eos{};
 };
 
-// Checks options, inputs (readable, UTF-8), split sizes and a reused
-// tokenizer's vocabulary before writing anything; then writes
+// Checks options, inputs (readable, UTF-8; with `sft` every JSONL line),
+// split sizes and a reused tokenizer's vocabulary before writing anything;
+// then writes
 // <out>/tokenizer.model, tokenizes, checks the token counts and the round trip,
-// and writes train.bin, val.bin and, last, so that its presence marks a
-// complete dataset, dataset.json.
+// and writes train.bin, val.bin (with `sft` train.mask.bin and val.mask.bin)
+// and, last, so that its presence marks a complete dataset, dataset.json.
 DatasetInfo prepare_dataset(const PrepareOptions& opts);
 
 // ---------------------------------------------------------------------------
@@ -235,6 +304,11 @@ DatasetInfo prepare_dataset(const PrepareOptions& opts);
 
 struct LoaderOptions {
   std::vector<std::filesystem::path> shards{};
+  // One loss mask per shard (fine-tuning data), or none: targets of tokens
+  // the mask leaves out are -1. Packed rows are whole windows, so with masks
+  // every epoch's windows start at multiples of T (the order still shuffles)
+  // and T must be the masks' row length.
+  std::vector<std::filesystem::path> masks{};
   int seq_len = 0;       // T
   int micro_batch = 0;   // B: sequences per rank per next()
   int global_batch = 0;  // G: sequences per optimizer step over all dp ranks,
@@ -280,8 +354,11 @@ class TokenLoader {
   const std::vector<TokenShard>& shards() const { return shards_; }
 
  private:
+  bool offsets() const { return opts_.shuffle && opts_.masks.empty(); }
+
   LoaderOptions opts_;
   std::vector<TokenShard> shards_;
+  std::vector<LossMask> masks_;
   std::vector<int64_t> first_window_;  // per shard, prefix sums of windows
   int64_t windows_per_epoch_ = 0;
   LoaderState state_;
@@ -295,12 +372,13 @@ class TokenLoader {
 // shuffling. Dp rank r evaluates windows [r*W/D, (r+1)*W/D) of the W windows;
 // every rank runs the same number of batches (a collective per batch stays
 // matched), padding short ones with input 0 and target -1, which the
-// cross-entropy kernel ignores.
+// cross-entropy kernel ignores. With loss masks (one per shard, as
+// LoaderOptions::masks) the targets they leave out are -1 too.
 
 class EvalLoader {
  public:
   EvalLoader(const std::vector<std::filesystem::path>& shards, int seq_len, int micro_batch, int dp_rank = 0,
-             int dp_size = 1);
+             int dp_size = 1, const std::vector<std::filesystem::path>& masks = {});
 
   // Fills the next B*T inputs and targets and returns how many rows are real
   // (possibly 0 on a rank with fewer windows); nullopt once every batch has
@@ -311,12 +389,14 @@ class EvalLoader {
   int64_t total_windows() const { return first_window_.back(); }
   int64_t rank_windows() const { return end_ - begin_; }
   int64_t batches() const { return batches_; }
-  // The target tokens the whole split's evaluation covers (all ranks).
+  // The target positions the whole split's evaluation covers (all ranks),
+  // those a loss mask leaves out included.
   int64_t target_tokens() const { return total_windows() * seq_len_; }
   void check_vocab(int vocab_size) const;
 
  private:
   std::vector<TokenShard> shards_;
+  std::vector<LossMask> masks_;
   std::vector<int64_t> first_window_;
   int seq_len_;
   int micro_batch_;

@@ -283,14 +283,16 @@ struct EvalResult {
 // max_batches > 0 stops after that many micro-batches (per rank under dp).
 // With a data-parallel communicator it is collective: each rank evaluates its
 // slice of the windows (EvalLoader) and every rank gets the whole result.
+// `masks`: the shards' loss masks (fine-tuning data, SplitInfo::masks()), or none.
 EvalResult evaluate(GPT& model, ParamStore& params, const std::vector<std::filesystem::path>& shards,
                     int64_t seq_len, int64_t micro_batch, double chars_per_token, int64_t max_batches = 0,
-                    Communicator* dp = nullptr);
+                    Communicator* dp = nullptr, const std::vector<std::filesystem::path>& masks = {});
 // The same through a Trainer's model, whatever its layout (Trainer::loss_sum):
 // each data-parallel replica evaluates its slice of the windows. Collective
 // over the Trainer's ranks (the whole mesh under a mesh).
 EvalResult evaluate(Trainer& trainer, const std::vector<std::filesystem::path>& shards, int64_t seq_len,
-                    int64_t micro_batch, double chars_per_token, int64_t max_batches = 0);
+                    int64_t micro_batch, double chars_per_token, int64_t max_batches = 0,
+                    const std::vector<std::filesystem::path>& masks = {});
 
 struct RunOptions {
   bool resume = false;

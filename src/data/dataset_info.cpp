@@ -13,19 +13,32 @@ constexpr std::string_view kFormat = "loom.dataset";
 constexpr int kFormatVersion = 1;
 
 nlohmann::json split_json(const SplitInfo& s) {
-  return {{"file", s.file.filename().string()},
-          {"tokens", s.tokens},
-          {"chars", s.chars},
-          {"bytes", s.bytes},
-          {"chars_per_token", s.chars_per_token()}};
+  nlohmann::json j = {{"file", s.file.filename().string()},
+                      {"tokens", s.tokens},
+                      {"chars", s.chars},
+                      {"bytes", s.bytes},
+                      {"chars_per_token", s.chars_per_token()}};
+  if (!s.mask.empty()) {
+    j["mask"] = s.mask.filename().string();
+    j["targets"] = s.targets;
+    j["examples"] = s.examples;
+    j["truncated"] = s.truncated;
+  }
+  return j;
 }
 
-SplitInfo split_from_json(const nlohmann::json& j, const std::filesystem::path& dir) {
+SplitInfo split_from_json(const nlohmann::json& j, const std::filesystem::path& dir, DatasetMode mode) {
   SplitInfo s;
   s.file = dir / j.at("file").get<std::string>();
   s.tokens = j.at("tokens").get<int64_t>();
   s.chars = j.at("chars").get<int64_t>();
   s.bytes = j.at("bytes").get<int64_t>();
+  if (mode == DatasetMode::sft) {
+    s.mask = dir / j.at("mask").get<std::string>();
+    s.targets = j.at("targets").get<int64_t>();
+    s.examples = j.at("examples").get<int64_t>();
+    s.truncated = j.at("truncated").get<int64_t>();
+  }
   return s;
 }
 
@@ -47,11 +60,23 @@ DatasetInfo DatasetInfo::read(const std::filesystem::path& dir_or_file) {
     info.vocab_size = j.at("vocab_size").get<int>();
     info.tokenizer = info.dir / j.at("tokenizer").at("file").get<std::string>();
     info.tokenizer_sha256 = j.at("tokenizer").at("sha256").get<std::string>();
-    info.train = split_from_json(j.at("train"), info.dir);
-    info.val = split_from_json(j.at("val"), info.dir);
+    // Descriptions from before fine-tuning data are plain text.
+    const std::string mode = j.value("mode", "text");
+    if (mode != "text" && mode != "sft")
+      throw Error(str("dataset description ", file, " has mode \"", mode,
+                      "\" (known: \"text\", \"sft\"); run `loom prepare` again"));
+    info.mode = mode == "sft" ? DatasetMode::sft : DatasetMode::text;
+    if (info.mode == DatasetMode::sft) info.seq_len = j.at("seq_len").get<int>();
+    info.train = split_from_json(j.at("train"), info.dir, info.mode);
+    info.val = split_from_json(j.at("val"), info.dir, info.mode);
   } catch (const nlohmann::json::exception& e) {
     throw Error(str("dataset description ", file, " is malformed (", e.what(), "); run `loom prepare` again"));
   }
+  std::error_code ec;
+  for (const SplitInfo* split : {&info.train, &info.val})
+    if (!split->mask.empty() && !std::filesystem::exists(split->mask, ec))
+      throw Error(str("loss mask ", split->mask, " listed by ", file,
+                      " does not exist; the fine-tuning dataset is incomplete: run `loom prepare --sft` again"));
   return info;
 }
 
@@ -64,6 +89,10 @@ void DatasetInfo::write() const {
                       {"tokenizer", {{"file", tokenizer.filename().string()}, {"sha256", tokenizer_sha256}}},
                       {"train", split_json(train)},
                       {"val", split_json(val)}};
+  if (mode == DatasetMode::sft) {
+    j["mode"] = "sft";
+    j["seq_len"] = seq_len;
+  }
   write_file_atomic(dir / kFileName, j.dump(2) + "\n");
 }
 

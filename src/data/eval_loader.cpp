@@ -6,12 +6,13 @@
 namespace loom {
 
 EvalLoader::EvalLoader(const std::vector<std::filesystem::path>& shards, int seq_len, int micro_batch, int dp_rank,
-                       int dp_size)
+                       int dp_size, const std::vector<std::filesystem::path>& masks)
     : seq_len_(seq_len), micro_batch_(micro_batch) {
   if (micro_batch <= 0) throw Error(str("eval loader: micro_batch must be positive, got ", micro_batch));
   if (dp_size <= 0 || dp_rank < 0 || dp_rank >= dp_size)
     throw Error(str("eval loader: dp_rank ", dp_rank, " is not in [0, dp_size = ", dp_size, ")"));
   shards_ = data::open_shards(shards, seq_len, "eval loader");
+  masks_ = data::open_masks(masks, shards_, seq_len, "eval loader");
   first_window_.push_back(0);
   for (const auto& shard : shards_) first_window_.push_back(first_window_.back() + (shard.size() - 1) / seq_len);
   const int64_t W = total_windows();
@@ -34,6 +35,7 @@ std::optional<int> EvalLoader::next(std::span<int32_t> inputs, std::span<int32_t
     const int64_t start = (w - first_window_[s]) * T;
     shards_[s].read(start, inputs.subspan(row * T, T));
     shards_[s].read(start + 1, targets.subspan(row * T, T));
+    if (!masks_.empty()) masks_[s].apply(start + 1, targets.subspan(row * T, T));
   }
   std::fill(inputs.begin() + rows * T, inputs.end(), 0);
   std::fill(targets.begin() + rows * T, targets.end(), -1);

@@ -42,13 +42,15 @@ TokenLoader::TokenLoader(const LoaderOptions& opts) : opts_(opts) {
                     " must be a positive multiple of micro_batch * dp_size = ", opts.micro_batch, " * ", opts.dp_size,
                     " = ", per_step));
   shards_ = data::open_shards(opts.shards, opts.seq_len, "training loader");
+  masks_ = data::open_masks(opts.masks, shards_, opts.seq_len, "training loader");
 
   // With shuffling a shard's windows start at a per-epoch offset below T, so
-  // it holds the windows that fit after the largest offset, the same each epoch.
+  // it holds the windows that fit after the largest offset, the same each
+  // epoch; packed rows (masks) are whole windows, never cut at an offset.
   const int64_t T = opts.seq_len;
   first_window_.push_back(0);
   for (const auto& shard : shards_) {
-    int64_t windows = opts.shuffle ? (shard.size() - T) / T : (shard.size() - 1) / T;
+    int64_t windows = offsets() ? (shard.size() - T) / T : (shard.size() - 1) / T;
     first_window_.push_back(first_window_.back() + windows);
   }
   windows_per_epoch_ = first_window_.back();
@@ -72,10 +74,11 @@ int64_t TokenLoader::next(std::span<int32_t> inputs, std::span<int32_t> targets)
             ? static_cast<int64_t>(data::permute_index(position, static_cast<uint64_t>(windows_per_epoch_), key))
             : static_cast<int64_t>(position);
     const size_t s = data::shard_of_window(first_window_, w);
-    const int64_t offset = opts_.shuffle ? window_offset(opts_.seed, state_.epoch, s, opts_.seq_len) : 0;
+    const int64_t offset = offsets() ? window_offset(opts_.seed, state_.epoch, s, opts_.seq_len) : 0;
     const int64_t start = offset + (w - first_window_[s]) * T;
     shards_[s].read(start, inputs.subspan(row * T, T));
     shards_[s].read(start + 1, targets.subspan(row * T, T));
+    if (!masks_.empty()) masks_[s].apply(start + 1, targets.subspan(row * T, T));
   }
   if (++state_.micro == micro_batches_per_step()) {
     state_.micro = 0;

@@ -1,6 +1,8 @@
 #include <algorithm>
+#include <cmath>
 
 #include "data/file_io.h"
+#include "data/sft_examples.h"
 #include "loom/data.h"
 #include "loom/io.h"
 
@@ -71,10 +73,114 @@ void check_split_size(std::string_view name, int64_t count, std::string_view uni
                     name == "val" ? "raise val_fraction" : "lower val_fraction", " or lower seq_len"));
 }
 
+// A tokenizer given to prepare, to be copied into the dataset.
+struct ReusedTokenizer {
+  std::optional<Tokenizer> tok;
+  std::filesystem::path path;  // the file, when opts.tokenizer is a directory
+  std::string bytes;
+  bool hf_json = false;
+};
+
+ReusedTokenizer load_reused(const PrepareOptions& opts) {
+  ReusedTokenizer r;
+  if (opts.tokenizer.empty()) return r;
+  r.tok = Tokenizer::load(opts.tokenizer);
+  r.path = r.tok->path();
+  r.hf_json = r.tok->is_hf_json();
+  r.bytes = data::read_file(r.path, "tokenizer");
+  if (opts.vocab_size != 0 && opts.vocab_size != r.tok->vocab_size())
+    throw Error(str("prepare: tokenizer ", opts.tokenizer, " has a vocabulary of ", r.tok->vocab_size(),
+                    " tokens but vocab_size ", opts.vocab_size,
+                    " was requested; drop vocab_size to use the tokenizer's, or omit the tokenizer to train one"));
+  return r;
+}
+
+// Creates the output directory and removes a previous description: the
+// directory's files are about to change, so a failure after this never leaves
+// one describing files it no longer matches.
+DatasetInfo begin_output(const PrepareOptions& opts, bool hf_json) {
+  std::error_code ec;
+  std::filesystem::create_directories(opts.out_dir, ec);
+  if (ec) throw Error(str("prepare: cannot create output directory ", opts.out_dir, ": ", ec.message()));
+  DatasetInfo info;
+  info.dir = std::filesystem::absolute(opts.out_dir);
+  info.tokenizer = info.dir / (hf_json ? "tokenizer.json" : "tokenizer.model");
+  std::filesystem::remove(info.dir / "dataset.json", ec);
+  if (ec) throw Error(str("prepare: cannot remove the previous ", info.dir / "dataset.json", ": ", ec.message()));
+  return info;
+}
+
+void copy_reused(const ReusedTokenizer& r, const DatasetInfo& info) {
+  std::error_code ec;
+  if (r.path.empty() || std::filesystem::equivalent(r.path, info.tokenizer, ec)) return;
+  write_file_atomic(info.tokenizer, r.bytes);
+  // A tokenizer.json's bos/eos come from the tokenizer_config.json beside it.
+  const std::filesystem::path config = r.path.parent_path() / "tokenizer_config.json";
+  if (r.hf_json && std::filesystem::is_regular_file(config, ec))
+    write_file_atomic(info.dir / "tokenizer_config.json", read_file(config));
+}
+
+DatasetInfo prepare_sft(const PrepareOptions& opts) {
+  if (opts.tokenizer.empty())
+    throw Error("prepare --sft: no tokenizer given; fine-tuning data is encoded with the model's tokenizer: pass "
+                "--tokenizer (a checkpoint directory, tokenizer.json or tokenizer.model)");
+  std::vector<data::SftExample> examples;
+  for (const auto& path : opts.inputs) {
+    std::vector<data::SftExample> more = data::read_sft_examples(path);
+    examples.insert(examples.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
+  }
+  const int64_t n = static_cast<int64_t>(examples.size());
+  const int64_t n_val = std::max<int64_t>(1, std::llround(static_cast<double>(n) * opts.val_fraction));
+  if (n_val >= n)
+    throw Error(str("prepare: ", n, " fine-tuning examples at val_fraction ", opts.val_fraction,
+                    " leave no training examples (", n_val, " for validation); give more examples or lower "
+                    "val_fraction"));
+
+  ReusedTokenizer reused = load_reused(opts);
+  const Tokenizer& tok = *reused.tok;
+  const std::optional<int32_t> eos = opts.eos ? opts.eos : tok.eos_id();
+  if (!eos)
+    throw Error(str("prepare --sft: tokenizer ", tok.path(),
+                    " names no end-of-sequence token, which ends every response; pass --eos ID, or give the "
+                    "tokenizer.json a tokenizer_config.json with \"eos_token\""));
+  if (*eos < 0 || *eos >= tok.vocab_size())
+    throw Error(str("prepare --sft: eos id ", *eos, " is outside the vocabulary [0, ", tok.vocab_size(), ") of ",
+                    tok.path()));
+  const std::span<const data::SftExample> all(examples);
+  const data::PackedExamples train = data::pack_sft_examples(all.first(static_cast<size_t>(n - n_val)), tok,
+                                                             opts.seq_len, tok.bos_id(), *eos);
+  const data::PackedExamples val =
+      data::pack_sft_examples(all.last(static_cast<size_t>(n_val)), tok, opts.seq_len, tok.bos_id(), *eos);
+
+  DatasetInfo info = begin_output(opts, reused.hf_json);
+  copy_reused(reused, info);
+  for (const auto& path : opts.inputs) info.sources.push_back(std::filesystem::absolute(path).string());
+  info.mode = DatasetMode::sft;
+  info.seq_len = opts.seq_len;
+  info.val_fraction = opts.val_fraction;
+  info.vocab_size = tok.vocab_size();
+  info.tokenizer_sha256 = sha256_file(info.tokenizer);
+  for (auto [split, packed, name] : {std::tuple{&info.train, &train, "train"}, {&info.val, &val, "val"}}) {
+    *split = {.file = info.dir / str(name, ".bin"),
+              .tokens = static_cast<int64_t>(packed->tokens.size()),
+              .chars = packed->chars,
+              .bytes = packed->bytes,
+              .mask = info.dir / str(name, ".mask.bin"),
+              .targets = packed->targets,
+              .examples = packed->examples,
+              .truncated = packed->truncated};
+    write_token_shard(split->file, packed->tokens, info.vocab_size);
+    write_loss_mask(split->mask, packed->mask, opts.seq_len);
+  }
+  info.write();
+  return info;
+}
+
 }  // namespace
 
 DatasetInfo prepare_dataset(const PrepareOptions& opts) {
   validate(opts);
+  if (opts.sft) return prepare_sft(opts);
   Corpus corpus = read_inputs(opts.inputs);
   const size_t split = split_point(corpus.text, opts.val_fraction);
   const std::string_view train_text = std::string_view(corpus.text).substr(0, split);
@@ -87,34 +193,11 @@ DatasetInfo prepare_dataset(const PrepareOptions& opts) {
   check_split_size("train", static_cast<int64_t>(train_text.size()), "bytes", opts);
   check_split_size("val", static_cast<int64_t>(val_text.size()), "bytes", opts);
 
-  std::optional<Tokenizer> reused;
-  std::filesystem::path reused_path;  // the file, when opts.tokenizer is a directory
-  std::string reused_bytes;
-  bool reused_hf_json = false;
-  if (!opts.tokenizer.empty()) {
-    reused = Tokenizer::load(opts.tokenizer);
-    reused_path = reused->path();
-    reused_hf_json = reused->is_hf_json();
-    reused_bytes = data::read_file(reused_path, "tokenizer");
-    if (opts.vocab_size != 0 && opts.vocab_size != reused->vocab_size())
-      throw Error(str("prepare: tokenizer ", opts.tokenizer, " has a vocabulary of ", reused->vocab_size(),
-                      " tokens but vocab_size ", opts.vocab_size,
-                      " was requested; drop vocab_size to use the tokenizer's, or omit the tokenizer to train one"));
-  }
-
-  std::error_code ec;
-  std::filesystem::create_directories(opts.out_dir, ec);
-  if (ec) throw Error(str("prepare: cannot create output directory ", opts.out_dir, ": ", ec.message()));
-  DatasetInfo info;
-  info.dir = std::filesystem::absolute(opts.out_dir);
-  info.tokenizer = info.dir / (reused_hf_json ? "tokenizer.json" : "tokenizer.model");
-  // The directory's files are about to change: a previous description goes
-  // first, so a failure below never leaves one describing files it no longer matches.
-  std::filesystem::remove(info.dir / "dataset.json", ec);
-  if (ec) throw Error(str("prepare: cannot remove the previous ", info.dir / "dataset.json", ": ", ec.message()));
+  ReusedTokenizer reused = load_reused(opts);
+  DatasetInfo info = begin_output(opts, reused.hf_json);
   Tokenizer tok =
-      reused
-          ? std::move(*reused)
+      reused.tok
+          ? std::move(*reused.tok)
           : Tokenizer::train(train_text, info.tokenizer,
                              {.vocab_size = opts.vocab_size ? opts.vocab_size : kDefaultVocabSize, .seed = opts.seed});
 
@@ -134,13 +217,7 @@ DatasetInfo prepare_dataset(const PrepareOptions& opts) {
     }
   }
 
-  if (!reused_path.empty() && !std::filesystem::equivalent(reused_path, info.tokenizer, ec)) {
-    write_file_atomic(info.tokenizer, reused_bytes);
-    // A tokenizer.json's bos/eos come from the tokenizer_config.json beside it.
-    const std::filesystem::path config = reused_path.parent_path() / "tokenizer_config.json";
-    if (reused_hf_json && std::filesystem::is_regular_file(config, ec))
-      write_file_atomic(info.dir / "tokenizer_config.json", read_file(config));
-  }
+  copy_reused(reused, info);
   for (const auto& [start, path] : corpus.starts) info.sources.push_back(path.string());
   info.val_fraction = opts.val_fraction;
   info.vocab_size = tok.vocab_size();

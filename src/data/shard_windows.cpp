@@ -22,6 +22,28 @@ std::vector<TokenShard> open_shards(const std::vector<std::filesystem::path>& pa
   return shards;
 }
 
+std::vector<LossMask> open_masks(const std::vector<std::filesystem::path>& paths,
+                                 const std::vector<TokenShard>& shards, int seq_len, std::string_view role) {
+  if (!paths.empty() && paths.size() != shards.size())
+    throw Error(str(role, ": ", paths.size(), " loss masks for ", shards.size(),
+                    " token shards; give one mask per shard (dataset.json lists them) or none"));
+  std::vector<LossMask> masks;
+  masks.reserve(paths.size());
+  for (size_t s = 0; s < paths.size(); ++s) {
+    LossMask mask(paths[s]);
+    if (mask.size() != shards[s].size())
+      throw Error(str(role, ": loss mask ", paths[s], " covers ", mask.size(), " tokens but its token shard ",
+                      shards[s].path(), " holds ", shards[s].size(),
+                      "; they are from different runs of `loom prepare --sft`: prepare the dataset again"));
+    if (mask.seq_len() != seq_len)
+      throw Error(str(role, ": loss mask ", paths[s], " was packed for seq_len ", mask.seq_len(),
+                      " but the loader's seq_len is ", seq_len, ": use seq_len ", mask.seq_len(),
+                      " or run `loom prepare --sft` again with --seq-len ", seq_len));
+    masks.push_back(std::move(mask));
+  }
+  return masks;
+}
+
 void check_shard_vocab(const std::vector<TokenShard>& shards, int vocab_size) {
   for (const auto& shard : shards) {
     int64_t max_id = shard.max_token_id();

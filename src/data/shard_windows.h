@@ -15,6 +15,12 @@ namespace loom::data {
 std::vector<TokenShard> open_shards(const std::vector<std::filesystem::path>& paths, int seq_len,
                                     std::string_view role);
 
+// Opens the loss masks of `shards`, one each or none; throws Error naming a
+// mask whose token count differs from its shard's, or whose row length is not
+// seq_len (the rows would be cut mid-example).
+std::vector<LossMask> open_masks(const std::vector<std::filesystem::path>& paths,
+                                 const std::vector<TokenShard>& shards, int seq_len, std::string_view role);
+
 // Throws Error naming the first shard whose largest token id is >= vocab_size.
 void check_shard_vocab(const std::vector<TokenShard>& shards, int vocab_size);
 

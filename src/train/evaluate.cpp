@@ -15,11 +15,12 @@ using LossSum = std::function<double(const MicroBatch& micro_batch, int64_t targ
 
 // Walks this data-parallel rank's slice of the windows (every rank, dp = the
 // whole split) and adds up the ranks' loss sums.
-EvalResult evaluate_windows(const std::vector<std::filesystem::path>& shards, int64_t seq_len, int64_t micro_batch,
+EvalResult evaluate_windows(const std::vector<std::filesystem::path>& shards,
+                            const std::vector<std::filesystem::path>& masks, int64_t seq_len, int64_t micro_batch,
                             double chars_per_token, int64_t max_batches, int64_t vocab_size, Communicator* dp,
                             const LossSum& loss_sum) {
   EvalLoader loader(shards, static_cast<int>(seq_len), static_cast<int>(micro_batch), dp ? dp->rank() : 0,
-                    dp ? dp->size() : 1);
+                    dp ? dp->size() : 1, masks);
   loader.check_vocab(static_cast<int>(vocab_size));
   std::vector<int32_t> inputs(static_cast<size_t>(micro_batch * seq_len)), targets(inputs.size());
   // Per rank: the loss summed over target tokens, and their count.
@@ -62,10 +63,10 @@ EvalResult evaluate_windows(const std::vector<std::filesystem::path>& shards, in
 
 EvalResult evaluate(GPT& model, ParamStore& params, const std::vector<std::filesystem::path>& shards,
                     int64_t seq_len, int64_t micro_batch, double chars_per_token, int64_t max_batches,
-                    Communicator* dp) {
+                    Communicator* dp, const std::vector<std::filesystem::path>& masks) {
   ForwardOptions fo;
   fo.training = false;
-  return evaluate_windows(shards, seq_len, micro_batch, chars_per_token, max_batches, model.config().vocab_size, dp,
+  return evaluate_windows(shards, masks, seq_len, micro_batch, chars_per_token, max_batches, model.config().vocab_size, dp,
                           [&](const MicroBatch& mb, int64_t) {
                             MicroBatchState s;
                             model.forward(params, s, mb.tokens, mb.targets, mb.shape, fo);
@@ -74,8 +75,9 @@ EvalResult evaluate(GPT& model, ParamStore& params, const std::vector<std::files
 }
 
 EvalResult evaluate(Trainer& trainer, const std::vector<std::filesystem::path>& shards, int64_t seq_len,
-                    int64_t micro_batch, double chars_per_token, int64_t max_batches) {
-  return evaluate_windows(shards, seq_len, micro_batch, chars_per_token, max_batches,
+                    int64_t micro_batch, double chars_per_token, int64_t max_batches,
+                    const std::vector<std::filesystem::path>& masks) {
+  return evaluate_windows(shards, masks, seq_len, micro_batch, chars_per_token, max_batches,
                           trainer.model().config().vocab_size, trainer.data_parallel(),
                           [&](const MicroBatch& mb, int64_t) { return trainer.loss_sum(mb); });
 }

@@ -124,6 +124,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   // replica's batches.
   LoaderOptions lo;
   lo.shards = {data.train.file};
+  lo.masks = data.train.masks();
   lo.seq_len = static_cast<int>(plan.seq_len);
   lo.micro_batch = static_cast<int>(plan.micro_batch);
   lo.global_batch = static_cast<int>(plan.global_batch);
@@ -164,6 +165,9 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
           " chars/token); ", plan.global_batch, " x ", plan.seq_len, " tokens per step in ", plan.accumulation,
           " micro-batches", mesh ? " per replica" : world ? " per rank" : "", "; ", plan.steps, " steps; threads ",
           host_threads(), world ? " per rank" : ""));
+  if (data.mode == DatasetMode::sft)
+    say(str("fine-tuning: ", data.train.examples, " examples packed into rows of ", data.seq_len, " tokens (",
+            data.train.truncated, " truncated), loss on ", data.train.targets, " response tokens"));
   if (mesh) {
     const ModelParallelOptions& mp = plan.options.model_parallel;
     say(str("parallel: ", mesh->shape().describe(), " mesh (", world->backend(), " backend)",
@@ -206,7 +210,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
 
   auto validate = [&](int64_t max_batches) {
     return evaluate(trainer, {data.val.file}, plan.seq_len, plan.micro_batch, data.val.chars_per_token(),
-                    max_batches);
+                    max_batches, data.val.masks());
   };
   auto checkpoint = [&] {
     checkpoint_fields["loader"] = loader.state();

@@ -83,5 +83,76 @@ TEST(Trainer, ANonFiniteLossIsAnErrorOfTheStep) {
   EXPECT_EQ(trainer.optimizer_steps(), 0);
 }
 
+std::vector<float> host_values(const Tensor& t) {
+  const Tensor h = t.clone(Tier::host);
+  return std::vector<float>(h.data<float>(), h.data<float>() + h.numel());
+}
+
+// Fine-tuning data masks prompt targets (-1): the loss is the mean over the
+// other targets and its gradient is theirs alone.
+TEST(Trainer, MaskedTargetsLossIsTheMeanOverUnmaskedTargetsAndTheGradientIsTheirs) {
+  const GPTConfig cfg = config();
+  const int64_t B = 2, T = 16;
+  const std::vector<int32_t> tokens = random_tokens(B * T + 1, cfg.vocab_size, 5);
+  // Row 0 a short prompt, row 1 a long one, and a masked run inside row 0's
+  // response, as packed examples give.
+  std::vector<int32_t> targets(tokens.begin() + 1, tokens.end());
+  const int64_t prompt[2] = {4, 11};
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < T; ++j)
+      if (j < prompt[b] || (b == 0 && j >= 9 && j < 12)) targets[static_cast<size_t>(b * T + j)] = -1;
+  std::vector<int64_t> valid;
+  for (int64_t i = 0; i < B * T; ++i)
+    if (targets[static_cast<size_t>(i)] != -1) valid.push_back(i);
+  ASSERT_EQ(valid.size(), 14u);
+
+  TrainOptions opts;
+  opts.schedule = {1e-2f, 1e-3f, 1, 1};
+  Trainer* trainer_ptr = nullptr;
+  std::vector<float> trainer_grad;
+  opts.on_gradients = [&](GradStore&) { trainer_grad = host_values(trainer_ptr->gather_gradients()); };
+  Trainer trainer(cfg, opts);
+  trainer_ptr = &trainer;
+  const MicroBatch mb{tokens.data(), targets.data(), {B, T}, 0};
+  const StepStats st = trainer.step({&mb, 1});
+
+  // Independently, one forward and backward per unmasked target, each with
+  // that target alone: the per-token losses and the sum of their gradients
+  // over the count, from the Trainer's initial weights.
+  GPT model(cfg);
+  ParamStore ps(model.layout(), opts.seed);
+  GradStore gs(model.layout());
+  gs.zero();
+  const float dloss = 1.0f / static_cast<float>(valid.size());
+  double loss_sum = 0.0;
+  for (int64_t p : valid) {
+    std::vector<int32_t> one(targets.size(), -1);
+    one[static_cast<size_t>(p)] = targets[static_cast<size_t>(p)];
+    MicroBatchState s;
+    ForwardOptions fo;
+    fo.training = true;
+    fo.dloss = dloss;
+    model.forward(ps, s, tokens.data(), one.data(), {B, T}, fo);
+    model.backward(ps, gs, s, dloss);
+    const double loss_p = s.host_loss_sum();
+    EXPECT_GT(loss_p, 0.0);
+    loss_sum += loss_p;
+  }
+  const double mean = loss_sum / static_cast<double>(valid.size());
+  EXPECT_NEAR(st.loss, mean, 1e-6 * mean);
+  // Over every position it would be diluted by the masked ones.
+  EXPECT_GT(std::fabs(st.loss - loss_sum / static_cast<double>(B * T)), 0.1 * mean);
+
+  const std::vector<float> want = host_values(gs.flat());
+  ASSERT_EQ(trainer_grad.size(), want.size());
+  double diff = 0.0, scale = 0.0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff = std::max(diff, std::fabs(static_cast<double>(trainer_grad[i]) - want[i]));
+    scale = std::max(scale, std::fabs(static_cast<double>(want[i])));
+  }
+  EXPECT_GT(scale, 0.0);
+  EXPECT_LE(diff, 1e-5 * scale) << "max abs difference " << diff << " of max abs " << scale;
+}
+
 }  // namespace
 }  // namespace loom

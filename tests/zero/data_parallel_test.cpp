@@ -67,6 +67,27 @@ TEST(DataParallel, DropoutMasksDoNotDependOnTheLayout) {
   EXPECT_TRUE(testing::matches_reference(a, ref, 1e-5));
 }
 
+// Ranks with unequal numbers of targets (masked prompts): the objective is
+// the mean over the global batch's targets, not the mean of the ranks' means.
+TEST(DataParallel, MaskedTargetsAreNormalizedOverTheGlobalBatch) {
+  DataParallelRun r = testing::layout(0, 0);
+  r.masked_targets = true;
+  r.steps = 5;
+  const RunResult ref = testing::run_layout(r);
+  EXPECT_FALSE(testing::matches_reference(ref, [] {
+    DataParallelRun unmasked = testing::layout(0, 0);
+    unmasked.steps = 5;
+    return testing::run_layout(unmasked);
+  }(), 1e-3));
+  for (auto [dp, stage, accumulation] : {std::tuple{2, 0, 1}, {2, 2, 2}, {4, 1, 1}}) {
+    r = testing::layout(dp, stage, DType::f32, accumulation);
+    r.masked_targets = true;
+    r.steps = 5;
+    EXPECT_TRUE(testing::matches_reference(testing::run_layout(r), ref, 1e-5))
+        << "dp " << dp << " stage " << stage << " accumulation " << accumulation;
+  }
+}
+
 // The comparison can fail: with every floating-point sum of the data-parallel
 // group doubled, the gradients are twice the reference's.
 TEST(DataParallel, ADoubledGradientReductionFailsTheComparison) {

@@ -36,6 +36,10 @@ struct DataParallelRun {
   // Shows that a comparison catches a faulty reduction: the floating-point
   // sums of this axis's group are doubled (CommOptions::test_double_sums).
   std::optional<MeshAxis> doubled_sums;
+  // Masks most targets of the first half of each global batch and few of the
+  // second (as prompts of fine-tuning data do), so the ranks hold unequal
+  // numbers of targets.
+  bool masked_targets = false;
   bool uses_mesh() const { return mesh || tp > 1 || pp > 1; }
 };
 
@@ -101,6 +105,15 @@ inline std::vector<MicroBatch> rank_micro_batches(const std::vector<int32_t>& da
   return mbs;
 }
 
+// The targets of step_tokens with a prompt of 13 positions masked (-1) in
+// each of the first kGlobal / 2 sequences and of 2 in the others.
+inline std::vector<int32_t> masked_targets(const std::vector<int32_t>& data) {
+  std::vector<int32_t> targets(data.begin() + 1, data.end());
+  for (int64_t s = 0; s < kGlobal; ++s)
+    for (int64_t j = 0; j < (s < kGlobal / 2 ? 13 : 2); ++j) targets[static_cast<size_t>(s * kT + j)] = -1;
+  return targets;
+}
+
 inline std::vector<float> to_vector(const Tensor& t) {
   return std::vector<float>(t.data<float>(), t.data<float>() + t.numel());
 }
@@ -149,7 +162,11 @@ inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& re
   std::vector<StepStats> stats;
   for (step = 0; step < r.steps; ++step) {
     const std::vector<int32_t> data = step_tokens(step, cfg.vocab_size);
-    stats.push_back(trainer->step(rank_micro_batches(data, dp, rank, r.accumulation)));
+    std::vector<MicroBatch> micro = rank_micro_batches(data, dp, rank, r.accumulation);
+    const std::vector<int32_t> targets = r.masked_targets ? masked_targets(data) : std::vector<int32_t>{};
+    if (r.masked_targets)
+      for (MicroBatch& mb : micro) mb.targets = targets.data() + (mb.targets - (data.data() + 1));
+    stats.push_back(trainer->step(micro));
   }
   const MemoryReport report = trainer->memory_report();
   // The whole state is gathered on the host, which the run's budget need

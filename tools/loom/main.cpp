@@ -44,18 +44,27 @@ int main(int argc, char** argv) {
 
   // prepare
   auto* prepare = app.add_subcommand("prepare", "train a tokenizer and write train/val token shards");
-  std::vector<std::string> texts;
+  std::vector<std::string> texts, sft;
   std::string prep_out, prep_tokenizer;
   int prep_vocab = 0, prep_seq = 256;
   double prep_val = 0.1;
-  prepare->add_option("--text", texts, "UTF-8 text file(s)")->required();
+  std::optional<int32_t> prep_eos;
+  auto* text_opt = prepare->add_option("--text", texts, "UTF-8 text file(s)");
+  auto* sft_opt = prepare->add_option(
+      "--sft", sft,
+      "JSONL fine-tuning file(s): {\"prompt\", \"response\"} or {\"messages\"} per line; the loss is on the "
+      "responses (needs --tokenizer; docs/data.md)");
+  text_opt->excludes(sft_opt);
+  prepare->add_option("--eos", prep_eos, "with --sft: the id ending each response (default: the tokenizer's eos)");
   prepare->add_option("--out", prep_out, "output directory")->required();
   prepare->add_option("--tokenizer", prep_tokenizer,
                       "reuse this tokenizer instead of training one: a sentencepiece tokenizer.model, a Hugging "
                       "Face tokenizer.json, or a directory holding one");
   prepare->add_option("--vocab", prep_vocab, "vocabulary size of a new tokenizer");
   prepare->add_option("--val-fraction", prep_val, "share of the corpus (from its end) for validation");
-  prepare->add_option("--seq-len", prep_seq, "training context, to check each split is long enough");
+  prepare->add_option("--seq-len", prep_seq,
+                      "training context, to check each split is long enough; with --sft the row length examples "
+                      "are packed into, which training's seq_len must equal");
 
   // train
   auto* train = app.add_subcommand(
@@ -89,7 +98,8 @@ int main(int argc, char** argv) {
   int64_t eval_seq = 0, eval_batch = 8;
   eval->add_option("--checkpoint", ckpt, "checkpoint directory, or a run directory (uses latest)")->required();
   eval->add_option("--data", eval_data, "token shard (.bin); its dataset.json gives chars per token")->required();
-  eval->add_option("--seq-len", eval_seq, "window length; default: the model's context");
+  eval->add_option("--seq-len", eval_seq,
+                   "window length; default: the model's context, or a fine-tuning dataset's packing length");
   eval->add_option("--batch", eval_batch, "sequences per forward");
 
   // export
@@ -101,8 +111,12 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (prepare->parsed()) {
+      if (texts.empty() && sft.empty()) throw Error("prepare: give the input with --text or --sft");
       PrepareOptions po;
       for (const std::string& t : texts) po.inputs.emplace_back(t);
+      for (const std::string& t : sft) po.inputs.emplace_back(t);
+      po.sft = !sft.empty();
+      po.eos = prep_eos;
       po.out_dir = prep_out;
       po.tokenizer = prep_tokenizer;
       po.vocab_size = prep_vocab;
@@ -112,6 +126,12 @@ int main(int argc, char** argv) {
       std::printf("wrote %s: vocabulary %d, %lld train and %lld val tokens, %.3f chars/token\n",
                   d.dir.string().c_str(), d.vocab_size, static_cast<long long>(d.train.tokens),
                   static_cast<long long>(d.val.tokens), d.train.chars_per_token());
+      if (d.mode == DatasetMode::sft)
+        std::printf("fine-tuning: %lld train and %lld val examples in rows of %d tokens, %lld truncated to fit; "
+                    "%lld train target tokens\n",
+                    static_cast<long long>(d.train.examples), static_cast<long long>(d.val.examples), d.seq_len,
+                    static_cast<long long>(d.train.truncated + d.val.truncated),
+                    static_cast<long long>(d.train.targets));
     } else if (train->parsed()) {
       RunOptions run;
       run.resume = resume;
@@ -129,16 +149,21 @@ int main(int argc, char** argv) {
       LoadedModel m(ckpt);
       const fs::path data(eval_data);
       double chars_per_token = 0.0;
+      int64_t T = eval_seq > 0 ? eval_seq : m.model.config().block_size;
+      std::vector<fs::path> masks;
       std::error_code ec;
       if (fs::exists(data.parent_path() / "dataset.json", ec)) {
         const DatasetInfo d = DatasetInfo::read(data.parent_path());
         if (d.tokenizer_sha256 != m.info.fields.value("tokenizer_sha256", std::string()))
           throw Error(str("'", eval_data, "' was tokenized with ", d.tokenizer.string(),
                           ", not the checkpoint's tokenizer: evaluate on data prepared with the same tokenizer"));
-        chars_per_token = fs::equivalent(data, d.val.file, ec) ? d.val.chars_per_token() : d.train.chars_per_token();
+        const SplitInfo& split = fs::equivalent(data, d.val.file, ec) ? d.val : d.train;
+        chars_per_token = split.chars_per_token();
+        masks = split.masks();
+        // Packed rows are whole windows only at the packing's length.
+        if (eval_seq == 0 && d.mode == DatasetMode::sft) T = d.seq_len;
       }
-      const int64_t T = eval_seq > 0 ? eval_seq : m.model.config().block_size;
-      const EvalResult r = evaluate(m.model, m.params, {data}, T, eval_batch, chars_per_token);
+      const EvalResult r = evaluate(m.model, m.params, {data}, T, eval_batch, chars_per_token, 0, nullptr, masks);
       std::printf("loss %.6f nats/token", r.loss_per_token);
       if (chars_per_token > 0) std::printf(", %.6f nats/char", r.loss_per_char);
       std::printf(" over %lld tokens\n", static_cast<long long>(r.tokens));
