@@ -153,7 +153,7 @@ Tensor RowParallelLinear::forward(const ParamStore& ps, const Tensor& x) const {
   partial = Tensor();
   if (linear_.has_bias())
     ops::add_bias(y.data<float>(), ps.param(linear_.bias_id()).data<float>(), y.numel() / linear_.out_features(),
-                linear_.out_features());
+                  linear_.out_features());
   return y;
 }
 
