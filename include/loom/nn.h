@@ -73,6 +73,11 @@ struct GPTConfig {
   int64_t num_params() const;
 };
 
+// RoPE scaling types as config files and manifests spell them ("none",
+// "linear", "llama3"); an unknown name is an Error listing them.
+const char* rope_scaling_name(cpu::RopeScalingType type);
+cpu::RopeScalingType rope_scaling_from_name(std::string_view name);
+
 // Per-micro-batch settings of a forward pass.
 struct ForwardOptions {
   bool training = true;                 // dropout active (when config.dropout > 0)

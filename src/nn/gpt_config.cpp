@@ -70,6 +70,28 @@ const std::vector<Preset>& presets() {
 
 }  // namespace
 
+namespace {
+constexpr struct {
+  const char* name;
+  cpu::RopeScalingType type;
+} kRopeScalings[] = {{"none", cpu::RopeScalingType::none},
+                     {"linear", cpu::RopeScalingType::linear},
+                     {"llama3", cpu::RopeScalingType::llama3}};
+}  // namespace
+
+const char* rope_scaling_name(cpu::RopeScalingType type) {
+  for (const auto& r : kRopeScalings)
+    if (r.type == type) return r.name;
+  LOOM_CHECK(false, "RoPE scaling type ", static_cast<int>(type));
+  return "";
+}
+
+cpu::RopeScalingType rope_scaling_from_name(std::string_view name) {
+  for (const auto& r : kRopeScalings)
+    if (name == r.name) return r.type;
+  throw Error(str("unknown RoPE scaling '", name, "': use none, linear or llama3"));
+}
+
 GPTConfig GPTConfig::preset(std::string_view name) {
   for (const Preset& p : presets())
     if (name == p.name) return p.config;

@@ -417,10 +417,7 @@ GPTConfig model_config_from(const Config& cfg) {
     m.norm_eps = static_cast<float>(cfg.get<double>("model.norm_eps"));
     m.positions = cfg.get<std::string>("model.positions") == "rope" ? PositionKind::rope : PositionKind::learned;
     m.rope_theta = cfg.get<double>("model.rope_theta");
-    const std::string scaling = cfg.get<std::string>("model.rope_scaling");
-    m.rope_scaling.type = scaling == "linear"   ? cpu::RopeScalingType::linear
-                          : scaling == "llama3" ? cpu::RopeScalingType::llama3
-                                                : cpu::RopeScalingType::none;
+    m.rope_scaling.type = rope_scaling_from_name(cfg.get<std::string>("model.rope_scaling"));
     m.rope_scaling.factor = cfg.get<double>("model.rope_scaling_factor");
     m.rope_scaling.low_freq_factor = cfg.get<double>("model.rope_low_freq_factor");
     m.rope_scaling.high_freq_factor = cfg.get<double>("model.rope_high_freq_factor");
