@@ -45,7 +45,7 @@ struct GPTConfig {
   float norm_eps = 1e-5f;  // LayerNorm: only 1e-5 (the kernel's)
   PositionKind positions = PositionKind::learned;
   double rope_theta = 10000.0;
-  cpu::RopeScaling rope_scaling;
+  cpu::RopeScaling rope_scaling{};
   MlpKind mlp = MlpKind::gelu;
   int64_t intermediate_size = 0;  // 0: 4 * n_embd
   int64_t n_kv_head = 0;          // 0: n_head (multi-head attention)

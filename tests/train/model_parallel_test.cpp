@@ -107,10 +107,10 @@ std::vector<Layout> layouts() {
 INSTANTIATE_TEST_SUITE_P(Layouts, ModelParallelFp32, ::testing::ValuesIn(layouts()),
                          [](const ::testing::TestParamInfo<Layout>& i) { return i.param.name; });
 
-// LLaMA's variants under tensor parallelism (RMSNorm, RoPE, SwiGLU of an
-// intermediate size that is not 4C, no biases, an untied head): k and v split
-// by kv heads (2 kv heads on 2 ranks) or replicated with partial gradients
-// (1 kv head on 2 ranks, 2 on 4).
+// LLaMA's variants (RMSNorm, RoPE, SwiGLU of an intermediate size that is not
+// 4C, no biases, an untied head) under ZeRO-3 and tensor parallelism: k and v
+// split by kv heads (2 kv heads on 2 ranks) or replicated with partial
+// gradients (1 kv head on 2 ranks, 2 on 4).
 struct LlamaLayout {
   Layout layout;
   int n_kv_head = 1;
@@ -147,7 +147,8 @@ TEST_P(LlamaModelParallelFp32, MatchesTheReferenceAndIsBitIdenticalRunToRun) {
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, LlamaModelParallelFp32,
-    ::testing::Values(LlamaLayout{{.name = "tp2_kv2", .tp = 2}, 2}, LlamaLayout{{.name = "tp2_kv1", .tp = 2}, 1},
+    ::testing::Values(LlamaLayout{{.name = "dp2_zero3", .dp = 2, .stage = 3}, 2},
+                      LlamaLayout{{.name = "tp2_kv2", .tp = 2}, 2}, LlamaLayout{{.name = "tp2_kv1", .tp = 2}, 1},
                       LlamaLayout{{.name = "tp4_kv2", .tp = 4}, 2},
                       LlamaLayout{{.name = "tp2_sp_kv1", .tp = 2, .sequence_parallel = true}, 1},
                       LlamaLayout{{.name = "dp2_tp2_pp2_checkpointing_kv1", .dp = 2, .tp = 2, .pp = 2,
