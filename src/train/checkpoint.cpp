@@ -58,6 +58,32 @@ void read_params(const SafetensorsReader& r, const ParamLayout& layout, Tensor& 
   for (const ParamSpec& p : layout.params()) read_param(r, p, prefix, flat.data<float>() + p.offset);
 }
 
+// The model's config as the manifest records it (checkpoint_model_config reads it back).
+nlohmann::json model_json(const GPTConfig& c) {
+  return {{"n_layer", c.n_layer},
+          {"n_head", c.n_head},
+          {"n_embd", c.n_embd},
+          {"vocab_size", c.vocab_size},
+          {"block_size", c.block_size},
+          {"dropout", c.dropout},
+          {"norm", c.norm == NormKind::rmsnorm ? "rmsnorm" : "layernorm"},
+          {"norm_eps", c.norm_eps},
+          {"positions", c.positions == PositionKind::rope ? "rope" : "learned"},
+          {"rope_theta", c.rope_theta},
+          {"rope_scaling", rope_scaling_name(c.rope_scaling.type)},
+          {"rope_scaling_factor", c.rope_scaling.factor},
+          {"rope_low_freq_factor", c.rope_scaling.low_freq_factor},
+          {"rope_high_freq_factor", c.rope_scaling.high_freq_factor},
+          {"rope_original_max_positions", c.rope_scaling.original_max_position_embeddings},
+          {"mlp", c.mlp == MlpKind::swiglu ? "swiglu" : "gelu"},
+          {"intermediate_size", c.intermediate_size},
+          {"n_kv_head", c.n_kv_head},
+          {"packed_qkv", c.packed_qkv},
+          {"attention_bias", c.attention_bias},
+          {"mlp_bias", c.mlp_bias},
+          {"tied_embeddings", c.tied_embeddings}};
+}
+
 // An integer field of `object` (the manifest or a part of it).
 int64_t manifest_int(const CheckpointInfo& info, const nlohmann::json& object, const char* key) {
   if (!object.contains(key) || !object.at(key).is_number_integer())
@@ -115,9 +141,7 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
       f["loss_scale"] = {
           {"scale", ls.scale}, {"clean_steps", ls.clean_steps}, {"hysteresis_left", ls.hysteresis_left}};
     }
-    const GPTConfig& mc = t.model().config();
-    f["model"] = {{"n_layer", mc.n_layer},       {"n_head", mc.n_head},         {"n_embd", mc.n_embd},
-                  {"vocab_size", mc.vocab_size}, {"block_size", mc.block_size}, {"dropout", mc.dropout}};
+    f["model"] = model_json(t.model().config());
     write_manifest(dir->temp_dir(), f);
     dir->commit();
     write_latest(root, name);
@@ -151,6 +175,24 @@ GPTConfig checkpoint_model_config(const CheckpointInfo& info) {
   c.vocab_size = j.at("vocab_size").get<int64_t>();
   c.block_size = j.at("block_size").get<int64_t>();
   c.dropout = j.at("dropout").get<float>();
+  // The variants; a manifest written before them holds a GPT-2.
+  c.norm = j.value("norm", "layernorm") == std::string("rmsnorm") ? NormKind::rmsnorm : NormKind::layernorm;
+  c.norm_eps = j.value("norm_eps", c.norm_eps);
+  c.positions = j.value("positions", "learned") == std::string("rope") ? PositionKind::rope : PositionKind::learned;
+  c.rope_theta = j.value("rope_theta", c.rope_theta);
+  c.rope_scaling.type = rope_scaling_from_name(j.value("rope_scaling", "none"));
+  c.rope_scaling.factor = j.value("rope_scaling_factor", c.rope_scaling.factor);
+  c.rope_scaling.low_freq_factor = j.value("rope_low_freq_factor", c.rope_scaling.low_freq_factor);
+  c.rope_scaling.high_freq_factor = j.value("rope_high_freq_factor", c.rope_scaling.high_freq_factor);
+  c.rope_scaling.original_max_position_embeddings =
+      j.value("rope_original_max_positions", c.rope_scaling.original_max_position_embeddings);
+  c.mlp = j.value("mlp", "gelu") == std::string("swiglu") ? MlpKind::swiglu : MlpKind::gelu;
+  c.intermediate_size = j.value("intermediate_size", c.intermediate_size);
+  c.n_kv_head = j.value("n_kv_head", c.n_kv_head);
+  c.packed_qkv = j.value("packed_qkv", c.packed_qkv);
+  c.attention_bias = j.value("attention_bias", c.attention_bias);
+  c.mlp_bias = j.value("mlp_bias", c.mlp_bias);
+  c.tied_embeddings = j.value("tied_embeddings", c.tied_embeddings);
   c.validate();
   return c;
 }
@@ -173,6 +215,12 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
                     saved.n_embd, ", vocab ", saved.vocab_size, ", context ", saved.block_size,
                     "; the config asks for ", mc.n_layer, ", ", mc.n_embd, ", ", mc.vocab_size, ", ",
                     mc.block_size, ": resume with the config the run was started with"));
+  nlohmann::json saved_variant = model_json(saved), variant = model_json(mc);
+  saved_variant.erase("dropout");
+  variant.erase("dropout");
+  if (saved_variant != variant)
+    throw Error(str("checkpoint '", dir.string(), "' holds the model ", saved_variant.dump(),
+                    "; the config asks for ", variant.dump(), ": resume with the config the run was started with"));
   const ParamLayout& layout = trainer.state_layout();
   const SafetensorsReader model_file(dir / kModelFile), optimizer_file(dir / kOptimizerFile);
   Trainer::State state;

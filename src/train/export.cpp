@@ -11,6 +11,11 @@ namespace fs = std::filesystem;
 
 void export_hf_gpt2(const GPT& model, const ParamStore& params, const fs::path& out_dir) {
   const GPTConfig& c = model.config();
+  if (c.norm != NormKind::layernorm || c.positions != PositionKind::learned || c.mlp != MlpKind::gelu ||
+      !c.packed_qkv || !c.attention_bias || !c.mlp_bias || !c.tied_embeddings || c.intermediate() != 4 * c.n_embd)
+    throw Error("export writes GPT-2 checkpoints, and this model has LLaMA-class variants (model.norm, "
+                "positions, mlp, packed_qkv, biases, tied_embeddings or intermediate_size differ from GPT-2's): "
+                "export it with the Hugging Face LLaMA writer instead");
   const ParamLayout& layout = model.layout();
   // loom's Linear weights are [out, in] (nn.Linear); GPT-2's Conv1D is [in, out].
   auto transposed = [&](const ParamSpec& p) {

@@ -151,6 +151,20 @@ ModelParallelOptions plan_model_parallel(const Config& cfg, const TrainPlan& p) 
                                            nearest_valid(m.n_head, 1, 1024,
                                                          [&](int64_t h) { return h % p.tp == 0 && m.n_embd % h == 0; }))
                            : std::string()}));
+  // kv heads split like the query heads, or, fewer than the ranks, are
+  // shared by an equal number of them.
+  const int64_t nkv = m.kv_heads();
+  if (nkv % p.tp != 0 && p.tp % nkv != 0)
+    throw ConfigError(cfg, "parallel.tp",
+                      str("must divide or be a multiple of model.n_kv_head = ", nkv,
+                          ", since each tensor-parallel rank computes whole kv heads or shares one"),
+                      assign_one_of("parallel.tp", nearest_valid(p.tp, 1, m.n_head, [&](int64_t t) {
+                                      return m.n_head % t == 0 && (nkv % t == 0 || t % nkv == 0);
+                                    })));
+  if (m.intermediate() % p.tp != 0)
+    throw ConfigError(cfg, "parallel.tp", str("must divide the MLP's model.intermediate_size = ", m.intermediate()),
+                      custom ? str("set model.intermediate_size to a multiple of ", p.tp)
+                             : str("choose parallel.tp dividing ", m.intermediate()));
   // The vocabulary is padded to a multiple of tp (the padding rows are masked
   // out of the softmax), so only a vocabulary smaller than the group fails.
   if (m.vocab_size < p.tp)
@@ -399,6 +413,22 @@ GPTConfig model_config_from(const Config& cfg) {
     m.n_embd = cfg.get<int64_t>("model.n_embd");
     m.vocab_size = cfg.get<int64_t>("model.vocab_size");
     m.block_size = cfg.get<int64_t>("model.block_size");
+    m.norm = cfg.get<std::string>("model.norm") == "rmsnorm" ? NormKind::rmsnorm : NormKind::layernorm;
+    m.norm_eps = static_cast<float>(cfg.get<double>("model.norm_eps"));
+    m.positions = cfg.get<std::string>("model.positions") == "rope" ? PositionKind::rope : PositionKind::learned;
+    m.rope_theta = cfg.get<double>("model.rope_theta");
+    m.rope_scaling.type = rope_scaling_from_name(cfg.get<std::string>("model.rope_scaling"));
+    m.rope_scaling.factor = cfg.get<double>("model.rope_scaling_factor");
+    m.rope_scaling.low_freq_factor = cfg.get<double>("model.rope_low_freq_factor");
+    m.rope_scaling.high_freq_factor = cfg.get<double>("model.rope_high_freq_factor");
+    m.rope_scaling.original_max_position_embeddings = cfg.get<int64_t>("model.rope_original_max_positions");
+    m.mlp = cfg.get<std::string>("model.mlp") == "swiglu" ? MlpKind::swiglu : MlpKind::gelu;
+    m.intermediate_size = cfg.get<int64_t>("model.intermediate_size");
+    m.n_kv_head = cfg.get<int64_t>("model.n_kv_head");
+    m.packed_qkv = cfg.get<bool>("model.packed_qkv");
+    m.attention_bias = cfg.get<bool>("model.attention_bias");
+    m.mlp_bias = cfg.get<bool>("model.mlp_bias");
+    m.tied_embeddings = cfg.get<bool>("model.tied_embeddings");
   } else {
     m = GPTConfig::preset(preset);
   }

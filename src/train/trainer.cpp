@@ -176,7 +176,13 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, DeviceMesh& m
     const bool holds_table = stage == 0 || stage == pp - 1;
     embedding_group_ = world.split(holds_table ? mesh.coord(MeshAxis::dp) * tp + mesh.coord(MeshAxis::tp) : -1, stage);
   }
-  defer_reduction_ = pp > 1 || tpl.splits_tokens();
+  // A gradient that is a partial sum over tp (sequence parallelism's norms,
+  // kv heads replicated over the tp ranks) is summed after the schedule,
+  // before the data-parallel reduction.
+  const auto& params = model_.layout().params();
+  defer_reduction_ = pp > 1 || std::any_of(params.begin(), params.end(), [&](const ParamSpec& p) {
+                       return p.parallel.partial_grad && tpl.size() > 1;
+                     });
   ZeroOptimizer& zero = build_zero_stores();
   std::vector<FlatRange> duplicates;
   for (const ParamSpec& p : model_.layout().params())

@@ -411,6 +411,49 @@ TEST_F(MainJob, ResumeWithoutACheckpointOrWithAnotherModelIsAnError) {
   Config wider = config("other");
   wider.set_override("model.n_embd=64");
   EXPECT_CONTAINS(error_of([&] { run_training(wider, resume); }), "the config asks for");
+  Config rms = config("other");
+  rms.set_override("model.norm=rmsnorm");
+  EXPECT_CONTAINS(error_of([&] { run_training(rms, resume); }), "the config asks for");
+}
+
+TEST_F(MainJob, LlamaRunRecordsItsVariantsAndResumes) {
+  Config c = config("llama");
+  for (const char* o : {"model.norm=rmsnorm", "model.positions=rope", "model.rope_scaling=linear",
+                        "model.rope_scaling_factor=2", "model.mlp=swiglu", "model.intermediate_size=80",
+                        "model.n_kv_head=1", "model.packed_qkv=false", "model.attention_bias=false",
+                        "model.mlp_bias=false", "model.tied_embeddings=false"})
+    c.set_override(o);
+  RunOptions stop = quiet();
+  stop.stop_after = 5;
+  run_training(c, stop);
+  const GPTConfig want = plan_training(c).model;
+  const GPTConfig saved = checkpoint_model_config(read_checkpoint_info(resolve_checkpoint(*dir_ / "llama")));
+  EXPECT_EQ(saved.norm, want.norm);
+  EXPECT_EQ(saved.positions, want.positions);
+  EXPECT_EQ(saved.rope_scaling.type, want.rope_scaling.type);
+  EXPECT_EQ(saved.rope_scaling.factor, want.rope_scaling.factor);
+  EXPECT_EQ(saved.mlp, want.mlp);
+  EXPECT_EQ(saved.intermediate(), want.intermediate());
+  EXPECT_EQ(saved.kv_heads(), want.kv_heads());
+  EXPECT_EQ(saved.packed_qkv, want.packed_qkv);
+  EXPECT_EQ(saved.attention_bias, want.attention_bias);
+  EXPECT_EQ(saved.tied_embeddings, want.tied_embeddings);
+  EXPECT_EQ(saved.num_params(), want.num_params());
+  // The checkpoint loads as the same model and samples through the KV cache.
+  const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(*dir_ / "llama"));
+  GPT model(checkpoint_model_config(info));
+  ParamStore ps(model.layout(), 0);
+  load_weights(info, model, ps);
+  const Tokenizer tok = Tokenizer::load(info.fields.at("tokenizer").get<std::string>());
+  const std::string sample = generate(model, ps, tok, "ROMEO:", 20, SampleOptions{});
+  EXPECT_FALSE(sample.empty());
+  EXPECT_EQ(sample, generate(model, ps, tok, "ROMEO:", 20, SampleOptions{}));
+  RunOptions resume = quiet();
+  resume.resume = true;
+  run_training(c, resume);
+  const std::vector<double> l = losses(*dir_ / "llama" / "metrics.jsonl");
+  ASSERT_EQ(l.size(), 20u);
+  EXPECT_LT(l.back(), l.front());
 }
 
 TEST_F(MainJob, VocabularyMismatchAndShortCorpusAreErrors) {
@@ -456,6 +499,10 @@ TEST_F(MainJob, ExportWritesHuggingFaceNamesAndConv1DLayouts) {
   nlohmann::json j = nlohmann::json::parse(read_file(*dir_ / "hf" / "config.json"));
   EXPECT_EQ(j.at("model_type"), "gpt2");
   EXPECT_EQ(j.at("n_positions"), 6);
+  cfg.norm = NormKind::rmsnorm;
+  GPT rms(cfg);
+  ParamStore rms_params(rms.layout(), 3);
+  EXPECT_CONTAINS(error_of([&] { export_hf_gpt2(rms, rms_params, *dir_ / "hf-rms"); }), "LLaMA-class");
 }
 
 TEST_F(MainJob, GenerationIsSeededAndEvaluationReportsPerCharLoss) {

@@ -30,6 +30,8 @@ struct DataParallelRun {
   bool checkpoint_activations = false;
   ModelParallelOptions model_parallel;
   int n_layer = 2, n_head = 2;
+  // Turns small_gpt's GPT-2 into another variant of the model (LLaMA's).
+  std::function<void(GPTConfig&)> model_variant;
   // Chunk placement (memory.h) and the per-rank budgets it runs under.
   MemoryOptions memory;
   size_t device_budget = kUnlimited, host_budget = kUnlimited;
@@ -126,7 +128,8 @@ inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& re
   MemoryContext::Install install(context);
   context.tier(Tier::device).set_budget(r.device_budget);
   context.tier(Tier::host).set_budget(r.host_budget);
-  const GPTConfig cfg = small_gpt(r.dropout, r.n_layer, r.n_head);
+  GPTConfig cfg = small_gpt(r.dropout, r.n_layer, r.n_head);
+  if (r.model_variant) r.model_variant(cfg);
   TrainOptions opts = small_options(r);
   int step = 0;
   Trainer* trainer_of_step = nullptr;
