@@ -1,5 +1,6 @@
 // A run's config turned into a validated plan: every cross-field rule is
-// checked here, before a byte is allocated or a file is read.
+// checked here, before a byte is allocated or a file is read (but the
+// headers of an imported checkpoint, init.from, which are validated too).
 #include <unistd.h>
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 
 #include "loom/comm.h"
 #include "loom/config.h"
@@ -16,7 +18,22 @@
 
 namespace loom {
 
+namespace fs = std::filesystem;
+
 namespace {
+
+// init.from's directory, or nullopt for a fresh initialization.
+std::optional<fs::path> init_hf_dir(const Config& cfg) {
+  const std::string from = cfg.get<std::string>("init.from");
+  if (from.empty()) return std::nullopt;
+  try {
+    if (std::optional<fs::path> dir = hf_dir_of(from)) return dir;
+  } catch (const Error& e) {
+    throw ConfigError(cfg, "init.from", e.what(), "write init.from = \"hf:DIR\"");
+  }
+  throw ConfigError(cfg, "init.from", "must be empty (a fresh initialization) or \"hf:DIR\" (a Hugging Face checkpoint)",
+                    str("write init.from = \"hf:", from, "\"; to continue a loom run, use `loom train --resume`"));
+}
 
 // The valid values nearest to `x` in [lo, hi], one below and one above where
 // they exist, for the "fix:" part of a message.
@@ -390,7 +407,34 @@ void check_memory_fits(const Config& cfg, const TrainPlan& p) {
 
 }  // namespace
 
+namespace {
+
+// init.from's model: config.json's, which the model.* keys a user set may
+// repeat but not contradict.
+GPTConfig imported_model_config(const Config& cfg, const fs::path& dir) {
+  GPTConfig m = gpt_config_from_hf(read_hf_config(dir), dir);
+  const std::string source = (dir / "config.json").string();
+  if (!cfg.is_default("model.preset") && cfg.get<std::string>("model.preset") != "custom")
+    throw ConfigError(cfg, "model.preset", str("contradicts init.from: the model is the one ", source, " describes"),
+                      "remove model.preset (or set it to \"custom\")");
+  const std::pair<const char*, int64_t> keys[] = {{"model.n_layer", m.n_layer},
+                                                  {"model.n_head", m.n_head},
+                                                  {"model.n_embd", m.n_embd},
+                                                  {"model.vocab_size", m.vocab_size},
+                                                  {"model.block_size", m.block_size}};
+  for (const auto& [key, value] : keys)
+    if (!cfg.is_default(key) && cfg.get<int64_t>(key) != value)
+      throw ConfigError(cfg, key, str("contradicts ", source, ", which gives ", value),
+                        str("remove ", key, " or set it to ", value));
+  m.dropout = static_cast<float>(cfg.get<double>("model.dropout"));
+  m.validate();
+  return m;
+}
+
+}  // namespace
+
 GPTConfig model_config_from(const Config& cfg) {
+  if (const std::optional<fs::path> dir = init_hf_dir(cfg)) return imported_model_config(cfg, *dir);
   const std::string preset = cfg.get<std::string>("model.preset");
   GPTConfig m;
   if (preset == "custom") {
@@ -410,6 +454,12 @@ GPTConfig model_config_from(const Config& cfg) {
 TrainPlan plan_training(const Config& cfg) {
   TrainPlan p;
   p.model = model_config_from(cfg);
+  if (const std::optional<fs::path> dir = init_hf_dir(cfg)) {
+    // Every tensor is checked against config.json before the run allocates.
+    const HFImport checked(*dir);
+    p.init_hf = *dir;
+    if (std::optional<fs::path> tokenizer = hf_tokenizer_file(*dir)) p.init_tokenizer = *tokenizer;
+  }
   p.steps = cfg.get<int64_t>("train.steps");
   p.global_batch = cfg.get<int64_t>("train.batch_size");
   p.micro_batch = cfg.get<int64_t>("train.micro_batch_size");
@@ -446,11 +496,16 @@ TrainPlan plan_training(const Config& cfg) {
                       str("set train.batch_size to ", down > 0 ? str(down, " or ") : std::string(), down + per_step));
   }
   p.accumulation = p.global_batch / per_step;
-  if (cfg.get<int64_t>("data.vocab_size") > p.model.vocab_size)
+  // A tokenizer beside an imported checkpoint replaces data.vocab_size's (the
+  // run checks it against the model once the data is prepared).
+  if (p.init_tokenizer.empty() && cfg.get<int64_t>("data.vocab_size") > p.model.vocab_size)
     throw ConfigError(cfg, "data.vocab_size",
                       str("the tokenizer's vocabulary may not exceed model.vocab_size = ", p.model.vocab_size),
-                      str("set model.vocab_size >= ", cfg.get<int64_t>("data.vocab_size"),
-                          " or lower data.vocab_size"));
+                      p.init_hf.empty() ? str("set model.vocab_size >= ", cfg.get<int64_t>("data.vocab_size"),
+                                              " or lower data.vocab_size")
+                                        : str("set data.vocab_size <= ", p.model.vocab_size, " (the vocab_size of ",
+                                              (p.init_hf / "config.json").string(),
+                                              "), or place the checkpoint's tokenizer beside it"));
   p.options.model_parallel = plan_model_parallel(cfg, p);
 
   TrainOptions& o = p.options;

@@ -441,18 +441,18 @@ TEST_F(MainJob, ExportWritesHuggingFaceNamesAndConv1DLayouts) {
   cfg.block_size = 6;
   GPT model(cfg);
   ParamStore ps(model.layout(), 3);
-  export_hf_gpt2(model, ps, *dir_ / "hf");
+  export_hf(model, ps, *dir_ / "hf");
   SafetensorsReader r(*dir_ / "hf" / "model.safetensors");
   EXPECT_EQ(r.entries().size(), model.layout().params().size());
   const int fc = model.layout().find("h.0.mlp.c_fc.weight");
-  const auto& e = r.entry("h.0.mlp.c_fc.weight");
+  const auto& e = r.entry("transformer.h.0.mlp.c_fc.weight");
   EXPECT_EQ(e.shape, (Shape{8, 32}));  // [in, out]
-  Tensor t = r.load("h.0.mlp.c_fc.weight");
+  Tensor t = r.load("transformer.h.0.mlp.c_fc.weight");
   const float* src = ps.param(fc).data<float>();  // [out, in]
   for (int64_t o = 0; o < 32; ++o)
     for (int64_t i = 0; i < 8; ++i) ASSERT_EQ(t.data<float>()[i * 32 + o], src[o * 8 + i]);
-  EXPECT_EQ(r.entry("wte.weight").shape, (Shape{11, 8}));
-  EXPECT_EQ(r.entry("h.0.ln_1.bias").shape, (Shape{8}));
+  EXPECT_EQ(r.entry("transformer.wte.weight").shape, (Shape{11, 8}));
+  EXPECT_EQ(r.entry("transformer.h.0.ln_1.bias").shape, (Shape{8}));
   nlohmann::json j = nlohmann::json::parse(read_file(*dir_ / "hf" / "config.json"));
   EXPECT_EQ(j.at("model_type"), "gpt2");
   EXPECT_EQ(j.at("n_positions"), 6);
