@@ -416,7 +416,7 @@ GPTConfig imported_model_config(const Config& cfg, const fs::path& dir) {
   const std::string source = (dir / "config.json").string();
   if (!cfg.is_default("model.preset") && cfg.get<std::string>("model.preset") != "custom")
     throw ConfigError(cfg, "model.preset", str("contradicts init.from: the model is the one ", source, " describes"),
-                      "remove model.preset (or set it to \"custom\")");
+                      "remove model.preset or set it to \"custom\" (configs/finetune-hf.toml sets none)");
   const std::pair<const char*, int64_t> keys[] = {{"model.n_layer", m.n_layer},
                                                   {"model.n_head", m.n_head},
                                                   {"model.n_embd", m.n_embd},
@@ -425,7 +425,8 @@ GPTConfig imported_model_config(const Config& cfg, const fs::path& dir) {
   for (const auto& [key, value] : keys)
     if (!cfg.is_default(key) && cfg.get<int64_t>(key) != value)
       throw ConfigError(cfg, key, str("contradicts ", source, ", which gives ", value),
-                        str("remove ", key, " or set it to ", value));
+                        str("remove ", key, " or set it to ", value,
+                            " (configs/finetune-hf.toml sets no model shape: the checkpoint's is used)"));
   m.dropout = static_cast<float>(cfg.get<double>("model.dropout"));
   m.validate();
   return m;

@@ -458,6 +458,42 @@ TEST_F(MainJob, ExportWritesHuggingFaceNamesAndConv1DLayouts) {
   EXPECT_EQ(j.at("n_positions"), 6);
 }
 
+TEST_F(MainJob, ARunStartsFromAnExportedCheckpointWithItsTokenizer) {
+  Config a = config("hf-source");
+  a.set_override("train.steps=5");
+  const EvalResult source = run_training(a, quiet());
+  // `loom export`: the weights, and the tokenizer beside them.
+  const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(*dir_ / "hf-source"));
+  GPT model(checkpoint_model_config(info));
+  ParamStore ps(model.layout(), 0);
+  load_weights(info, model, ps);
+  const fs::path hf = *dir_ / "hf-export";
+  export_hf(model, ps, hf);
+  const fs::path tokenizer = info.fields.at("tokenizer").get<std::string>();
+  fs::copy_file(tokenizer, hf / tokenizer.filename());
+
+  // With no learning rate the imported weights stay as they are: the final
+  // validation is the source run's.
+  for (const char* tp : {"1", "2"}) {
+    Config b = config(str("hf-import-tp", tp));
+    b.set_override(str("init.from=hf:", hf.string()));
+    b.set_override(str("parallel.tp=", tp));
+    b.set_override("train.steps=2");
+    b.set_override("train.lr=0");
+    b.set_override("train.min_lr=0");
+    const EvalResult imported = run_training(b, quiet());
+    if (std::string(tp) == "1")
+      EXPECT_EQ(imported.loss_per_token, source.loss_per_token);
+    else
+      EXPECT_NEAR(imported.loss_per_token, source.loss_per_token, 1e-5 * source.loss_per_token);
+  }
+  // A model key that contradicts config.json stops the run before it starts.
+  Config wider = config("hf-wider");
+  wider.set_override(str("init.from=hf:", hf.string()));
+  wider.set_override("model.n_embd=64");
+  EXPECT_CONTAINS(error_of([&] { run_training(wider, quiet()); }), "model.n_embd");
+}
+
 TEST_F(MainJob, GenerationIsSeededAndEvaluationReportsPerCharLoss) {
   Config c = config("gen");
   c.set_override("train.steps=5");
