@@ -51,13 +51,11 @@ GPTConfig gpt_config_from_hf(const HFModelConfig& hf, const fs::path& source) {
     throw unsupported(str("activation_function = \"", hf.hidden_act_name, "\""), "\"gelu_new\"");
   if (!hf.tie_word_embeddings)
     throw unsupported("tie_word_embeddings = false", "the output head tied to wte (tie_word_embeddings = true)");
-  GPTConfig c;
-  c.n_layer = hf.num_hidden_layers;
-  c.n_head = hf.num_attention_heads;
-  c.n_embd = hf.hidden_size;
-  c.vocab_size = hf.vocab_size;
-  c.block_size = hf.max_position_embeddings;
-  c.dropout = 0.0f;
+  const GPTConfig c{.n_layer = hf.num_hidden_layers,
+                    .n_head = hf.num_attention_heads,
+                    .n_embd = hf.hidden_size,
+                    .vocab_size = hf.vocab_size,
+                    .block_size = hf.max_position_embeddings};
   c.validate();
   return c;
 }

@@ -22,6 +22,18 @@ namespace fs = std::filesystem;
 using testing::error_of;
 using testing::TempDir;
 
+// The weights of a run's latest checkpoint in a whole model.
+struct CheckpointWeights {
+  explicit CheckpointWeights(const fs::path& run)
+      : info(read_checkpoint_info(resolve_checkpoint(run))), model(checkpoint_model_config(info)),
+        ps(model.layout(), 0) {
+    load_weights(info, model, ps);
+  }
+  CheckpointInfo info;
+  GPT model;
+  ParamStore ps;
+};
+
 // A dataset prepared once for the whole suite: 80 KB of Shakespeare, vocab 512.
 class MainJob : public ::testing::Test {
  protected:
@@ -463,13 +475,10 @@ TEST_F(MainJob, ARunStartsFromAnExportedCheckpointWithItsTokenizer) {
   a.set_override("train.steps=5");
   const EvalResult source = run_training(a, quiet());
   // `loom export`: the weights, and the tokenizer beside them.
-  const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(*dir_ / "hf-source"));
-  GPT model(checkpoint_model_config(info));
-  ParamStore ps(model.layout(), 0);
-  load_weights(info, model, ps);
+  const CheckpointWeights w(*dir_ / "hf-source");
   const fs::path hf = *dir_ / "hf-export";
-  export_hf(model, ps, hf);
-  const fs::path tokenizer = info.fields.at("tokenizer").get<std::string>();
+  export_hf(w.model, w.ps, hf);
+  const fs::path tokenizer = w.info.fields.at("tokenizer").get<std::string>();
   fs::copy_file(tokenizer, hf / tokenizer.filename());
 
   // With no learning rate the imported weights stay as they are: the final
@@ -498,10 +507,10 @@ TEST_F(MainJob, GenerationIsSeededAndEvaluationReportsPerCharLoss) {
   Config c = config("gen");
   c.set_override("train.steps=5");
   const EvalResult final_eval = run_training(c, quiet());
-  const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(*dir_ / "gen"));
-  GPT model(checkpoint_model_config(info));
-  ParamStore ps(model.layout(), 0);
-  load_weights(info, model, ps);
+  CheckpointWeights w(*dir_ / "gen");
+  const CheckpointInfo& info = w.info;
+  GPT& model = w.model;
+  ParamStore& ps = w.ps;
   const Tokenizer tok = Tokenizer::load(info.fields.at("tokenizer").get<std::string>());
   SampleOptions so;
   so.top_k = 20;
