@@ -9,6 +9,7 @@
 #include <cmath>
 #include <atomic>
 #include <fstream>
+#include <mutex>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -129,6 +130,38 @@ std::vector<ImportLayout> import_layouts() {
 
 INSTANTIATE_TEST_SUITE_P(HFImport, ImportedUnderLayout, ::testing::ValuesIn(import_layouts()),
                          [](const auto& info) { return info.param.name; });
+
+TEST(TrainerLoadWeights, EachRankFillsOnlyThePiecesItHolds) {
+  const GPTConfig cfg = testing::small_gpt(0.0f);
+  const int64_t whole = GPT(cfg).layout().numel();
+  for (const bool tensor_parallel : {false, true}) {
+    std::mutex mu;
+    std::vector<int64_t> filled;
+    DataParallelRun r = testing::layout(2, tensor_parallel ? 0 : 3);
+    if (tensor_parallel) {
+      r.dp = 1;
+      r.tp = 2;
+    }
+    r.steps = 1;
+    r.init = [&](Trainer& t) {
+      int64_t n = 0;
+      t.load_weights([&](const ParamLayout& layout, FlatRange range, float* params) {
+        layout.initialize(params, range.begin, range.numel(), 5);
+        n += range.numel();
+      });
+      const std::lock_guard lock(mu);
+      filled.push_back(n);
+    };
+    testing::run_layout(r);
+    ASSERT_EQ(filled.size(), 2u);
+    int64_t total = 0;
+    for (int64_t n : filled) {
+      EXPECT_LT(n, whole) << (tensor_parallel ? "tp2" : "dp2 ZeRO-3");
+      total += n;
+    }
+    EXPECT_GE(total, whole);
+  }
+}
 
 // ---------------------------------------------------------------------------
 // Export, then import
