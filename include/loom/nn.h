@@ -71,6 +71,7 @@ struct GPTConfig {
   // Throws Error naming the field, the constraint and the fix.
   void validate() const;
   int64_t num_params() const;
+  bool operator==(const GPTConfig&) const = default;
 };
 
 // RoPE scaling types as config files and manifests spell them ("none",

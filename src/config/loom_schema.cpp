@@ -42,6 +42,10 @@ ConfigSchema build_loom_schema() {
   s.add_bool("model.mlp_bias", true, "biases on the MLP's projections (GPT-2: on, LLaMA: off)");
   s.add_bool("model.tied_embeddings", true, "the output head reuses the token embedding; false: its own lm_head");
 
+  s.add_string("init.from", "",
+               "initial weights: empty = a fresh initialization; \"hf:DIR\" = the Hugging Face checkpoint in DIR "
+               "(its config.json fixes the model, a tokenizer beside it tokenizes the data)");
+
   s.add_int("train.batch_size", 32, "global batch in sequences per optimizer step", 1);
   s.add_int("train.micro_batch_size", 16, "sequences per rank per forward/backward (gradient accumulation makes up the rest)", 1);
   s.add_int("train.seq_len", 128, "tokens per training sequence (at most model.block_size)", 1, kMaxDim);

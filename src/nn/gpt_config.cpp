@@ -122,17 +122,14 @@ GPTConfig GPTConfig::from_hf(const HFModelConfig& hf) {
   c.norm_eps = static_cast<float>(hf.norm_eps);
   c.positions = gpt2 ? PositionKind::learned : PositionKind::rope;
   c.rope_theta = hf.rope_theta;
-  const HFRopeScaling& s = hf.rope_scaling;
-  if (s.type != HFRopeType::none) {
-    c.rope_scaling.type = s.type == HFRopeType::linear ? cpu::RopeScalingType::linear : cpu::RopeScalingType::llama3;
-    c.rope_scaling.factor = s.factor;
-    if (s.type == HFRopeType::llama3) {
-      c.rope_scaling.low_freq_factor = s.low_freq_factor;
-      c.rope_scaling.high_freq_factor = s.high_freq_factor;
-      c.rope_scaling.original_max_position_embeddings = s.original_max_position_embeddings;
-    }
-  }
-  c.mlp = hf.hidden_act == HFActivation::silu ? MlpKind::swiglu : MlpKind::gelu;
+  c.rope_scaling = hf.rope_scaling;
+  // GPT-2's MLP is fc, GELU, proj; LLaMA's is SwiGLU (silu on the gate).
+  const HFActivation expected = gpt2 ? HFActivation::gelu_tanh : HFActivation::silu;
+  if (hf.hidden_act != expected)
+    throw Error(str("config.json: ", gpt2 ? "activation_function" : "hidden_act", " = \"", hf.hidden_act_name,
+                    "\" with ", hf.architecture, ": loom runs ", hf.architecture, " with ",
+                    gpt2 ? "gelu_new or gelu_pytorch_tanh" : "silu (SwiGLU)"));
+  c.mlp = gpt2 ? MlpKind::gelu : MlpKind::swiglu;
   c.intermediate_size = hf.intermediate_size;
   c.n_kv_head = hf.num_key_value_heads;
   c.packed_qkv = gpt2;

@@ -10,6 +10,7 @@
 #include "loom/io.h"
 #include "loom/device.h"
 #include "loom/train.h"
+#include "train/model_json.h"
 
 namespace loom {
 
@@ -56,32 +57,6 @@ void read_param(const SafetensorsReader& r, const ParamSpec& p, const std::strin
 
 void read_params(const SafetensorsReader& r, const ParamLayout& layout, Tensor& flat, const std::string& prefix) {
   for (const ParamSpec& p : layout.params()) read_param(r, p, prefix, flat.data<float>() + p.offset);
-}
-
-// The model's config as the manifest records it (checkpoint_model_config reads it back).
-nlohmann::json model_json(const GPTConfig& c) {
-  return {{"n_layer", c.n_layer},
-          {"n_head", c.n_head},
-          {"n_embd", c.n_embd},
-          {"vocab_size", c.vocab_size},
-          {"block_size", c.block_size},
-          {"dropout", c.dropout},
-          {"norm", c.norm == NormKind::rmsnorm ? "rmsnorm" : "layernorm"},
-          {"norm_eps", c.norm_eps},
-          {"positions", c.positions == PositionKind::rope ? "rope" : "learned"},
-          {"rope_theta", c.rope_theta},
-          {"rope_scaling", rope_scaling_name(c.rope_scaling.type)},
-          {"rope_scaling_factor", c.rope_scaling.factor},
-          {"rope_low_freq_factor", c.rope_scaling.low_freq_factor},
-          {"rope_high_freq_factor", c.rope_scaling.high_freq_factor},
-          {"rope_original_max_positions", c.rope_scaling.original_max_position_embeddings},
-          {"mlp", c.mlp == MlpKind::swiglu ? "swiglu" : "gelu"},
-          {"intermediate_size", c.intermediate_size},
-          {"n_kv_head", c.n_kv_head},
-          {"packed_qkv", c.packed_qkv},
-          {"attention_bias", c.attention_bias},
-          {"mlp_bias", c.mlp_bias},
-          {"tied_embeddings", c.tied_embeddings}};
 }
 
 // An integer field of `object` (the manifest or a part of it).
@@ -168,31 +143,12 @@ CheckpointInfo read_checkpoint_info(const fs::path& dir) {
 
 GPTConfig checkpoint_model_config(const CheckpointInfo& info) {
   const nlohmann::json& j = info.fields.at("model");
-  GPTConfig c;
-  c.n_layer = j.at("n_layer").get<int64_t>();
-  c.n_head = j.at("n_head").get<int64_t>();
-  c.n_embd = j.at("n_embd").get<int64_t>();
-  c.vocab_size = j.at("vocab_size").get<int64_t>();
-  c.block_size = j.at("block_size").get<int64_t>();
-  c.dropout = j.at("dropout").get<float>();
-  // The variants; a manifest written before them holds a GPT-2.
-  c.norm = j.value("norm", "layernorm") == std::string("rmsnorm") ? NormKind::rmsnorm : NormKind::layernorm;
-  c.norm_eps = j.value("norm_eps", c.norm_eps);
-  c.positions = j.value("positions", "learned") == std::string("rope") ? PositionKind::rope : PositionKind::learned;
-  c.rope_theta = j.value("rope_theta", c.rope_theta);
-  c.rope_scaling.type = rope_scaling_from_name(j.value("rope_scaling", "none"));
-  c.rope_scaling.factor = j.value("rope_scaling_factor", c.rope_scaling.factor);
-  c.rope_scaling.low_freq_factor = j.value("rope_low_freq_factor", c.rope_scaling.low_freq_factor);
-  c.rope_scaling.high_freq_factor = j.value("rope_high_freq_factor", c.rope_scaling.high_freq_factor);
-  c.rope_scaling.original_max_position_embeddings =
-      j.value("rope_original_max_positions", c.rope_scaling.original_max_position_embeddings);
-  c.mlp = j.value("mlp", "gelu") == std::string("swiglu") ? MlpKind::swiglu : MlpKind::gelu;
-  c.intermediate_size = j.value("intermediate_size", c.intermediate_size);
-  c.n_kv_head = j.value("n_kv_head", c.n_kv_head);
-  c.packed_qkv = j.value("packed_qkv", c.packed_qkv);
-  c.attention_bias = j.value("attention_bias", c.attention_bias);
-  c.mlp_bias = j.value("mlp_bias", c.mlp_bias);
-  c.tied_embeddings = j.value("tied_embeddings", c.tied_embeddings);
+  for (const char* key : {"n_layer", "n_head", "n_embd", "vocab_size", "block_size", "dropout"})
+    if (!j.contains(key))
+      throw Error(str("manifest of checkpoint '", info.dir.string(), "' lacks model.", key,
+                      ": the checkpoint is corrupt or not loom's"));
+  // The variants are optional: a manifest written before them holds a GPT-2.
+  const GPTConfig c = model_from_json(j);
   c.validate();
   return c;
 }

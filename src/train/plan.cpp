@@ -1,5 +1,6 @@
 // A run's config turned into a validated plan: every cross-field rule is
-// checked here, before a byte is allocated or a file is read.
+// checked here, before a byte is allocated or a file is read (but the
+// headers of an imported checkpoint, init.from, which are validated too).
 #include <unistd.h>
 
 #include <algorithm>
@@ -7,16 +8,33 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 
 #include "loom/comm.h"
 #include "loom/config.h"
 #include "loom/memory.h"
 #include "loom/planner.h"
 #include "loom/train.h"
+#include "train/model_json.h"
 
 namespace loom {
 
+namespace fs = std::filesystem;
+
 namespace {
+
+// init.from's directory, or nullopt for a fresh initialization.
+std::optional<fs::path> init_hf_dir(const Config& cfg) {
+  const std::string from = cfg.get<std::string>("init.from");
+  if (from.empty()) return std::nullopt;
+  try {
+    if (std::optional<fs::path> dir = hf_dir_of(from)) return dir;
+  } catch (const Error& e) {
+    throw ConfigError(cfg, "init.from", e.what(), "write init.from = \"hf:DIR\"");
+  }
+  throw ConfigError(cfg, "init.from", "must be empty (a fresh initialization) or \"hf:DIR\" (a Hugging Face checkpoint)",
+                    str("write init.from = \"hf:", from, "\"; to continue a loom run, use `loom train --resume`"));
+}
 
 // The valid values nearest to `x` in [lo, hi], one below and one above where
 // they exist, for the "fix:" part of a message.
@@ -404,31 +422,40 @@ void check_memory_fits(const Config& cfg, const TrainPlan& p) {
 
 }  // namespace
 
+namespace {
+
+// init.from's model: config.json's, which the model.* keys a user set may
+// repeat but not contradict.
+GPTConfig imported_model_config(const Config& cfg, const fs::path& dir) {
+  GPTConfig m = gpt_config_from_hf(read_hf_config(dir), dir);
+  const std::string source = (dir / "config.json").string();
+  if (!cfg.is_default("model.preset") && cfg.get<std::string>("model.preset") != "custom")
+    throw ConfigError(cfg, "model.preset", str("contradicts init.from: the model is the one ", source, " describes"),
+                      "remove model.preset or set it to \"custom\" (configs/finetune-hf.toml sets none)");
+  // A key the user set contradicts the checkpoint when setting it changes
+  // the model config.json describes.
+  const nlohmann::json keys = cfg.to_json().at("model"), imported = model_json(m);
+  for (const auto& [name, value] : keys.items()) {
+    const std::string key = "model." + name;
+    if (!imported.contains(name) || name == "dropout" || cfg.is_default(key)) continue;
+    if (!(model_from_json({{name, value}}, m) == m))
+      throw ConfigError(cfg, key, str("contradicts ", source, ", which gives ", imported.at(name).dump()),
+                        str("remove ", key, " or set it to ", imported.at(name).dump(),
+                            " (configs/finetune-hf.toml sets no model shape: the checkpoint's is used)"));
+  }
+  m.dropout = static_cast<float>(cfg.get<double>("model.dropout"));
+  m.validate();
+  return m;
+}
+
+}  // namespace
+
 GPTConfig model_config_from(const Config& cfg) {
+  if (const std::optional<fs::path> dir = init_hf_dir(cfg)) return imported_model_config(cfg, *dir);
   const std::string preset = cfg.get<std::string>("model.preset");
   GPTConfig m;
   if (preset == "custom") {
-    m.n_layer = cfg.get<int64_t>("model.n_layer");
-    m.n_head = cfg.get<int64_t>("model.n_head");
-    m.n_embd = cfg.get<int64_t>("model.n_embd");
-    m.vocab_size = cfg.get<int64_t>("model.vocab_size");
-    m.block_size = cfg.get<int64_t>("model.block_size");
-    m.norm = cfg.get<std::string>("model.norm") == "rmsnorm" ? NormKind::rmsnorm : NormKind::layernorm;
-    m.norm_eps = static_cast<float>(cfg.get<double>("model.norm_eps"));
-    m.positions = cfg.get<std::string>("model.positions") == "rope" ? PositionKind::rope : PositionKind::learned;
-    m.rope_theta = cfg.get<double>("model.rope_theta");
-    m.rope_scaling.type = rope_scaling_from_name(cfg.get<std::string>("model.rope_scaling"));
-    m.rope_scaling.factor = cfg.get<double>("model.rope_scaling_factor");
-    m.rope_scaling.low_freq_factor = cfg.get<double>("model.rope_low_freq_factor");
-    m.rope_scaling.high_freq_factor = cfg.get<double>("model.rope_high_freq_factor");
-    m.rope_scaling.original_max_position_embeddings = cfg.get<int64_t>("model.rope_original_max_positions");
-    m.mlp = cfg.get<std::string>("model.mlp") == "swiglu" ? MlpKind::swiglu : MlpKind::gelu;
-    m.intermediate_size = cfg.get<int64_t>("model.intermediate_size");
-    m.n_kv_head = cfg.get<int64_t>("model.n_kv_head");
-    m.packed_qkv = cfg.get<bool>("model.packed_qkv");
-    m.attention_bias = cfg.get<bool>("model.attention_bias");
-    m.mlp_bias = cfg.get<bool>("model.mlp_bias");
-    m.tied_embeddings = cfg.get<bool>("model.tied_embeddings");
+    m = model_from_json(cfg.to_json().at("model"));
   } else {
     m = GPTConfig::preset(preset);
   }
@@ -440,6 +467,12 @@ GPTConfig model_config_from(const Config& cfg) {
 TrainPlan plan_training(const Config& cfg) {
   TrainPlan p;
   p.model = model_config_from(cfg);
+  if (const std::optional<fs::path> dir = init_hf_dir(cfg)) {
+    // Every tensor is checked against config.json before the run allocates.
+    const HFImport checked(*dir);
+    p.init_hf = *dir;
+    if (std::optional<fs::path> tokenizer = hf_tokenizer_file(*dir)) p.init_tokenizer = *tokenizer;
+  }
   p.steps = cfg.get<int64_t>("train.steps");
   p.global_batch = cfg.get<int64_t>("train.batch_size");
   p.micro_batch = cfg.get<int64_t>("train.micro_batch_size");
@@ -476,11 +509,16 @@ TrainPlan plan_training(const Config& cfg) {
                       str("set train.batch_size to ", down > 0 ? str(down, " or ") : std::string(), down + per_step));
   }
   p.accumulation = p.global_batch / per_step;
-  if (cfg.get<int64_t>("data.vocab_size") > p.model.vocab_size)
+  // A tokenizer beside an imported checkpoint replaces data.vocab_size's (the
+  // run checks it against the model once the data is prepared).
+  if (p.init_tokenizer.empty() && cfg.get<int64_t>("data.vocab_size") > p.model.vocab_size)
     throw ConfigError(cfg, "data.vocab_size",
                       str("the tokenizer's vocabulary may not exceed model.vocab_size = ", p.model.vocab_size),
-                      str("set model.vocab_size >= ", cfg.get<int64_t>("data.vocab_size"),
-                          " or lower data.vocab_size"));
+                      p.init_hf.empty() ? str("set model.vocab_size >= ", cfg.get<int64_t>("data.vocab_size"),
+                                              " or lower data.vocab_size")
+                                        : str("set data.vocab_size <= ", p.model.vocab_size, " (the vocab_size of ",
+                                              (p.init_hf / "config.json").string(),
+                                              "), or place the checkpoint's tokenizer beside it"));
   p.options.model_parallel = plan_model_parallel(cfg, p);
 
   TrainOptions& o = p.options;

@@ -495,4 +495,17 @@ void Trainer::load_state(const State& counters, const StateFiller& fill) {
   load_counters(counters);
 }
 
+void Trainer::load_weights(const WeightFiller& fill) {
+  ops::synchronize();
+  const ParamLayout& layout = model_.layout();
+  optim_->load_state([&](FlatRange r, float* p, float* m, float* v) {
+    fill(layout, r, p);
+    std::fill_n(m, r.numel(), 0.0f);
+    std::fill_n(v, r.numel(), 0.0f);
+  });
+  // Step 0; a fresh State has no loss-scaler state, so an fp16 scaler keeps
+  // its initial one.
+  load_counters(State{});
+}
+
 }  // namespace loom
