@@ -92,15 +92,17 @@ inline std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t see
   return t;
 }
 
+// (memcmp may not be given a null pointer, even for no bytes: an empty
+// vector's data() can be null.)
 inline bool bit_equal(const Tensor& a, const Tensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+  return a.nbytes() == b.nbytes() && (a.nbytes() == 0 || std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0);
 }
 
 // memcmp-equal: bit for bit, where == would call -0 and +0 (or two NaNs) equal
 // or not.
 template <typename T>
 bool bit_equal(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
 // max |a - b| / max(|b|, floor) over the elements.

@@ -161,7 +161,10 @@ TEST_P(GroupedQueryAttention, BackwardMatchesFiniteDifferences) {
     attention_forward(out2.data(), lse2.data(), qkv.data(), c.B, c.T, c.C, c.NH, c.NKV);
     return kernel_testing::weighted_sum(out2, R);
   };
-  kernel_testing::expect_gradient_matches("dqkv", qkv, dqkv, loss, {.max_checks = 600});
+  // The loss sums B*T*C float outputs, whose rounding makes a difference
+  // quotient over a 1e-3 step noisy by ~1e-3 on the larger shapes; a wider
+  // step keeps that noise well inside the tolerance (attention is smooth).
+  kernel_testing::expect_gradient_matches("dqkv", qkv, dqkv, loss, {.step = 4e-3, .max_checks = 600});
   // Every query head and every kv head's k and v get a nonzero gradient.
   const int64_t hs = c.C / c.NH;
   for (int64_t col = 0; col < c.row(); col += hs) {
