@@ -92,8 +92,8 @@ inline std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t see
   return t;
 }
 
-// (memcmp may not be given a null pointer, even for no bytes: an empty
-// vector's data() can be null.)
+// Byte-equal tensors. Both bit_equal forms skip memcmp for empty buffers:
+// memcmp may not be given a null pointer, even for no bytes.
 inline bool bit_equal(const Tensor& a, const Tensor& b) {
   return a.nbytes() == b.nbytes() && (a.nbytes() == 0 || std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0);
 }

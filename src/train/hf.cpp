@@ -2,9 +2,10 @@
 // form loom's weights are exported in: the model config conversion both ways,
 // the import into any layout's stores and the export of a whole model.
 #include <algorithm>
+#include <charconv>
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include "loom/device.h"
 #include "loom/train.h"
@@ -20,10 +21,8 @@ constexpr std::string_view kHFPrefix = "hf:";
 // says 1e-05 for loom's float 1e-5f, not 9.99999974738e-06.
 double shortest_decimal(float x) {
   char text[32];
-  for (int digits = 1;; ++digits) {
-    std::snprintf(text, sizeof text, "%.*g", digits, static_cast<double>(x));
-    if (std::strtof(text, nullptr) == x || digits >= 9) return std::strtod(text, nullptr);
-  }
+  const auto end = std::to_chars(text, text + sizeof text, x).ptr;  // shortest round trip for a float
+  return std::strtod(std::string(text, end).c_str(), nullptr);
 }
 }  // namespace
 
