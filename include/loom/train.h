@@ -44,6 +44,12 @@ struct TrainOptions {
   // any policy but none replaces the ZeRO stores with chunk stores, sharded
   // over dp as ZeRO-3 is. Not with tensor or pipeline parallelism.
   MemoryOptions memory;
+  // Parameters to freeze besides those the model freezes itself (LoRA's
+  // base weights): each entry names a parameter ("h.0.mlp.c_fc.weight") or
+  // every parameter under a module ("h.0", "h.1.attn"). Frozen parameters
+  // keep their values and have no gradient and no optimizer state
+  // (FrozenParams, store.h).
+  std::vector<std::string> freeze;
   // Called on every rank once the step's gradients are reduced, before they
   // are checked and applied (tests inject faults here).
   std::function<void(GradStore&)> on_gradients;
@@ -111,6 +117,8 @@ class Trainer {
   // Steps run (skipped ones included); the optimizer counts applied updates.
   int64_t steps_done() const { return steps_; }
   const LossScaler* loss_scaler() const { return scaler_.get(); }
+  // The frozen parameters (nullptr when every parameter trains).
+  const FrozenParams* frozen() const { return frozen_.get(); }
   // How the model state is cut over the dp ranks (nullptr for the reference).
   const ZeroPartition* partition() const { return partition_.get(); }
   // The whole model's parameters, the layout State and checkpoints use (the
@@ -151,6 +159,14 @@ class Trainer {
   ZeroOptimizer& build_zero_stores();
   // The chunk stores of memory.h under a memory policy.
   void build_chunk_stores();
+  // Before the stores are built: the frozen parameters (the model's own and
+  // TrainOptions::freeze) in a FrozenParams stored in `dtype`, if any.
+  void split_frozen(DType dtype);
+  // The layout the stores are built over: the trainable parameters.
+  const ParamLayout& store_layout() const { return frozen_ ? frozen_->trainable() : model_.layout(); }
+  // After the stores are built: with frozen parameters, the stores put
+  // back in the model's layout (FrozenParamStore, ...).
+  void wrap_frozen();
   // The mesh step: this rank's micro-batches through the pipeline schedule.
   double run_micro_batches(std::span<const MicroBatch> micro_batches, const ForwardOptions& base, float dloss);
   // Tensor-parallel partial gradients and the tied embedding's copies are
@@ -174,6 +190,8 @@ class Trainer {
   bool defer_reduction_ = false;
   PipelineTiming pipeline_timing_;
   std::unique_ptr<ZeroPartition> partition_;
+  std::unique_ptr<FrozenParams> frozen_;
+  ZeroGradStore* zero_grads_ = nullptr;  // the ZeRO gradient store, wrapped or not
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<GradStore> grads_;
   // The optimizer store of whichever family holds the state (reference,

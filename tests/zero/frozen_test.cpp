@@ -1,0 +1,184 @@
+// Frozen parameters (FrozenParams): every store family trains the rest of the
+// model as the single-rank reference does, leaves the frozen values as they
+// were initialized, and holds no gradient or optimizer state for them.
+#include <gtest/gtest.h>
+
+#include "loom/planner.h"
+#include "zero_test_util.h"
+
+namespace loom {
+namespace {
+
+using testing::ten_million;
+
+using testing::DataParallelRun;
+using testing::RunResult;
+
+// About half of small_gpt's parameters: the token table (tied to the head),
+// a whole block and the other block's first MLP matrix.
+const std::vector<std::string> kFreeze = {"wte", "h.0", "h.1.mlp.c_fc"};
+
+bool is_frozen(const std::string& name, const std::vector<std::string>& entries) {
+  for (const std::string& e : entries)
+    if (name == e || name.starts_with(e + ".")) return true;
+  return false;
+}
+
+int64_t frozen_numel(const GPT& model, const std::vector<std::string>& entries) {
+  int64_t n = 0;
+  for (const ParamSpec& p : model.layout().params())
+    if (is_frozen(p.name, entries)) n += p.numel();
+  return n;
+}
+
+DataParallelRun frozen_run(DataParallelRun r) {
+  r.freeze = kFreeze;
+  return r;
+}
+
+const RunResult& reference() {
+  static const RunResult ref = testing::run_layout(frozen_run(testing::layout(0, 0)));
+  return ref;
+}
+
+struct Case {
+  std::string name;
+  DataParallelRun run;
+};
+
+std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
+
+class FrozenLayouts : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FrozenLayouts, MatchTheReferenceAndLeaveFrozenValuesAsInitialized) {
+  const RunResult a = testing::run_layout(frozen_run(GetParam().run));
+  const RunResult& ref = reference();
+  EXPECT_TRUE(testing::matches_reference(a, ref, 1e-5));
+  GPT model(ref.model);
+  ASSERT_GT(frozen_numel(model, kFreeze) * 3, model.layout().numel());
+  std::vector<float> init(static_cast<size_t>(model.layout().numel()));
+  model.layout().initialize(init.data(), 0, model.layout().numel(), TrainOptions{}.seed);
+  for (const ParamSpec& p : model.layout().params()) {
+    int64_t changed = 0;
+    for (int64_t i = p.offset; i < p.offset + p.numel(); ++i)
+      changed += a.params[static_cast<size_t>(i)] != init[static_cast<size_t>(i)];
+    if (is_frozen(p.name, kFreeze)) {
+      EXPECT_EQ(changed, 0) << p.name << " is frozen";
+      for (int64_t i = p.offset; i < p.offset + p.numel(); ++i) {
+        ASSERT_EQ(a.exp_avg[static_cast<size_t>(i)], 0.0f) << p.name;
+        ASSERT_EQ(a.grads[static_cast<size_t>(i)], 0.0f) << p.name;
+      }
+    } else if (p.init.kind == ParamInit::Kind::normal) {
+      EXPECT_GT(changed, p.numel() / 2) << p.name << " trains";
+    }
+  }
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> v{{"reference", testing::layout(0, 0)}};
+  for (int stage : {0, 1, 2, 3}) v.push_back({"dp2_stage" + std::to_string(stage), testing::layout(2, stage)});
+  DataParallelRun tp = testing::layout(1, 0);
+  tp.tp = 2;
+  v.push_back({"tp2", tp});
+  DataParallelRun chunks = testing::layout(2, 3);
+  chunks.memory.policy = MemoryPolicy::fixed;
+  chunks.memory.offload_param_frac = 0.5;
+  chunks.memory.offload_optim_frac = 1.0;
+  v.push_back({"dp2_chunks_offloaded", chunks});
+
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, FrozenLayouts, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+TEST(Frozen, UnknownEntryIsAnErrorNamingIt) {
+  TrainOptions opts;
+  opts.freeze = {"h.0.atn"};
+  try {
+    Trainer t(testing::small_gpt(0.0f), opts);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("\"h.0.atn\""), std::string::npos) << e.what();
+  }
+  opts.freeze = {"wte", "wpe", "h", "ln_f"};
+  EXPECT_THROW(Trainer(testing::small_gpt(0.0f), opts), Error);  // nothing left to train
+}
+
+TEST(Frozen, StateSavedUnderOneLayoutLoadsUnderAnother) {
+  TrainOptions opts;
+  opts.freeze = kFreeze;
+  const GPTConfig cfg = testing::small_gpt(0.0f);
+  Trainer reference(cfg, opts);
+  Trainer::State saved = reference.gather_state();
+  // Values no initialization gives, frozen parameters included.
+  float* p = saved.params.data<float>();
+  for (int64_t i = 0; i < saved.params.numel(); ++i) p[i] = 0.001f * static_cast<float>(i % 97) - 0.05f;
+  for (const DataParallelRun& layout : {testing::layout(2, 3), testing::layout(2, 1)}) {
+    std::vector<float> loaded;
+    run_local(2, [&](Communicator& world) {
+      TrainOptions o = opts;
+      o.zero.stage = layout.stage;
+      Trainer t(cfg, o, &world);
+      t.load_state(saved);
+      const Trainer::State back = t.gather_state();
+      if (world.rank() == 0) loaded = testing::to_vector(back.params);
+    });
+    EXPECT_EQ(loaded, testing::to_vector(saved.params)) << "stage " << layout.stage;
+  }
+}
+
+// Model-state bytes per rank, read from the device allocator after a step:
+// the frozen parameters in the working precision, and the trainable ones as
+// the ZeRO formula has them.
+struct MemoryCase {
+  int stage;
+  DType precision;
+};
+
+class FrozenModelState : public ::testing::TestWithParam<MemoryCase> {};
+
+TEST_P(FrozenModelState, BytesPerRankAreFrozenWeightsPlusTheZeroFormulaOfTheRest) {
+  const MemoryCase c = GetParam();
+  constexpr int kRanks = 2;
+  const std::vector<std::string> freeze = {"h.0", "h.1", "h.2"};
+  const GPT whole(ten_million());
+  const double frozen = static_cast<double>(frozen_numel(whole, freeze));
+  const double trainable = static_cast<double>(ten_million().num_params()) - frozen;
+  ASSERT_GT(frozen, 2.0 * trainable);
+  const double expected = frozen * static_cast<double>(dtype_size(c.precision)) +
+                          zero_model_state_bytes(c.stage, c.precision, trainable, kRanks);
+  std::vector<double> measured(kRanks, 0.0);
+  run_local(kRanks, [&](Communicator& world) {
+    Allocator& device = MemoryContext::current().tier(Tier::device);
+    const size_t before = device.used();
+    TrainOptions opts;
+    opts.zero.stage = c.stage;
+    opts.zero.precision = c.precision;
+    opts.freeze = freeze;
+    Trainer trainer(ten_million(), opts, &world);
+    const std::vector<int32_t> data = testing::random_tokens(kRanks * 8 + 1, 2048, 5);
+    MicroBatch mb{data.data() + world.rank() * 8, data.data() + world.rank() * 8 + 1, {1, 8}, world.rank()};
+    trainer.step({&mb, 1});
+    trainer.step({&mb, 1});
+    // Everything a step allocates beyond the model state is freed by its end.
+    measured[static_cast<size_t>(world.rank())] = static_cast<double>(device.used() - before);
+  });
+  for (int r = 0; r < kRanks; ++r)
+    EXPECT_NEAR(measured[static_cast<size_t>(r)] / expected, 1.0, 0.02)
+        << "rank " << r << ": " << format_bytes(measured[static_cast<size_t>(r)]) << ", formula "
+        << format_bytes(expected);
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, FrozenModelState,
+                         ::testing::Values(MemoryCase{0, DType::f32}, MemoryCase{1, DType::f32},
+                                           MemoryCase{2, DType::f32}, MemoryCase{3, DType::f32},
+                                           MemoryCase{0, DType::bf16}, MemoryCase{2, DType::bf16},
+                                           MemoryCase{3, DType::bf16}),
+                         [](const ::testing::TestParamInfo<MemoryCase>& i) {
+                           return std::string(dtype_name(i.param.precision)) + "_stage" +
+                                  std::to_string(i.param.stage);
+                         });
+
+}  // namespace
+}  // namespace loom
