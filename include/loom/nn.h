@@ -23,6 +23,28 @@ namespace loom {
 // Configuration
 // ---------------------------------------------------------------------------
 
+// LoRA (Hu et al. 2021) adapters on linear layers, as PEFT adds them: a
+// targeted layer computes y = x W^T + b + (alpha / r) x A^T B^T with A
+// [r, in] drawn as PEFT's kaiming_uniform(a = sqrt(5)) (uniform within
+// 1 / sqrt(in)) and B [out, r] zero, so training starts from the base model;
+// W and b are frozen (ParamSpec::trainable), A and B train; a GPT with
+// adapters freezes every other parameter too (PEFT's default). Parameter
+// names are PEFT's relative to the module: "<module>.lora_A.weight".
+struct LoRAConfig {
+  int64_t r = 0;  // 0: no adapters
+  float alpha = 8.0f;
+  float dropout = 0.0f;  // only 0 for now
+  // Module names a target matches by suffix, as PEFT's target_modules do:
+  // "c_attn" (every block's), "c_proj" (attention's and MLP's),
+  // "mlp.c_proj" (the MLP's only), "c_fc".
+  std::vector<std::string> targets;
+  bool enabled() const { return r > 0; }
+  bool targets_module(const std::string& module) const;
+  // Throws Error naming the field (lora.*) and, for a target that matches no
+  // linear layer of the model, the valid names.
+  void validate(const std::vector<std::string>& linear_names) const;
+};
+
 struct GPTConfig {
   int64_t n_layer = 2;
   int64_t n_head = 4;
@@ -30,6 +52,7 @@ struct GPTConfig {
   int64_t vocab_size = 256;
   int64_t block_size = 64;  // context length: number of learned positions
   float dropout = 0.0f;
+  LoRAConfig lora;
 
   // "tiny", "gpt2" (124M), "gpt2-medium", "gpt2-large", "gpt2-xl".
   static GPTConfig preset(std::string_view name);
@@ -75,8 +98,10 @@ struct Grads {
 class Linear {
  public:
   Linear() = default;
+  // With `lora` targeting `name`, the layer carries an adapter and its own
+  // weight and bias are frozen.
   Linear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group, float init_std,
-         const ParamParallel& weight = {}, const ParamParallel& bias = {});
+         const ParamParallel& weight = {}, const ParamParallel& bias = {}, const LoRAConfig& lora = {});
   // bias: whether the bias is added here (a row-parallel layer adds it after
   // the partial products are summed).
   void forward(const ParamStore& ps, float* out, const float* in, int64_t N, bool bias = true) const;
@@ -88,10 +113,20 @@ class Linear {
   int64_t out_features() const { return out_; }
   int weight_id() const { return weight_; }
   int bias_id() const { return bias_; }
+  // The adapter's parameters (-1 without one).
+  int lora_a_id() const { return lora_a_; }
+  int lora_b_id() const { return lora_b_; }
 
  private:
+  // out += (alpha / r) in A^T B^T, and its backward (accumulates dA, dB and
+  // din, which may be null).
+  void lora_forward(const ParamStore& ps, float* out, const float* in, int64_t N) const;
+  void lora_backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N) const;
   int64_t in_ = 0, out_ = 0;
   int weight_ = -1, bias_ = -1;
+  int lora_a_ = -1, lora_b_ = -1;
+  int64_t rank_ = 0;
+  float scale_ = 0.0f;
 };
 
 // Megatron's column-parallel linear layer: W's output rows (and b) are split
@@ -105,7 +140,7 @@ class ColumnParallelLinear {
  public:
   ColumnParallelLinear() = default;
   ColumnParallelLinear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group,
-                       float init_std, const TensorParallel& tp, int64_t blocks = 1);
+                       float init_std, const TensorParallel& tp, int64_t blocks = 1, const LoRAConfig& lora = {});
   // x: this rank's token rows [rows, in]. Returns [N, out / tp].
   Tensor forward(const ParamStore& ps, const Tensor& x) const;
   // dy: [N, out / tp]; x as given to forward. Returns the gradient of x.
@@ -126,7 +161,7 @@ class RowParallelLinear {
  public:
   RowParallelLinear() = default;
   RowParallelLinear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group,
-                    float init_std, const TensorParallel& tp);
+                    float init_std, const TensorParallel& tp, const LoRAConfig& lora = {});
   // x: [N, in / tp]. Returns this rank's token rows [rows, out].
   Tensor forward(const ParamStore& ps, const Tensor& x) const;
   // dy: this rank's token rows [rows, out]. Returns the gradient of x.
@@ -200,7 +235,7 @@ class CausalSelfAttention {
  public:
   CausalSelfAttention() = default;
   CausalSelfAttention(ParamLayout& layout, const std::string& prefix, int64_t C, int64_t n_head, int group,
-                      float proj_std, const TensorParallel& tp = {});
+                      float proj_std, const TensorParallel& tp = {}, const LoRAConfig& lora = {});
   struct Saved {
     Tensor qkv, att, lse;  // this rank's heads, every token
   };
@@ -229,7 +264,7 @@ class MLP {
  public:
   MLP() = default;
   MLP(ParamLayout& layout, const std::string& prefix, int64_t C, int group, float proj_std,
-      const TensorParallel& tp = {});
+      const TensorParallel& tp = {}, const LoRAConfig& lora = {});
   struct Saved {
     Tensor fc, act;  // [N, 4C / tp]
   };

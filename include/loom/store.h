@@ -22,12 +22,13 @@ namespace loom {
 // function of (seed, parameter name, element index), so any shard of any
 // layout initializes itself without materializing the whole tensor.
 struct ParamInit {
-  enum class Kind : uint8_t { normal, constant } kind = Kind::normal;
+  enum class Kind : uint8_t { normal, constant, uniform } kind = Kind::normal;
   float mean = 0.0f;  // for normal; the value for constant
-  float std = 0.02f;
+  float std = 0.02f;  // for normal; the bound b of uniform(-b, b)
 
   static ParamInit normal_(float std) { return {Kind::normal, 0.0f, std}; }
   static ParamInit constant(float value) { return {Kind::constant, value, 0.0f}; }
+  static ParamInit uniform(float bound) { return {Kind::uniform, 0.0f, bound}; }
 };
 
 // Elements [begin, end) of the flat parameter space.
@@ -94,8 +95,11 @@ class ParamLayout {
   int add(std::string name, Shape shape, ParamInit init, bool weight_decay, int group,
           const ParamParallel& parallel = {});
 
-  // Marks parameter `id` frozen (ParamSpec::trainable false).
-  void freeze(int id) { params_.at(static_cast<size_t>(id)).trainable = false; }
+  // Whether parameter `id` trains (ParamSpec::trainable), and whether
+  // parameters added from now on do (a model fine-tuned through adapters
+  // adds its base frozen and makes the adapters trainable).
+  void set_trainable(int id, bool trainable) { params_.at(static_cast<size_t>(id)).trainable = trainable; }
+  void set_added_trainable(bool trainable) { added_trainable_ = trainable; }
 
   const std::vector<ParamSpec>& params() const { return params_; }
   const ParamSpec& param(int id) const { return params_.at(static_cast<size_t>(id)); }
@@ -115,6 +119,7 @@ class ParamLayout {
   std::vector<std::string> group_names_;
   std::vector<std::pair<int64_t, int64_t>> group_ranges_;
   int64_t numel_ = 0;
+  bool added_trainable_ = true;
 };
 
 // Parameters of one rank. The reference store keeps the whole flat space in

@@ -18,6 +18,12 @@ ConfigSchema build_loom_schema() {
   s.add_int("model.vocab_size", 2048, "embedding rows; at least data.vocab_size", 1, kMaxDim);
   s.add_int("model.block_size", 128, "context length in tokens (longest train.seq_len)", 1, kMaxDim);
   s.add_float("model.dropout", 0.0, "dropout probability on attention and residual paths", 0.0, 1.0);
+  s.add_int("lora.r", 0, "LoRA adapter rank; 0 = no adapters (the whole model trains)", 0, kMaxDim);
+  s.add_float("lora.alpha", 8.0, "LoRA scale numerator: adapters add (alpha / r) x A^T B^T", 0.0);
+  s.add_float("lora.dropout", 0.0, "dropout on the adapters' input (only 0 for now)", 0.0, 1.0);
+  s.add_string("lora.targets", "c_attn",
+               "comma-separated linear layers that get adapters, matched by suffix: c_attn, c_proj, c_fc, "
+               "attn.c_proj, mlp.c_proj");
 
   s.add_int("train.batch_size", 32, "global batch in sequences per optimizer step", 1);
   s.add_int("train.micro_batch_size", 16, "sequences per rank per forward/backward (gradient accumulation makes up the rest)", 1);

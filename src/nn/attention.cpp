@@ -4,13 +4,13 @@
 namespace loom {
 
 CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string& prefix, int64_t C, int64_t n_head,
-                                         int group, float proj_std, const TensorParallel& tp)
+                                         int group, float proj_std, const TensorParallel& tp, const LoRAConfig& lora)
     : C_(C), n_head_(n_head), local_heads_(n_head / tp.size()) {
   LOOM_CHECK(n_head % tp.size() == 0, n_head, " heads do not split over ", tp.size(), " tensor-parallel ranks");
   // q, k and v are three blocks of c_attn's rows: splitting each block keeps
   // whole heads on every rank, so attention itself needs no communication.
-  c_attn_ = ColumnParallelLinear(layout, prefix + ".c_attn", C, 3 * C, group, 0.02f, tp, 3);
-  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", C, C, group, proj_std, tp);
+  c_attn_ = ColumnParallelLinear(layout, prefix + ".c_attn", C, 3 * C, group, 0.02f, tp, 3, lora);
+  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", C, C, group, proj_std, tp, lora);
 }
 
 Tensor CausalSelfAttention::forward(const ParamStore& ps, Saved& s, const Tensor& in, const BatchShape& bs) const {

@@ -24,6 +24,8 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp) : cfg_(cfg), mp_(mp) {
                    chunks_[c].end <= cfg_.n_layer,
                "bad layer range [", chunks_[c].begin, ", ", chunks_[c].end, ") for chunk ", c);
   local_vocab_ = (cfg_.vocab_size + tp.size() - 1) / tp.size();
+  // Fine-tuning through adapters freezes the whole base model, as PEFT does.
+  layout_.set_added_trainable(!cfg_.lora.enabled());
 
   if (mp_.first_stage) {
     embedding_group_ = layout_.add_group("embedding");
@@ -36,6 +38,17 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp) : cfg_(cfg), mp_(mp) {
       blocks_.emplace_back(layout_, i, cfg_, layout_.add_group("h." + std::to_string(i)), tp);
   }
   chunk_first_block_.push_back(static_cast<int>(blocks_.size()));
+  if (cfg_.lora.enabled() && mp_.first_stage && mp_.last_stage && std::ssize(blocks_) == cfg_.n_layer) {
+    // Targets are checked on a layout of every block (a pipeline stage holds
+    // only some): against the model's linear layers, the modules of 2-D
+    // weights below the top level (not the embeddings).
+    std::vector<std::string> linears;
+    for (const ParamSpec& p : layout_.params())
+      if (p.global_shape.size() == 2 && p.name.ends_with(".weight") && p.name.find("lora_") == std::string::npos &&
+          std::count(p.name.begin(), p.name.end(), '.') > 1)
+        linears.push_back(p.name.substr(0, p.name.size() - 7));
+    cfg_.lora.validate(linears);
+  }
   if (mp_.last_stage) {
     lnf_group_ = layout_.add_group("ln_f");
     loss_ = CrossEntropyLoss(cfg_.vocab_size, local_vocab_, tp);

@@ -1,3 +1,8 @@
+#include <algorithm>
+#include <optional>
+#include <tuple>
+
+#include "loom/config.h"
 #include "loom/nn.h"
 
 namespace loom {
@@ -61,8 +66,67 @@ void GPTConfig::validate() const {
 
 int64_t GPTConfig::num_params() const {
   const int64_t C = n_embd;
-  const int64_t per_block = 12 * C * C + 13 * C;  // ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj
+  int64_t per_block = 12 * C * C + 13 * C;  // ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj
+  // LoRA adds r (in + out) per adapted linear: (module, in, out).
+  const std::tuple<const char*, int64_t, int64_t> linears[] = {{"h.0.attn.c_attn", C, 3 * C},
+                                                                {"h.0.attn.c_proj", C, C},
+                                                                {"h.0.mlp.c_fc", C, 4 * C},
+                                                                {"h.0.mlp.c_proj", 4 * C, C}};
+  if (lora.enabled())
+    for (const auto& [module, in, out] : linears)
+      if (lora.targets_module(module)) per_block += lora.r * (in + out);
   return vocab_size * C + block_size * C + n_layer * per_block + 2 * C;
+}
+
+}  // namespace loom
+
+namespace loom {
+
+namespace {
+
+std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
+}  // namespace
+
+bool LoRAConfig::targets_module(const std::string& module) const {
+  return std::any_of(targets.begin(), targets.end(), [&](const std::string& t) {
+    return module == t ||
+           (module.size() > t.size() && module.ends_with(t) && module[module.size() - t.size() - 1] == '.');
+  });
+}
+
+void LoRAConfig::validate(const std::vector<std::string>& linear_modules) const {
+  if (r < 0) throw Error(str("lora.r = ", r, ": must be 0 (no adapters) or a positive rank"));
+  if (r == 0) return;
+  if (!(alpha > 0.0f)) throw Error(str("lora.alpha = ", alpha, ": must be positive (the scale is alpha / r)"));
+  if (dropout != 0.0f)
+    throw Error(str("lora.dropout = ", dropout, ": dropout on the adapters' input is not supported yet; set it to 0"));
+  // The names a target may use: each linear module's last one or two
+  // components ("c_proj", "mlp.c_proj").
+  std::vector<std::string> valid;
+  for (const std::string& m : linear_modules) {
+    const size_t last = m.rfind('.');
+    const size_t second = last == std::string::npos || last == 0 ? std::string::npos : m.rfind('.', last - 1);
+    for (size_t at : {last, second})
+      if (at != std::string::npos && std::find(valid.begin(), valid.end(), m.substr(at + 1)) == valid.end())
+        valid.push_back(m.substr(at + 1));
+  }
+  if (targets.empty())
+    throw Error(str("lora.r = ", r, " with no lora.targets: name the linear layers to adapt (", joined(valid), ")"));
+  for (const std::string& t : targets) {
+    LoRAConfig one;
+    one.targets = {t};
+    if (std::none_of(linear_modules.begin(), linear_modules.end(),
+                     [&](const std::string& m) { return one.targets_module(m); })) {
+      const std::optional<std::string> near = did_you_mean(t, valid);
+      throw Error(str("lora.targets names \"", t, "\", which is no linear layer of this model",
+                      near ? str(" (did you mean \"", *near, "\"?)") : std::string(), "; valid: ", joined(valid)));
+    }
+  }
 }
 
 }  // namespace loom

@@ -4,10 +4,10 @@
 namespace loom {
 
 MLP::MLP(ParamLayout& layout, const std::string& prefix, int64_t C, int group, float proj_std,
-         const TensorParallel& tp)
+         const TensorParallel& tp, const LoRAConfig& lora)
     : C_(C) {
-  c_fc_ = ColumnParallelLinear(layout, prefix + ".c_fc", C, 4 * C, group, 0.02f, tp);
-  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", 4 * C, C, group, proj_std, tp);
+  c_fc_ = ColumnParallelLinear(layout, prefix + ".c_fc", C, 4 * C, group, 0.02f, tp, 1, lora);
+  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", 4 * C, C, group, proj_std, tp, lora);
 }
 
 Tensor MLP::forward(const ParamStore& ps, Saved& s, const Tensor& in) const {

@@ -182,7 +182,11 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, DeviceMesh& m
     const bool holds_table = stage == 0 || stage == pp - 1;
     embedding_group_ = world.split(holds_table ? mesh.coord(MeshAxis::dp) * tp + mesh.coord(MeshAxis::tp) : -1, stage);
   }
-  defer_reduction_ = pp > 1 || tpl.splits_tokens();
+  // A partial gradient (sequence parallelism's, a tensor-parallel LoRA
+  // adapter's replicated factor) is summed over tp before the dp reduction.
+  const auto& params = model_.layout().params();
+  const bool partial = std::any_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.parallel.partial_grad; });
+  defer_reduction_ = pp > 1 || tpl.splits_tokens() || partial;
   ZeroOptimizer& zero = build_zero_stores();
   std::vector<FlatRange> duplicates;
   for (const ParamSpec& p : store_layout().params())

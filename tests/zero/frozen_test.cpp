@@ -24,10 +24,13 @@ bool is_frozen(const std::string& name, const std::vector<std::string>& entries)
   return false;
 }
 
+
+// Frozen elements of a layout: the parameters `entries` name, and those the
+// model freezes itself.
 int64_t frozen_numel(const GPT& model, const std::vector<std::string>& entries) {
   int64_t n = 0;
   for (const ParamSpec& p : model.layout().params())
-    if (is_frozen(p.name, entries)) n += p.numel();
+    if (is_frozen(p.name, entries) || !p.trainable) n += p.numel();
   return n;
 }
 
@@ -138,36 +141,53 @@ struct MemoryCase {
 
 class FrozenModelState : public ::testing::TestWithParam<MemoryCase> {};
 
-TEST_P(FrozenModelState, BytesPerRankAreFrozenWeightsPlusTheZeroFormulaOfTheRest) {
-  const MemoryCase c = GetParam();
-  constexpr int kRanks = 2;
-  const std::vector<std::string> freeze = {"h.0", "h.1", "h.2"};
-  const GPT whole(ten_million());
-  const double frozen = static_cast<double>(frozen_numel(whole, freeze));
-  const double trainable = static_cast<double>(ten_million().num_params()) - frozen;
-  ASSERT_GT(frozen, 2.0 * trainable);
-  const double expected = frozen * static_cast<double>(dtype_size(c.precision)) +
-                          zero_model_state_bytes(c.stage, c.precision, trainable, kRanks);
-  std::vector<double> measured(kRanks, 0.0);
-  run_local(kRanks, [&](Communicator& world) {
+// Device bytes per rank after two steps (everything a step allocates beyond
+// the model state is freed by its end).
+std::vector<double> model_state_bytes(const GPTConfig& cfg, const TrainOptions& base, int ranks) {
+  std::vector<double> measured(static_cast<size_t>(ranks), 0.0);
+  run_local(ranks, [&](Communicator& world) {
     Allocator& device = MemoryContext::current().tier(Tier::device);
     const size_t before = device.used();
-    TrainOptions opts;
-    opts.zero.stage = c.stage;
-    opts.zero.precision = c.precision;
-    opts.freeze = freeze;
-    Trainer trainer(ten_million(), opts, &world);
-    const std::vector<int32_t> data = testing::random_tokens(kRanks * 8 + 1, 2048, 5);
+    Trainer trainer(cfg, base, &world);
+    const std::vector<int32_t> data = testing::random_tokens(ranks * 8 + 1, cfg.vocab_size, 5);
     MicroBatch mb{data.data() + world.rank() * 8, data.data() + world.rank() * 8 + 1, {1, 8}, world.rank()};
     trainer.step({&mb, 1});
     trainer.step({&mb, 1});
-    // Everything a step allocates beyond the model state is freed by its end.
     measured[static_cast<size_t>(world.rank())] = static_cast<double>(device.used() - before);
   });
+  return measured;
+}
+
+void expect_formula(const GPTConfig& cfg, const std::vector<std::string>& freeze, const MemoryCase& c) {
+  constexpr int kRanks = 2;
+  const GPT whole(cfg);
+  const double frozen = static_cast<double>(frozen_numel(whole, freeze));
+  const double trainable = static_cast<double>(whole.layout().numel()) - frozen;
+  ASSERT_GT(frozen, 2.0 * trainable);
+  const double expected = frozen * static_cast<double>(dtype_size(c.precision)) +
+                          zero_model_state_bytes(c.stage, c.precision, trainable, kRanks);
+  TrainOptions opts;
+  opts.zero.stage = c.stage;
+  opts.zero.precision = c.precision;
+  opts.freeze = freeze;
+  const std::vector<double> measured = model_state_bytes(cfg, opts, kRanks);
   for (int r = 0; r < kRanks; ++r)
     EXPECT_NEAR(measured[static_cast<size_t>(r)] / expected, 1.0, 0.02)
         << "rank " << r << ": " << format_bytes(measured[static_cast<size_t>(r)]) << ", formula "
         << format_bytes(expected);
+}
+
+TEST_P(FrozenModelState, BytesPerRankAreFrozenWeightsPlusTheZeroFormulaOfTheRest) {
+  expect_formula(ten_million(), {"h.0", "h.1", "h.2"}, GetParam());
+}
+
+// LoRA: the base weights (frozen) and the adapters' weights, gradients and
+// optimizer state alone.
+TEST_P(FrozenModelState, LoRABytesPerRankAreBaseWeightsPlusTheAdaptersState) {
+  GPTConfig cfg = ten_million();
+  cfg.lora.r = 8;
+  cfg.lora.targets = {"c_attn", "c_proj", "c_fc"};
+  expect_formula(cfg, {}, GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(Stages, FrozenModelState,

@@ -41,6 +41,7 @@ struct DataParallelRun {
   // numbers of targets.
   bool masked_targets = false;
   std::vector<std::string> freeze;  // TrainOptions::freeze
+  LoRAConfig lora;                  // the model's adapters
   bool uses_mesh() const { return mesh || tp > 1 || pp > 1; }
 };
 
@@ -139,7 +140,8 @@ inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& re
   MemoryContext::Install install(context);
   context.tier(Tier::device).set_budget(r.device_budget);
   context.tier(Tier::host).set_budget(r.host_budget);
-  const GPTConfig cfg = small_gpt(r.dropout, r.n_layer, r.n_head);
+  GPTConfig cfg = small_gpt(r.dropout, r.n_layer, r.n_head);
+  cfg.lora = r.lora;
   TrainOptions opts = small_options(r);
   int step = 0;
   Trainer* trainer_of_step = nullptr;
