@@ -289,8 +289,15 @@ void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& para
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
 
 // Hugging Face GPT-2 layout: config.json + model.safetensors with
-// h.{i}.attn.c_attn.weight etc., Conv1D weights stored [in, out].
+// h.{i}.attn.c_attn.weight etc., Conv1D weights stored [in, out]. LoRA
+// adapters are merged into their base weights, W + (alpha / r) B A.
 void export_hf_gpt2(const GPT& model, const ParamStore& params, const std::filesystem::path& out_dir);
+// A GPT-2 model's LoRA adapters in PEFT's layout, loadable by
+// PeftModel.from_pretrained over GPT2LMHeadModel: adapter_config.json and
+// adapter_model.safetensors with base_model.model.transformer.h.{i}.<module>
+// .lora_A.weight [r, in] and .lora_B.weight [out, r] (fp32). Throws Error for
+// a model without adapters.
+void export_peft_adapter(const GPT& model, const ParamStore& params, const std::filesystem::path& out_dir);
 
 struct EvalResult {
   double loss_per_token = 0.0;

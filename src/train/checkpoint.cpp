@@ -118,6 +118,9 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
     const GPTConfig& mc = t.model().config();
     f["model"] = {{"n_layer", mc.n_layer},       {"n_head", mc.n_head},         {"n_embd", mc.n_embd},
                   {"vocab_size", mc.vocab_size}, {"block_size", mc.block_size}, {"dropout", mc.dropout}};
+    if (mc.lora.enabled())
+      f["model"]["lora"] = {{"r", mc.lora.r}, {"alpha", mc.lora.alpha}, {"dropout", mc.lora.dropout},
+                            {"targets", mc.lora.targets}};
     write_manifest(dir->temp_dir(), f);
     dir->commit();
     write_latest(root, name);
@@ -151,6 +154,14 @@ GPTConfig checkpoint_model_config(const CheckpointInfo& info) {
   c.vocab_size = j.at("vocab_size").get<int64_t>();
   c.block_size = j.at("block_size").get<int64_t>();
   c.dropout = j.at("dropout").get<float>();
+  // Absent: a model without adapters (and checkpoints from before them).
+  if (j.contains("lora")) {
+    const nlohmann::json& l = j.at("lora");
+    c.lora.r = l.at("r").get<int64_t>();
+    c.lora.alpha = l.at("alpha").get<float>();
+    c.lora.dropout = l.at("dropout").get<float>();
+    c.lora.targets = l.at("targets").get<std::vector<std::string>>();
+  }
   c.validate();
   return c;
 }
@@ -173,6 +184,10 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
                     saved.n_embd, ", vocab ", saved.vocab_size, ", context ", saved.block_size,
                     "; the config asks for ", mc.n_layer, ", ", mc.n_embd, ", ", mc.vocab_size, ", ",
                     mc.block_size, ": resume with the config the run was started with"));
+  if (saved.lora.r != mc.lora.r || (mc.lora.enabled() && saved.lora.targets != mc.lora.targets))
+    throw Error(str("checkpoint '", dir.string(), "' holds LoRA adapters of rank ", saved.lora.r, " on ",
+                    saved.lora.targets.size(), " target(s); the config asks for rank ", mc.lora.r, " on ",
+                    mc.lora.targets.size(), ": resume with the lora.* settings the run was started with"));
   const ParamLayout& layout = trainer.state_layout();
   const SafetensorsReader model_file(dir / kModelFile), optimizer_file(dir / kOptimizerFile);
   Trainer::State state;

@@ -107,6 +107,10 @@ int main(int argc, char** argv) {
   std::string export_out;
   exp->add_option("--checkpoint", ckpt, "checkpoint directory, or a run directory (uses latest)")->required();
   exp->add_option("--out", export_out, "output directory")->required();
+  bool export_peft = false;
+  exp->add_flag("--peft", export_peft,
+                "write a LoRA run's adapters in PEFT's layout (adapter_config.json + adapter_model.safetensors); "
+                "without it a LoRA model is exported with its adapters merged into the weights");
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -169,8 +173,14 @@ int main(int argc, char** argv) {
       std::printf(" over %lld tokens\n", static_cast<long long>(r.tokens));
     } else if (exp->parsed()) {
       LoadedModel m(ckpt);
-      export_hf_gpt2(m.model, m.params, export_out);
-      std::printf("wrote %s/config.json and %s/model.safetensors\n", export_out.c_str(), export_out.c_str());
+      if (export_peft) {
+        export_peft_adapter(m.model, m.params, export_out);
+        std::printf("wrote %s/adapter_config.json and %s/adapter_model.safetensors\n", export_out.c_str(),
+                    export_out.c_str());
+      } else {
+        export_hf_gpt2(m.model, m.params, export_out);
+        std::printf("wrote %s/config.json and %s/model.safetensors\n", export_out.c_str(), export_out.c_str());
+      }
     }
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
