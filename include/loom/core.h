@@ -372,8 +372,30 @@ constexpr int Tensor::type_tag() {
 // Random numbers that are a pure function of (key, counter): any rank can
 // produce any element of any stream without generating the ones before it.
 // That is what makes initialization and dropout independent of the layout.
+// Defined here, inline, so that loops drawing one number per element (dropout)
+// inline the rounds and vectorize them.
 struct Philox {
-  static std::array<uint32_t, 4> block(uint64_t key, uint64_t counter_hi, uint64_t counter_lo);
+  static std::array<uint32_t, 4> block(uint64_t key, uint64_t counter_hi, uint64_t counter_lo) {
+    // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3").
+    constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
+    constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
+    uint32_t c0 = static_cast<uint32_t>(counter_lo), c1 = static_cast<uint32_t>(counter_lo >> 32);
+    uint32_t c2 = static_cast<uint32_t>(counter_hi), c3 = static_cast<uint32_t>(counter_hi >> 32);
+    uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+    for (int round = 0; round < 10; ++round) {
+      uint64_t p0 = static_cast<uint64_t>(kMul0) * c0;
+      uint64_t p1 = static_cast<uint64_t>(kMul1) * c2;
+      uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
+      uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
+      c0 = hi1 ^ c1 ^ k0;
+      c1 = lo1;
+      c2 = hi0 ^ c3 ^ k1;
+      c3 = lo0;
+      k0 += kWeyl0;
+      k1 += kWeyl1;
+    }
+    return {c0, c1, c2, c3};
+  }
 };
 
 // The stream key of a named object, e.g. a parameter: mixes the seed with a
@@ -382,8 +404,11 @@ uint64_t stream_key(uint64_t seed, std::string_view name);
 // Mixes further integers into a key (e.g. step and layer for dropout).
 uint64_t stream_key(uint64_t key, uint64_t a, uint64_t b);
 
-// Element `index` of the stream `key`: uniform in [0, 1) and standard normal.
-float philox_uniform(uint64_t key, uint64_t index);
+// Element `index` of the stream `key`: uniform in [0, 1) (24 random bits) and
+// standard normal.
+inline float philox_uniform(uint64_t key, uint64_t index) {
+  return static_cast<float>(Philox::block(key, 0, index)[0] >> 8) * (1.0f / 16777216.0f);
+}
 float philox_normal(uint64_t key, uint64_t index);
 
 // out[i] = mean + std * normal(key, first + i) for i in [0, n).

@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "loom/core.h"
+#include "loom/kernels.h"
 
 namespace loom {
 
@@ -70,18 +71,6 @@ class SafetensorsReader;
 
 enum class HFArch { gpt2, llama };
 enum class HFActivation { gelu_tanh, silu };  // gelu_new / gelu_pytorch_tanh, silu
-enum class HFRopeType { none, linear, llama3 };
-
-struct HFRopeScaling {
-  HFRopeType type = HFRopeType::none;
-  double factor = 1.0;
-  // llama3 only.
-  double low_freq_factor = 0.0;
-  double high_freq_factor = 0.0;
-  int64_t original_max_position_embeddings = 0;
-  bool operator==(const HFRopeScaling&) const = default;
-};
-
 struct HFModelConfig {
   HFArch arch = HFArch::llama;
   std::string architecture = "LlamaForCausalLM";  // or GPT2LMHeadModel, MistralForCausalLM
@@ -98,7 +87,7 @@ struct HFModelConfig {
   std::string hidden_act_name = "silu";          // as written, so export writes it back
   double norm_eps = 1e-6;                        // rms_norm_eps / layer_norm_epsilon
   double rope_theta = 10000.0;                   // LLaMA only
-  HFRopeScaling rope_scaling;
+  cpu::RopeScaling rope_scaling;  // rope_scaling (rope_parameters in transformers 5)
   bool attention_bias = false;  // GPT-2: true
   bool mlp_bias = false;        // GPT-2: true
   bool tie_word_embeddings = false;

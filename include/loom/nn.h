@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "loom/core.h"
+#include "loom/kernels.h"
 #include "loom/parallel.h"
 #include "loom/store.h"
 
@@ -23,45 +24,100 @@ namespace loom {
 // Configuration
 // ---------------------------------------------------------------------------
 
+struct HFModelConfig;
+
 // LoRA (Hu et al. 2021) adapters on linear layers, as PEFT adds them: a
 // targeted layer computes y = x W^T + b + (alpha / r) x A^T B^T with A
 // [r, in] drawn as PEFT's kaiming_uniform(a = sqrt(5)) (uniform within
 // 1 / sqrt(in)) and B [out, r] zero, so training starts from the base model;
 // W and b are frozen (ParamSpec::trainable), A and B train; a GPT with
 // adapters freezes every other parameter too (PEFT's default). Parameter
-// names are PEFT's relative to the module: "<module>.lora_A.weight".
+// names are PEFT's relative to the module: "<module>.lora_A.weight". A layer
+// of several stacked parameters (LLaMA's q | k | v) has one adapter per
+// targeted parameter, as PEFT adapts q_proj, k_proj and v_proj separately.
 struct LoRAConfig {
   int64_t r = 0;  // 0: no adapters
   float alpha = 8.0f;
   float dropout = 0.0f;  // only 0 for now
-  // Module names a target matches by suffix, as PEFT's target_modules do:
-  // "c_attn" (every block's), "c_proj" (attention's and MLP's),
-  // "mlp.c_proj" (the MLP's only), "c_fc".
+  // Block modules a target matches by suffix, as PEFT's target_modules do
+  // (GPT-2: "c_attn", "c_proj" (attention's and MLP's), "mlp.c_proj", "c_fc";
+  // LLaMA: "q", "k", "v", "gate", "up", "c_proj"), or by the module's alias
+  // (LLaMA's "o" and "down", its HF o_proj and down_proj).
   std::vector<std::string> targets;
   bool enabled() const { return r > 0; }
-  bool targets_module(const std::string& module) const;
-  // Throws Error naming the field (lora.*) and, for a target that matches no
-  // linear layer of the model, the valid names.
-  void validate(const std::vector<std::string>& linear_names) const;
+  bool operator==(const LoRAConfig&) const = default;
 };
+
+// A linear layer of every block: its name within the block ("attn.c_attn"),
+// another name lora.targets may use for it (empty if none) and its global
+// sizes.
+struct BlockLinear {
+  std::string name, alias;
+  int64_t in = 0, out = 0;
+};
+
+// The variants a model is built from, chosen per model by its config (GPT-2:
+// LayerNorm, learned positions, GELU MLP, biases, tied head; LLaMA: RMSNorm,
+// RoPE, SwiGLU, no biases, grouped-query attention, often an untied head).
+enum class NormKind : uint8_t { layernorm, rmsnorm };
+enum class PositionKind : uint8_t { learned, rope };
+enum class MlpKind : uint8_t { gelu, swiglu };
 
 struct GPTConfig {
   int64_t n_layer = 2;
   int64_t n_head = 4;
   int64_t n_embd = 64;
   int64_t vocab_size = 256;
-  int64_t block_size = 64;  // context length: number of learned positions
+  int64_t block_size = 64;  // context length (learned positions: the table's rows)
   float dropout = 0.0f;
+
+  NormKind norm = NormKind::layernorm;
+  float norm_eps = 1e-5f;  // LayerNorm: only 1e-5 (the kernel's)
+  PositionKind positions = PositionKind::learned;
+  double rope_theta = 10000.0;
+  cpu::RopeScaling rope_scaling{};
+  MlpKind mlp = MlpKind::gelu;
+  int64_t intermediate_size = 0;  // 0: 4 * n_embd
+  int64_t n_kv_head = 0;          // 0: n_head (multi-head attention)
+  // One c_attn parameter of q | k | v rows (GPT-2's checkpoints), or three
+  // parameters q, k and v (LLaMA's): the same GEMM, other parameter names.
+  bool packed_qkv = true;
+  bool attention_bias = true;  // q/k/v (c_attn) and the output projection
+  bool mlp_bias = true;
+  bool tied_embeddings = true;  // the output head multiplies by wte; else its own lm_head
   LoRAConfig lora;
 
-  // "tiny", "gpt2" (124M), "gpt2-medium", "gpt2-large", "gpt2-xl".
+  int64_t head_dim() const { return n_embd / n_head; }
+  int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  int64_t intermediate() const { return intermediate_size > 0 ? intermediate_size : 4 * n_embd; }
+  // Every block's linear layers, in the block's order.
+  std::vector<BlockLinear> block_linears() const;
+  // The adapter the block's linear layer `name` ("attn.q") gets: `lora`
+  // when a target names it, else none (r 0).
+  LoRAConfig adapter(std::string_view name) const;
+
+  // "tiny", "gpt2" (124M), "gpt2-medium", "gpt2-large", "gpt2-xl";
+  // "llama-tiny" (tests), "llama3.2-1b", "llama2-7b", "llama3-8b".
   static GPTConfig preset(std::string_view name);
   static std::vector<std::string> preset_names();
+  // The model a Hugging Face config.json describes. Throws Error for what
+  // loom's model cannot express (a head_dim other than hidden / heads).
+  static GPTConfig from_hf(const HFModelConfig& hf);
 
-  // Throws Error naming the field and the constraint.
+  // Throws Error naming the field, the constraint and the fix (lora.*: a
+  // target that names no linear layer is listed with the valid names).
   void validate() const;
   int64_t num_params() const;
+  bool operator==(const GPTConfig&) const = default;
+
+ private:
+  void validate_lora() const;
 };
+
+// RoPE scaling types as config files and manifests spell them ("none",
+// "linear", "llama3"); an unknown name is an Error listing them.
+const char* rope_scaling_name(cpu::RopeScalingType type);
+cpu::RopeScalingType rope_scaling_from_name(std::string_view name);
 
 // Per-micro-batch settings of a forward pass.
 struct ForwardOptions {
@@ -92,16 +148,33 @@ struct Grads {
 // Modules
 // ---------------------------------------------------------------------------
 
+// One parameter pair (weight [out, in], optional bias [out]) of a Linear.
+struct LinearPart {
+  std::string name;  // the parameters are name.weight and name.bias
+  int64_t out = 0;   // global output rows
+  ParamParallel weight, bias;
+  // The rows of this rank's piece the layer multiplies by (rows 0: all).
+  int64_t first_row = 0, rows = 0;
+  // With r > 0, the part carries an adapter and its weight and bias are
+  // frozen.
+  LoRAConfig lora;
+};
+
 // y = x W^T + b with W stored [out, in] (PyTorch's nn.Linear layout): the
 // local matmul of a layer. Under tensor parallelism W and b are this rank's
-// pieces (ParamParallel) and in/out the local sizes.
+// pieces (ParamParallel) and in/out the local sizes. W may be several
+// parameters stacked by output rows (LLaMA's q | k | v, gate | up): one GEMM
+// over their concatenation (copied together per call, a small fraction of
+// the GEMM's traffic) writes the packed output the attention and SwiGLU
+// kernels read. A part's LoRA adapter adds into the part's output columns.
 class Linear {
  public:
   Linear() = default;
-  // With `lora` targeting `name`, the layer carries an adapter and its own
-  // weight and bias are frozen.
   Linear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group, float init_std,
-         const ParamParallel& weight = {}, const ParamParallel& bias = {}, const LoRAConfig& lora = {});
+         const ParamParallel& weight = {}, const ParamParallel& bias = {}, bool has_bias = true,
+         const LoRAConfig& lora = {});
+  Linear(ParamLayout& layout, const std::vector<LinearPart>& parts, int64_t in, int group, float init_std,
+         bool has_bias);
   // bias: whether the bias is added here (a row-parallel layer adds it after
   // the partial products are summed).
   void forward(const ParamStore& ps, float* out, const float* in, int64_t N, bool bias = true) const;
@@ -111,22 +184,34 @@ class Linear {
   void backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N, bool bias = true) const;
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
-  int weight_id() const { return weight_; }
-  int bias_id() const { return bias_; }
-  // The adapter's parameters (-1 without one).
-  int lora_a_id() const { return lora_a_; }
-  int lora_b_id() const { return lora_b_; }
+  bool has_bias() const { return has_bias_; }
+  // The single part's parameters.
+  int weight_id() const;
+  int bias_id() const;
+  // The single part's adapter's parameters (-1 without one).
+  int lora_a_id() const;
+  int lora_b_id() const;
 
  private:
-  // out += (alpha / r) in A^T B^T, and its backward (accumulates dA, dB and
-  // din, which may be null).
+  struct Part {
+    int weight = -1, bias = -1;
+    int64_t first_row = 0, rows = 0;
+    int lora_a = -1, lora_b = -1;
+    int64_t rank = 0;
+    float scale = 0.0f;
+  };
+  void add_adapter(ParamLayout& layout, const LinearPart& p, Part& part, int group);
+  // out += scale in A^T B^T over each adapted part's output columns, and
+  // its backward (accumulates dA, dB and din, which may be null).
   void lora_forward(const ParamStore& ps, float* out, const float* in, int64_t N) const;
   void lora_backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N) const;
+  // Each part's rows of the weights (or biases), of the parameters or of
+  // their gradients.
+  std::vector<Tensor> pieces(const ParamStore& ps, bool bias) const;
+  std::vector<Tensor> grad_pieces(const GradStore& gs, bool bias) const;
   int64_t in_ = 0, out_ = 0;
-  int weight_ = -1, bias_ = -1;
-  int lora_a_ = -1, lora_b_ = -1;
-  int64_t rank_ = 0;
-  float scale_ = 0.0f;
+  bool has_bias_ = false;
+  std::vector<Part> parts_;
 };
 
 // Megatron's column-parallel linear layer: W's output rows (and b) are split
@@ -141,6 +226,11 @@ class ColumnParallelLinear {
   ColumnParallelLinear() = default;
   ColumnParallelLinear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group,
                        float init_std, const TensorParallel& tp, int64_t blocks = 1, const LoRAConfig& lora = {});
+  // Several parameters stacked by output rows (parts' `out` global rows),
+  // each split over the ranks (or replicated, as its ParamParallel says):
+  // the local output is the parts' local rows side by side.
+  ColumnParallelLinear(ParamLayout& layout, const std::vector<LinearPart>& parts, int64_t in, int group,
+                       float init_std, const TensorParallel& tp, bool has_bias);
   // x: this rank's token rows [rows, in]. Returns [N, out / tp].
   Tensor forward(const ParamStore& ps, const Tensor& x) const;
   // dy: [N, out / tp]; x as given to forward. Returns the gradient of x.
@@ -161,7 +251,7 @@ class RowParallelLinear {
  public:
   RowParallelLinear() = default;
   RowParallelLinear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group,
-                    float init_std, const TensorParallel& tp, const LoRAConfig& lora = {});
+                    float init_std, const TensorParallel& tp, bool has_bias = true, const LoRAConfig& lora = {});
   // x: [N, in / tp]. Returns this rank's token rows [rows, out].
   Tensor forward(const ParamStore& ps, const Tensor& x) const;
   // dy: this rank's token rows [rows, out]. Returns the gradient of x.
@@ -173,16 +263,18 @@ class RowParallelLinear {
   Linear linear_;
 };
 
-class LayerNorm {
+// The block's and the final normalization: LayerNorm (weight and bias, eps
+// 1e-5) or RMSNorm (weight only, the config's eps), as the config says.
+class Norm {
  public:
-  LayerNorm() = default;
+  Norm() = default;
   // partial_grad: under sequence parallelism each rank normalizes its own
   // tokens, so its gradients are partial sums (ParamParallel::partial_grad).
-  LayerNorm(ParamLayout& layout, const std::string& name, int64_t C, int group, bool partial_grad = false);
+  Norm(ParamLayout& layout, const std::string& name, const GPTConfig& cfg, int group, bool partial_grad = false);
   struct Saved {
-    Tensor out, mean, rstd;
+    Tensor out, mean, rstd;  // mean: LayerNorm only
   };
-  // Allocates s.out [N, C], s.mean, s.rstd.
+  // Allocates s.out [N, C] and the statistics.
   void forward(const ParamStore& ps, Saved& s, const float* in, int64_t N) const;
   // Adds into din (a residual stream's gradient) when accumulate, else
   // writes it.
@@ -190,11 +282,14 @@ class LayerNorm {
                 bool accumulate) const;
 
  private:
+  NormKind kind_ = NormKind::layernorm;
+  float eps_ = 1e-5f;
   int64_t C_ = 0;
   int weight_ = -1, bias_ = -1;
 };
 
-// Token + learned position embedding. Under tensor parallelism the token
+// Token embedding, plus learned positions unless the model rotates q and k
+// (RoPE) instead. Under tensor parallelism the token
 // table is vocabulary-parallel: each rank holds ceil(V / tp) rows (the last
 // rank's tail is padding), looks up the tokens in its range and the partial
 // rows are summed as the embedding leaves the region (reduce-scattered by
@@ -205,12 +300,13 @@ class Embedding {
   // Where the token table lives: on one stage with the output head, on the
   // first stage with a copy on the last, or that copy.
   enum class TableCopies : uint8_t { none, owner, copy };
-  Embedding(ParamLayout& layout, int64_t vocab, int64_t block_size, int64_t C, int group,
-            const TensorParallel& tp = {}, TableCopies copies = TableCopies::none);
-  // The token table alone: the output head's tied copy on the last pipeline
-  // stage.
+  Embedding(ParamLayout& layout, const GPTConfig& cfg, int group, const TensorParallel& tp = {},
+            TableCopies copies = TableCopies::none);
+  // A [vocab, C] table split by vocabulary rows over tp: the token table,
+  // the output head's tied copy of it on the last pipeline stage, or an
+  // untied head's own table (lm_head.weight).
   static int add_token_table(ParamLayout& layout, int64_t vocab, int64_t C, int group, const TensorParallel& tp,
-                             TableCopies copies);
+                             TableCopies copies, const std::string& name = "wte.weight");
   // Throws Error for a token id outside [0, vocab) (host memory, checked
   // before it is copied to the device).
   void check_tokens(const int32_t* tokens, int64_t N) const;
@@ -229,15 +325,22 @@ class Embedding {
   int wte_ = -1, wpe_ = -1;
 };
 
-// Multi-head causal self-attention: c_attn (QKV, column-parallel, whole heads
-// per tensor-parallel rank), flash-style attention, c_proj (row-parallel).
+// Causal self-attention with n_head query heads and n_kv_head key/value
+// heads (multi-head, grouped-query or multi-query): the q | k | v projection
+// (GPT-2's one c_attn parameter, or LLaMA's q, k, v stacked into one GEMM;
+// column-parallel, whole heads per tensor-parallel rank), RoPE on q and k when
+// the model uses rotary positions, flash-style attention, c_proj
+// (row-parallel). Under tensor parallelism the kv heads are split like the
+// query heads when n_kv_head % tp == 0; with fewer kv heads than ranks each
+// rank keeps the whole k and v (replicated, their gradients partial sums over
+// tp) and multiplies by the rows of the one kv head its query heads use.
 class CausalSelfAttention {
  public:
   CausalSelfAttention() = default;
-  CausalSelfAttention(ParamLayout& layout, const std::string& prefix, int64_t C, int64_t n_head, int group,
-                      float proj_std, const TensorParallel& tp = {}, const LoRAConfig& lora = {});
+  CausalSelfAttention(ParamLayout& layout, const std::string& prefix, const GPTConfig& cfg, int group,
+                      float proj_std, const TensorParallel& tp = {});
   struct Saved {
-    Tensor qkv, att, lse;  // this rank's heads, every token
+    Tensor qkv, att, lse;  // this rank's heads, every token (q and k rotated)
   };
   // in: this rank's token rows [rows, C]; returns c_proj(attention(c_attn(in))) for them.
   Tensor forward(const ParamStore& ps, Saved& s, const Tensor& in, const BatchShape& bs) const;
@@ -246,27 +349,33 @@ class CausalSelfAttention {
 
   // Inference with a KV cache (no tensor parallelism): appends the keys and
   // values of the n new positions (pos0, pos0 + n) to k_cache/v_cache
-  // ([B, n_head, block_size, hs]) and attends each new query to every cached
-  // position up to its own.
+  // ([B, n_kv_head, block_size, hs]) and attends each new query to every
+  // cached position up to its own.
   void forward_cached(const ParamStore& ps, float* out, const float* in, float* k_cache, float* v_cache,
                       int64_t B, int64_t n, int64_t pos0, int64_t block_size) const;
 
   int64_t n_head() const { return n_head_; }
 
  private:
-  int64_t C_ = 0, n_head_ = 0;
-  int64_t local_heads_ = 0;  // n_head / tp
+  // Rotates (or, backward, rotates back) the q and k parts of a [B, T] qkv
+  // buffer (or its gradient) for positions pos0..; nothing without RoPE.
+  void rotate(float* qkv, int64_t B, int64_t T, int64_t pos0, bool inverse) const;
+  int64_t n_head_ = 0, hs_ = 0;
+  int64_t local_heads_ = 0, local_kv_heads_ = 0;  // this rank's
+  std::vector<float> inv_freq_;  // RoPE's [hs / 2] (host); empty without RoPE
   ColumnParallelLinear c_attn_;
   RowParallelLinear c_proj_;
 };
 
+// GELU MLP (c_fc, gelu, c_proj) or SwiGLU (gate | up stacked into one GEMM,
+// silu(gate) * up, c_proj as the down projection), column- then row-parallel.
 class MLP {
  public:
   MLP() = default;
-  MLP(ParamLayout& layout, const std::string& prefix, int64_t C, int group, float proj_std,
-      const TensorParallel& tp = {}, const LoRAConfig& lora = {});
+  MLP(ParamLayout& layout, const std::string& prefix, const GPTConfig& cfg, int group, float proj_std,
+      const TensorParallel& tp = {});
   struct Saved {
-    Tensor fc, act;  // [N, 4C / tp]
+    Tensor fc, act;  // [N, I / tp] (SwiGLU's fc: gate | up, [N, 2I / tp])
   };
   // in: this rank's token rows [rows, C]; returns theirs.
   Tensor forward(const ParamStore& ps, Saved& s, const Tensor& in) const;
@@ -276,12 +385,13 @@ class MLP {
   Tensor backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s) const;
 
  private:
-  int64_t C_ = 0;
+  MlpKind kind_ = MlpKind::gelu;
+  int64_t local_I_ = 0;
   ColumnParallelLinear c_fc_;
   RowParallelLinear c_proj_;
 };
 
-// Pre-LayerNorm transformer block:
+// Pre-norm transformer block:
 //   r = x + drop(attn(ln_1(x)));  y = r + drop(mlp(ln_2(r)))
 // The norms, dropouts and residuals work on this rank's token rows (all of
 // them unless sequence parallel).
@@ -293,7 +403,7 @@ class Block {
   struct Saved {
     Tensor x;  // the input, kept in both modes
     bool recompute = false;
-    LayerNorm::Saved ln_1, ln_2;
+    Norm::Saved ln_1, ln_2;
     CausalSelfAttention::Saved attn;
     Tensor resid;  // r
     MLP::Saved mlp;
@@ -321,7 +431,7 @@ class Block {
   int index_ = 0, group_ = 0;
   int64_t C_ = 0;
   float dropout_ = 0.0f;
-  LayerNorm ln_1_, ln_2_;
+  Norm ln_1_, ln_2_;
   CausalSelfAttention attn_;
   MLP mlp_;
 };
@@ -408,7 +518,7 @@ struct MicroBatchState {
   // The head (last stage): final norm, its gathered output under sequence
   // parallelism, this rank's vocabulary slice of the logits and per-row lse.
   Tensor x_final;
-  LayerNorm::Saved ln_f;
+  Norm::Saved ln_f;
   Tensor head_input, logits;
   Loss::Saved loss;
   // [1] f64 on the device: the last stage adds the losses of the positions
@@ -494,7 +604,7 @@ class GPT {
   Embedding embedding_;
   std::vector<Block> blocks_;  // this rank's, in chunk order
   std::vector<int> chunk_first_block_;  // index into blocks_ of each chunk's first block
-  LayerNorm ln_f_;
+  Norm ln_f_;
   CrossEntropyLoss loss_;
 };
 

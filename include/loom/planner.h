@@ -13,9 +13,14 @@
 namespace loom {
 
 // Model FLOPs of one training step (forward + backward), Megatron-LM's count
-// (Narayanan et al. 2021) without recompute:
-//   72 B s L h^2 (1 + s/(6h) + V/(12 L h)).
+// (Narayanan et al. 2021) without recompute, with M = layer_matmul_weights:
+//   6 B s L M + 12 B s^2 L h + 6 B s h V;
+// for GPT-2 (M = 12 h^2) that is 72 B s L h^2 (1 + s/(6h) + V/(12 L h)).
 double training_flops_per_step(const GPTConfig& cfg, int64_t B, int64_t T);
+// The weights of one block's matrix multiplies: q, k, v and the output
+// projection (2 h^2 + 2 h kv, kv = n_kv_head * head_dim) and the MLP (2 h I,
+// SwiGLU 3 h I).
+double layer_matmul_weights(const GPTConfig& cfg);
 
 struct MemoryTerm {
   std::string name;

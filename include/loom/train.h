@@ -5,11 +5,13 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "loom/hf.h"
 #include "loom/memory.h"
 #include "loom/nn.h"
 #include "loom/optim.h"
@@ -152,6 +154,13 @@ class Trainer {
   // Collective: the counters of `counters` (its tensors are not read) and the
   // weights and moments from `fill`, in the same pieces.
   void load_state(const State& counters, const StateFiller& fill);
+  // Collective: fresh weights (an imported checkpoint's) with the optimizer
+  // state of a new run (zero moments, step 0). Unlike load_state, nothing is
+  // assembled in the whole model's order: `fill` writes flat elements `range`
+  // of this rank's own layout (whole parameters; the chunks under a memory
+  // policy), so each rank reads only the pieces its layout holds.
+  using WeightFiller = std::function<void(const ParamLayout& layout, FlatRange range, float* params)>;
+  void load_weights(const WeightFiller& fill);
 
  private:
   // The ZeRO stores over dp_, for the model's (local) layout; returns the
@@ -228,6 +237,12 @@ struct TrainPlan {
   int64_t seq_len = 0;
   int64_t accumulation = 1;  // micro-batches per step and rank: global_batch / (dp * micro_batch)
   std::filesystem::path out_dir;
+  // init.from = "hf:DIR": the run starts from DIR's weights (the model is
+  // config.json's); empty: a fresh initialization.
+  std::filesystem::path init_hf;
+  // The tokenizer beside it (hf_tokenizer_file), which then tokenizes the
+  // data; empty: the dataset's own.
+  std::filesystem::path init_tokenizer;
   int64_t dp = 1;                 // data-parallel ranks
   int64_t tp = 1;                 // tensor-parallel ranks
   int64_t pp = 1;                 // pipeline stages
@@ -288,15 +303,56 @@ void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& para
 // `latest` names one.
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
 
-// Hugging Face GPT-2 layout: config.json + model.safetensors with
-// h.{i}.attn.c_attn.weight etc., Conv1D weights stored [in, out]. LoRA
-// adapters are merged into their base weights, W + (alpha / r) B A.
-void export_hf_gpt2(const GPT& model, const ParamStore& params, const std::filesystem::path& out_dir);
-// A GPT-2 model's LoRA adapters in PEFT's layout, loadable by
-// PeftModel.from_pretrained over GPT2LMHeadModel: adapter_config.json and
-// adapter_model.safetensors with base_model.model.transformer.h.{i}.<module>
-// .lora_A.weight [r, in] and .lora_B.weight [out, r] (fp32). Throws Error for
-// a model without adapters.
+// Hugging Face checkpoints (hf.h) as a run's weights, and loom's weights as
+// one. A directory is named "hf:DIR" wherever a checkpoint or an initial
+// model is (init.from, --checkpoint); hf_dir_of gives DIR, or nullopt for any
+// other spelling.
+std::optional<std::filesystem::path> hf_dir_of(std::string_view spec);
+// The tokenizer of a checkpoint directory, as Tokenizer::load chooses it
+// (tokenizer.json, else tokenizer.model); nullopt when it has neither.
+std::optional<std::filesystem::path> hf_tokenizer_file(const std::filesystem::path& dir);
+// The loom model a config.json describes. Error naming `source` (the
+// directory) and the key for what loom's model does not run.
+GPTConfig gpt_config_from_hf(const HFModelConfig& hf, const std::filesystem::path& source);
+// The config.json of a loom model, for export.
+HFModelConfig hf_config_from_gpt(const GPTConfig& model);
+
+// An opened and validated checkpoint directory: config.json, the model it
+// describes, and every tensor checked against it (names, shapes, dtypes) -
+// all before anything is allocated. Tensors are read on demand.
+struct HFImport {
+  explicit HFImport(const std::filesystem::path& dir);
+  HFModelConfig hf;
+  GPTConfig model;
+  HFParamMap map;
+  HFCheckpoint checkpoint;
+  // Writes flat elements `range` (whole parameters) of `layout` - any rank's
+  // layout of `model`, split over tp or not, with or without LoRA adapters:
+  // each tensor-parallel piece reads only the rows it covers, one tensor at a
+  // time, converted to f32; the vocabulary's padding rows are zero. An
+  // adapter, which the checkpoint lacks, gets its fresh initialization
+  // (ParamLayout::initialize with `seed`), as a run that imports nothing.
+  void fill(const ParamLayout& layout, FlatRange range, float* params, uint64_t seed) const;
+};
+// Collective: the checkpoint's weights into a Trainer of `src.model` (any
+// layout, adapters added or not), with a fresh optimizer state.
+void load_hf_weights(const HFImport& src, Trainer& trainer);
+// Into the reference ParamStore of a whole model (generate, eval); adapters
+// keep the values `params` holds.
+void load_hf_weights(const HFImport& src, const GPT& model, ParamStore& params);
+// Writes a whole model's weights (a reference ParamStore) as a Hugging Face
+// checkpoint directory (write_hf_checkpoint: names per HFParamMap, sharded
+// above options.max_shard_bytes, in options.dtype). LoRA adapters are merged
+// into their base weights, W + (alpha / r) B A: the export is the plain
+// architecture.
+void export_hf(const GPT& model, const ParamStore& params, const std::filesystem::path& out_dir,
+               const HFExportOptions& options = {});
+// A model's LoRA adapters in PEFT's layout, loadable by
+// PeftModel.from_pretrained over the base model export_hf writes (GPT-2 or
+// LLaMA): adapter_config.json and adapter_model.safetensors with
+// base_model.model.<HF module>.lora_A.weight [r, in] and .lora_B.weight
+// [out, r] (f32), the HF module named by HFParamMap. Throws Error for a model
+// without adapters.
 void export_peft_adapter(const GPT& model, const ParamStore& params, const std::filesystem::path& out_dir);
 
 struct EvalResult {

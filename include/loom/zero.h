@@ -223,6 +223,8 @@ class ZeroOptimizer final : public OptimizerStore {
   void set_steps(int64_t t) override { adamw_->set_steps(t); }
   // One piece: the whole model, gathered on the host tier of every rank.
   void visit_state(const StateVisitor& visit) override;
+  // One parameter at a time, only those with elements this rank owns: a rank
+  // stages one parameter beyond its own blocks, never the whole model.
   void load_state(const StateFiller& fill) override;
   void visit_gradients(const GradientVisitor& visit) override;
 
@@ -249,6 +251,11 @@ class ZeroOptimizer final : public OptimizerStore {
   // rank's owned ranges; values(k, i) gives the fp32 values of range i for
   // outs[k], read before the next call.
   void gather_owned(std::span<Tensor* const> outs, const std::function<const float*(int kind, size_t range)>& values);
+  // Copies the owned elements of flat elements `piece` (host values) into the
+  // master weights and moments, in stream order.
+  void take_owned(FlatRange piece, const float* params, const float* exp_avg, const float* exp_avg_sq);
+  // The working parameters rounded from the master weights and republished.
+  void publish_loaded();
 
   const ParamLayout& layout_;
   const ZeroPartition& partition_;

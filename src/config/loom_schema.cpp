@@ -18,12 +18,40 @@ ConfigSchema build_loom_schema() {
   s.add_int("model.vocab_size", 2048, "embedding rows; at least data.vocab_size", 1, kMaxDim);
   s.add_int("model.block_size", 128, "context length in tokens (longest train.seq_len)", 1, kMaxDim);
   s.add_float("model.dropout", 0.0, "dropout probability on attention and residual paths", 0.0, 1.0);
+  // The variants LLaMA-class models differ from GPT-2 by (defaults: GPT-2).
+  s.add_choice("model.norm", "layernorm", {"layernorm", "rmsnorm"},
+               "block and final normalization: layernorm (GPT-2) or rmsnorm (LLaMA)");
+  s.add_float("model.norm_eps", 1e-5, "normalization epsilon (layernorm: 1e-5 only)", 0.0);
+  s.add_choice("model.positions", "learned", {"learned", "rope"},
+               "position encoding: learned table (GPT-2) or rotary embedding of q and k (LLaMA)");
+  s.add_float("model.rope_theta", 10000.0, "RoPE base (LLaMA 2: 1e4, LLaMA 3: 5e5)", 0.0);
+  s.add_choice("model.rope_scaling", "none", {"none", "linear", "llama3"},
+               "RoPE frequency scaling, as Hugging Face's rope_scaling.rope_type");
+  s.add_float("model.rope_scaling_factor", 1.0, "RoPE scaling factor (linear and llama3)", 0.0);
+  s.add_float("model.rope_low_freq_factor", 1.0, "llama3 RoPE scaling: low_freq_factor", 0.0);
+  s.add_float("model.rope_high_freq_factor", 4.0, "llama3 RoPE scaling: high_freq_factor", 0.0);
+  s.add_int("model.rope_original_max_positions", 8192,
+            "llama3 RoPE scaling: original_max_position_embeddings", 1, kMaxDim);
+  s.add_choice("model.mlp", "gelu", {"gelu", "swiglu"}, "MLP: GELU (GPT-2) or SwiGLU gate/up/down (LLaMA)");
+  s.add_int("model.intermediate_size", 0, "MLP hidden size; 0 = 4 * model.n_embd", 0, kMaxDim);
+  s.add_int("model.n_kv_head", 0,
+            "key/value heads (must divide model.n_head; 1 = multi-query); 0 = model.n_head", 0, 1024);
+  s.add_bool("model.packed_qkv", true,
+             "one c_attn parameter for q, k, v (GPT-2's names; needs n_kv_head = n_head) or q, k, v apart (LLaMA)");
+  s.add_bool("model.attention_bias", true, "biases on the q/k/v and output projections (GPT-2: on, LLaMA: off)");
+  s.add_bool("model.mlp_bias", true, "biases on the MLP's projections (GPT-2: on, LLaMA: off)");
+  s.add_bool("model.tied_embeddings", true, "the output head reuses the token embedding; false: its own lm_head");
+
+  s.add_string("init.from", "",
+               "initial weights: empty = a fresh initialization; \"hf:DIR\" = the Hugging Face checkpoint in DIR "
+               "(its config.json fixes the model, a tokenizer beside it tokenizes the data)");
+
   s.add_int("lora.r", 0, "LoRA adapter rank; 0 = no adapters (the whole model trains)", 0, kMaxDim);
   s.add_float("lora.alpha", 8.0, "LoRA scale numerator: adapters add (alpha / r) x A^T B^T", 0.0);
   s.add_float("lora.dropout", 0.0, "dropout on the adapters' input (only 0 for now)", 0.0, 1.0);
   s.add_string("lora.targets", "c_attn",
-               "comma-separated linear layers that get adapters, matched by suffix: c_attn, c_proj, c_fc, "
-               "attn.c_proj, mlp.c_proj");
+               "comma-separated linear layers that get adapters, matched by suffix: GPT-2's c_attn, c_proj, "
+               "c_fc, attn.c_proj, mlp.c_proj; LLaMA's q, k, v, o, gate, up, down");
 
   s.add_int("train.batch_size", 32, "global batch in sequences per optimizer step", 1);
   s.add_int("train.micro_batch_size", 16, "sequences per rank per forward/backward (gradient accumulation makes up the rest)", 1);
@@ -54,7 +82,7 @@ ConfigSchema build_loom_schema() {
   s.add_float("data.val_fraction", 0.1, "fraction of the text held out for validation", 0.0, 0.5);
 
   s.add_int("parallel.dp", 1, "data-parallel ranks", 1, 65536);
-  s.add_int("parallel.tp", 1, "tensor-parallel ranks (must divide model.n_head)", 1, 1024);
+  s.add_int("parallel.tp", 1, "tensor-parallel ranks (must divide model.n_head; divide or be a multiple of model.n_kv_head)", 1, 1024);
   s.add_int("parallel.pp", 1, "pipeline stages", 1, 1024);
   s.add_bool("parallel.sequence_parallel", false,
              "split the activations between tensor-parallel regions by token (needs parallel.tp > 1)");

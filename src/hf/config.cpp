@@ -53,8 +53,8 @@ constexpr struct {
 
 constexpr struct {
   const char* name;
-  HFRopeType type;
-} kRopeTypes[] = {{"default", HFRopeType::none}, {"linear", HFRopeType::linear}, {"llama3", HFRopeType::llama3}};
+  cpu::RopeScalingType type;
+} kRopeTypes[] = {{"default", cpu::RopeScalingType::none}, {"linear", cpu::RopeScalingType::linear}, {"llama3", cpu::RopeScalingType::llama3}};
 
 constexpr struct {
   const char* name;
@@ -125,8 +125,8 @@ class Reader {
   std::string prefix_;
 };
 
-HFRopeScaling parse_rope(const Reader& r, const Json& scaling, const std::string& key) {
-  HFRopeScaling out;
+cpu::RopeScaling parse_rope(const Reader& r, const Json& scaling, const std::string& key) {
+  cpu::RopeScaling out;
   if (scaling.is_null()) return out;
   if (!scaling.is_object()) r.fail(key.c_str(), str("is ", scaling.dump(), ", not an object or null"));
   const Reader rs(scaling, r.source(), key + ".");
@@ -134,9 +134,9 @@ HFRopeScaling parse_rope(const Reader& r, const Json& scaling, const std::string
   const std::string type_name = rs.text_or(type_key, "default");
   const auto row = rs.pick(type_key, type_name, kRopeTypes);
   out.type = row.type;
-  if (out.type == HFRopeType::none) return out;
+  if (out.type == cpu::RopeScalingType::none) return out;
   out.factor = rs.positive_number("factor");
-  if (out.type == HFRopeType::llama3) {
+  if (out.type == cpu::RopeScalingType::llama3) {
     out.low_freq_factor = rs.positive_number("low_freq_factor");
     out.high_freq_factor = rs.positive_number("high_freq_factor");
     out.original_max_position_embeddings = rs.count("original_max_position_embeddings");
@@ -254,7 +254,7 @@ std::string hf_config_json(const HFModelConfig& c) {
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   if (c.arch == HFArch::gpt2) {
     LOOM_CHECK(c.head_dim * c.num_attention_heads == c.hidden_size && c.num_key_value_heads == c.num_attention_heads &&
-                   c.attention_bias && c.mlp_bias && c.rope_scaling.type == HFRopeType::none,
+                   c.attention_bias && c.mlp_bias && c.rope_scaling.type == cpu::RopeScalingType::none,
                "a GPT-2 config has full heads, biases and no RoPE");
     for (const char* dropout : {"resid_pdrop", "embd_pdrop", "attn_pdrop"}) j[dropout] = 0.0;
   } else {
@@ -265,14 +265,14 @@ std::string hf_config_json(const HFModelConfig& c) {
     j["attention_dropout"] = 0.0;
     // The 4.x spelling: transformers 5 converts it to rope_parameters on load.
     j["rope_theta"] = c.rope_theta;
-    const HFRopeScaling& s = c.rope_scaling;
-    if (s.type == HFRopeType::none) {
+    const cpu::RopeScaling& s = c.rope_scaling;
+    if (s.type == cpu::RopeScalingType::none) {
       j["rope_scaling"] = nullptr;
     } else {
       for (const auto& row : kRopeTypes)
         if (row.type == s.type) j["rope_scaling"]["rope_type"] = row.name;
       j["rope_scaling"]["factor"] = s.factor;
-      if (s.type == HFRopeType::llama3) {
+      if (s.type == cpu::RopeScalingType::llama3) {
         j["rope_scaling"]["low_freq_factor"] = s.low_freq_factor;
         j["rope_scaling"]["high_freq_factor"] = s.high_freq_factor;
         j["rope_scaling"]["original_max_position_embeddings"] = s.original_max_position_embeddings;

@@ -1,37 +1,95 @@
+#include <vector>
+
 #include "loom/device.h"
 #include "loom/nn.h"
 
 namespace loom {
 
-CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string& prefix, int64_t C, int64_t n_head,
-                                         int group, float proj_std, const TensorParallel& tp, const LoRAConfig& lora)
-    : C_(C), n_head_(n_head), local_heads_(n_head / tp.size()) {
-  LOOM_CHECK(n_head % tp.size() == 0, n_head, " heads do not split over ", tp.size(), " tensor-parallel ranks");
-  // q, k and v are three blocks of c_attn's rows: splitting each block keeps
-  // whole heads on every rank, so attention itself needs no communication.
-  c_attn_ = ColumnParallelLinear(layout, prefix + ".c_attn", C, 3 * C, group, 0.02f, tp, 3, lora);
-  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", C, C, group, proj_std, tp, lora);
+CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string& prefix, const GPTConfig& cfg,
+                                         int group, float proj_std, const TensorParallel& tp)
+    : n_head_(cfg.n_head), hs_(cfg.head_dim()), local_heads_(cfg.n_head / tp.size()) {
+  const int64_t C = cfg.n_embd, nkv = cfg.kv_heads();
+  LOOM_CHECK(n_head_ % tp.size() == 0, n_head_, " heads do not split over ", tp.size(), " tensor-parallel ranks");
+  LOOM_CHECK(nkv % tp.size() == 0 || tp.size() % nkv == 0, nkv, " kv heads over ", tp.size(),
+             " tensor-parallel ranks");
+  if (cfg.packed_qkv) {
+    // q, k and v are three blocks of c_attn's rows: splitting each block keeps
+    // whole heads on every rank, so attention itself needs no communication.
+    local_kv_heads_ = local_heads_;
+    c_attn_ = ColumnParallelLinear(layout, prefix + ".c_attn", C, 3 * C, group, 0.02f, tp, 3,
+                                   cfg.adapter("attn.c_attn"));
+  } else {
+    ParamParallel split;
+    split.split = TensorSplit{0, tp.size(), tp.rank(), 1};
+    std::vector<LinearPart> parts{{prefix + ".q", C, split, split, 0, 0, cfg.adapter("attn.q")},
+                                  {prefix + ".k", nkv * hs_, split, split, 0, 0, cfg.adapter("attn.k")},
+                                  {prefix + ".v", nkv * hs_, split, split, 0, 0, cfg.adapter("attn.v")}};
+    if (nkv % tp.size() == 0) {
+      local_kv_heads_ = nkv / tp.size();
+    } else {
+      // Fewer kv heads than ranks: every rank holds k and v whole and uses the
+      // rows of the kv head its query heads share; the ranks' gradients of k
+      // and v are partial sums.
+      ParamParallel replicated;
+      replicated.partial_grad = true;
+      local_kv_heads_ = 1;
+      const int64_t head = tp.rank() / (tp.size() / nkv);
+      for (size_t i = 1; i < parts.size(); ++i) {
+        parts[i].weight = parts[i].bias = replicated;
+        parts[i].first_row = head * hs_;
+        parts[i].rows = hs_;
+      }
+    }
+    c_attn_ = ColumnParallelLinear(layout, parts, C, group, 0.02f, tp, cfg.attention_bias);
+  }
+  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", C, C, group, proj_std, tp, cfg.attention_bias,
+                              cfg.adapter("attn.c_proj"));
+  if (cfg.positions == PositionKind::rope) {
+    inv_freq_.resize(static_cast<size_t>(hs_ / 2));
+    cpu::rope_inv_freq(inv_freq_.data(), hs_, cfg.rope_theta, cfg.rope_scaling);
+  }
+}
+
+void CausalSelfAttention::rotate(float* qkv, int64_t B, int64_t T, int64_t pos0, bool inverse) const {
+  if (inv_freq_.empty()) return;
+  const int64_t half = hs_ / 2, q_width = local_heads_ * hs_, stride = q_width + 2 * local_kv_heads_ * hs_;
+  const Tensor inv_freq = Tensor::from_host(inv_freq_.data(), {half}, DType::f32);
+  Tensor cos = Tensor::empty({T, half}), sin = Tensor::empty({T, half});
+  ops::rope_tables(cos.data<float>(), sin.data<float>(), inv_freq.data<float>(), T, half, pos0);
+  const struct {
+    float* x;
+    int64_t heads;
+  } parts[] = {{qkv, local_heads_}, {qkv + q_width, local_kv_heads_}};
+  for (const auto& p : parts) {
+    if (inverse)
+      ops::rope_backward(p.x, p.x, cos.data<float>(), sin.data<float>(), B, T, p.heads, hs_, stride,
+                         ops::GradWrite::overwrite);
+    else
+      ops::rope_forward(p.x, p.x, cos.data<float>(), sin.data<float>(), B, T, p.heads, hs_, stride);
+  }
 }
 
 Tensor CausalSelfAttention::forward(const ParamStore& ps, Saved& s, const Tensor& in, const BatchShape& bs) const {
-  const int64_t local_C = C_ / n_head_ * local_heads_;
+  const int64_t local_C = hs_ * local_heads_;
   s.qkv = c_attn_.forward(ps, in);
+  rotate(s.qkv.data<float>(), bs.B, bs.T, 0, /*inverse=*/false);
   s.att = Tensor::empty({bs.N(), local_C});
   s.lse = Tensor::empty({bs.B, local_heads_, bs.T});
   ops::attention_forward(s.att.data<float>(), s.lse.data<float>(), s.qkv.data<float>(), bs.B, bs.T, local_C,
-                         local_heads_, local_heads_);
+                         local_heads_, local_kv_heads_);
   return c_proj_.forward(ps, s.att);
 }
 
 Tensor CausalSelfAttention::backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s,
                                      const BatchShape& bs) const {
-  const int64_t local_C = C_ / n_head_ * local_heads_;
+  const int64_t local_C = hs_ * local_heads_;
   Tensor datt = c_proj_.backward(g, dout, s.att);
-  Tensor dqkv = Tensor::empty({bs.N(), 3 * local_C});
+  Tensor dqkv = Tensor::empty(s.qkv.shape());
   ops::attention_backward(dqkv.data<float>(), datt.data<float>(), s.att.data<float>(), s.lse.data<float>(),
-                          s.qkv.data<float>(), bs.B, bs.T, local_C, local_heads_, local_heads_,
+                          s.qkv.data<float>(), bs.B, bs.T, local_C, local_heads_, local_kv_heads_,
                           ops::GradWrite::overwrite);
   datt = Tensor();
+  rotate(dqkv.data<float>(), bs.B, bs.T, 0, /*inverse=*/true);
   return c_attn_.backward(g, dqkv, in);
 }
 

@@ -17,10 +17,10 @@ Block::Block(ParamLayout& layout, int index, const GPTConfig& cfg, int group, co
   // GPT-2 scales the init of the projections into the residual stream by
   // 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth.
   const float proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(cfg.n_layer));
-  ln_1_ = LayerNorm(layout, prefix + ".ln_1", C_, group, tp.splits_tokens());
-  attn_ = CausalSelfAttention(layout, prefix + ".attn", C_, cfg.n_head, group, proj_std, tp, cfg.lora);
-  ln_2_ = LayerNorm(layout, prefix + ".ln_2", C_, group, tp.splits_tokens());
-  mlp_ = MLP(layout, prefix + ".mlp", C_, group, proj_std, tp, cfg.lora);
+  ln_1_ = Norm(layout, prefix + ".ln_1", cfg, group, tp.splits_tokens());
+  attn_ = CausalSelfAttention(layout, prefix + ".attn", cfg, group, proj_std, tp);
+  ln_2_ = Norm(layout, prefix + ".ln_2", cfg, group, tp.splits_tokens());
+  mlp_ = MLP(layout, prefix + ".mlp", cfg, group, proj_std, tp);
 }
 
 Tensor Block::forward(const ParamStore& ps, Saved& s, const Tensor& x, const BatchShape& bs,

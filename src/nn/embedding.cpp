@@ -4,21 +4,22 @@
 namespace loom {
 
 int Embedding::add_token_table(ParamLayout& layout, int64_t vocab, int64_t C, int group, const TensorParallel& tp,
-                               TableCopies copies) {
+                               TableCopies copies, const std::string& name) {
   ParamParallel parallel;
   parallel.split = TensorSplit{0, tp.size(), tp.rank(), 1};
   parallel.tied_across_stages = copies != TableCopies::none;
   parallel.tied_copy = copies == TableCopies::copy;
-  return layout.add("wte.weight", {vocab, C}, ParamInit::normal_(0.02f), true, group, parallel);
+  return layout.add(name, {vocab, C}, ParamInit::normal_(0.02f), true, group, parallel);
 }
 
-Embedding::Embedding(ParamLayout& layout, int64_t vocab, int64_t block_size, int64_t C, int group,
-                     const TensorParallel& tp, TableCopies copies)
-    : tp_(tp), vocab_(vocab), block_size_(block_size), C_(C) {
-  wte_ = add_token_table(layout, vocab, C, group, tp, copies);
+Embedding::Embedding(ParamLayout& layout, const GPTConfig& cfg, int group, const TensorParallel& tp,
+                     TableCopies copies)
+    : tp_(tp), vocab_(cfg.vocab_size), block_size_(cfg.block_size), C_(cfg.n_embd) {
+  wte_ = add_token_table(layout, vocab_, C_, group, tp, copies);
+  if (cfg.positions != PositionKind::learned) return;
   ParamParallel positions;
   positions.partial_grad = tp.splits_tokens();
-  wpe_ = layout.add("wpe.weight", {block_size, C}, ParamInit::normal_(0.01f), true, group, positions);
+  wpe_ = layout.add("wpe.weight", {block_size_, C_}, ParamInit::normal_(0.01f), true, group, positions);
 }
 
 void Embedding::check_tokens(const int32_t* tokens, int64_t N) const {
@@ -37,8 +38,8 @@ Tensor Embedding::forward(const ParamStore& ps, const Tensor& token_ids, const B
   LOOM_CHECK(token_ids.numel() == N && token_ids.dtype() == DType::i32, "the embedding needs ", N, " int32 tokens");
   const int32_t* tokens = token_ids.data<int32_t>();
   const float* wte = ps.param(wte_).data<float>();
-  const float* wpe = ps.param(wpe_).data<float>();
-  if (tp_.size() == 1) {
+  const float* wpe = wpe_ >= 0 ? ps.param(wpe_).data<float>() : nullptr;
+  if (tp_.size() == 1 && wpe) {
     Tensor out = Tensor::empty({bs.B, bs.T, C_});
     ops::embedding_forward(out.data<float>(), tokens, wte, wpe, bs.B, bs.T, C_, pos0);
     return out;
@@ -48,20 +49,20 @@ Tensor Embedding::forward(const ParamStore& ps, const Tensor& token_ids, const B
   ops::embedding_lookup_range(partial.data<float>(), tokens, wte, tp_.rank() * rows, rows, N, C_);
   Tensor out = TensorParallelRegion::leave_forward(tp_, partial);
   partial = Tensor();
-  ops::position_embedding_add(out.data<float>(), wpe, tp_.first_row(N), out.numel() / C_, bs.T, C_, pos0);
+  if (wpe) ops::position_embedding_add(out.data<float>(), wpe, tp_.first_row(N), out.numel() / C_, bs.T, C_, pos0);
   return out;
 }
 
 void Embedding::backward(const Grads& g, const Tensor& dout, const Tensor& token_ids, const BatchShape& bs) const {
   const int32_t* tokens = token_ids.data<int32_t>();
   float* dwte = g.grads.grad(wte_).data<float>();
-  float* dwpe = g.grads.grad(wpe_).data<float>();
-  if (tp_.size() == 1) {
+  float* dwpe = wpe_ >= 0 ? g.grads.grad(wpe_).data<float>() : nullptr;
+  if (tp_.size() == 1 && dwpe) {
     ops::embedding_backward(dwte, dwpe, dout.data<float>(), tokens, bs.B, bs.T, C_, 0);
     return;
   }
   const int64_t N = bs.N();
-  ops::position_embedding_backward(dwpe, dout.data<float>(), tp_.first_row(N), dout.numel() / C_, bs.T, C_);
+  if (dwpe) ops::position_embedding_backward(dwpe, dout.data<float>(), tp_.first_row(N), dout.numel() / C_, bs.T, C_);
   const Tensor full = TensorParallelRegion::leave_backward(tp_, dout);
   const int64_t rows = g.params.layout().param(wte_).shape[0];
   ops::embedding_lookup_range_backward(dwte, full.data<float>(), tokens, tp_.rank() * rows, rows, N, C_);

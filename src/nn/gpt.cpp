@@ -18,6 +18,13 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp) : cfg_(cfg), mp_(mp) {
   if (cfg_.n_head % tp.size() != 0)
     throw Error(str("model.n_head = ", cfg_.n_head, " heads do not split over ", tp.size(),
                     " tensor-parallel ranks: choose a tensor-parallel size that divides the head count"));
+  const int64_t nkv = cfg_.kv_heads();
+  if (nkv % tp.size() != 0 && tp.size() % nkv != 0)
+    throw Error(str("model.n_kv_head = ", nkv, " kv heads neither split over nor are shared evenly by ", tp.size(),
+                    " tensor-parallel ranks: choose parallel.tp dividing or divisible by n_kv_head"));
+  if (cfg_.intermediate() % tp.size() != 0)
+    throw Error(str("model.intermediate_size = ", cfg_.intermediate(), " does not split over ", tp.size(),
+                    " tensor-parallel ranks: choose a tensor-parallel size that divides it"));
   chunks_ = mp_.chunks.empty() ? std::vector<LayerRange>{{0, static_cast<int>(cfg_.n_layer)}} : mp_.chunks;
   for (size_t c = 0; c < chunks_.size(); ++c)
     LOOM_CHECK(chunks_[c].begin >= (c ? chunks_[c - 1].end : 0) && chunks_[c].begin < chunks_[c].end &&
@@ -29,8 +36,9 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp) : cfg_(cfg), mp_(mp) {
 
   if (mp_.first_stage) {
     embedding_group_ = layout_.add_group("embedding");
-    embedding_ = Embedding(layout_, cfg_.vocab_size, cfg_.block_size, cfg_.n_embd, embedding_group_, tp,
-                           mp_.last_stage ? Embedding::TableCopies::none : Embedding::TableCopies::owner);
+    const bool shared = cfg_.tied_embeddings && !mp_.last_stage;
+    embedding_ = Embedding(layout_, cfg_, embedding_group_, tp,
+                           shared ? Embedding::TableCopies::owner : Embedding::TableCopies::none);
   }
   for (const LayerRange& chunk : chunks_) {
     chunk_first_block_.push_back(static_cast<int>(blocks_.size()));
@@ -38,25 +46,19 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp) : cfg_(cfg), mp_(mp) {
       blocks_.emplace_back(layout_, i, cfg_, layout_.add_group("h." + std::to_string(i)), tp);
   }
   chunk_first_block_.push_back(static_cast<int>(blocks_.size()));
-  if (cfg_.lora.enabled() && mp_.first_stage && mp_.last_stage && std::ssize(blocks_) == cfg_.n_layer) {
-    // Targets are checked on a layout of every block (a pipeline stage holds
-    // only some): against the model's linear layers, the modules of 2-D
-    // weights below the top level (not the embeddings).
-    std::vector<std::string> linears;
-    for (const ParamSpec& p : layout_.params())
-      if (p.global_shape.size() == 2 && p.name.ends_with(".weight") && p.name.find("lora_") == std::string::npos &&
-          std::count(p.name.begin(), p.name.end(), '.') > 1)
-        linears.push_back(p.name.substr(0, p.name.size() - 7));
-    cfg_.lora.validate(linears);
-  }
   if (mp_.last_stage) {
     lnf_group_ = layout_.add_group("ln_f");
     loss_ = CrossEntropyLoss(cfg_.vocab_size, local_vocab_, tp);
-    ln_f_ = LayerNorm(layout_, "ln_f", cfg_.n_embd, lnf_group_, tp.splits_tokens());
-    // The output head is tied to the token embedding. A last stage without
-    // the embedding keeps its own copy, which starts equal (same name, same
-    // init) and stays equal because the copies' gradients are summed.
-    if (!mp_.first_stage) {
+    ln_f_ = Norm(layout_, "ln_f", cfg_, lnf_group_, tp.splits_tokens());
+    // A tied output head multiplies by the token embedding. A last stage
+    // without the embedding keeps its own copy, which starts equal (same
+    // name, same init) and stays equal because the copies' gradients are
+    // summed. An untied head has a table of its own.
+    if (!cfg_.tied_embeddings) {
+      head_group_ = layout_.add_group("head");
+      head_table_ = Embedding::add_token_table(layout_, cfg_.vocab_size, cfg_.n_embd, head_group_, tp,
+                                               Embedding::TableCopies::none, "lm_head.weight");
+    } else if (!mp_.first_stage) {
       head_group_ = layout_.add_group("head");
       head_table_ = Embedding::add_token_table(layout_, cfg_.vocab_size, cfg_.n_embd, head_group_, tp,
                                                Embedding::TableCopies::copy);
@@ -171,7 +173,7 @@ Tensor GPT::head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, flo
   ln_f_.backward(g, dres.data<float>(), dh.data<float>(), s.x_final.data<float>(), s.ln_f, tp.local_rows(N),
                  /*accumulate=*/false);
   dh = Tensor();
-  s.ln_f = LayerNorm::Saved{};
+  s.ln_f = Norm::Saved{};
   s.x_final = Tensor();
   ps.release(lnf_group_);
   gs.group_ready(lnf_group_);

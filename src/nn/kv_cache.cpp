@@ -6,7 +6,7 @@
 namespace loom {
 
 KVCache::KVCache(const GPTConfig& cfg, int64_t B) : B_(B) {
-  const Shape shape{cfg.n_layer, B, cfg.n_head, cfg.block_size, cfg.n_embd / cfg.n_head};
+  const Shape shape{cfg.n_layer, B, cfg.kv_heads(), cfg.block_size, cfg.head_dim()};
   k_ = Tensor::zeros(shape);
   v_ = Tensor::zeros(shape);
 }
@@ -14,19 +14,20 @@ KVCache::KVCache(const GPTConfig& cfg, int64_t B) : B_(B) {
 void CausalSelfAttention::forward_cached(const ParamStore& ps, float* out, const float* in, float* k_cache,
                                          float* v_cache, int64_t B, int64_t n, int64_t pos0,
                                          int64_t block_size) const {
-  const int64_t C = C_;
-  Tensor qkv = Tensor::empty({B, n, 3 * C});
+  const int64_t C = n_head_ * hs_;
+  Tensor qkv = Tensor::empty({B, n, c_attn_.local().out_features()});
   c_attn_.local().forward(ps, qkv.data<float>(), in, B * n);
+  rotate(qkv.data<float>(), B, n, pos0, /*inverse=*/false);
   Tensor att = Tensor::empty({B, n, C});
   ops::attention_cached(att.data<float>(), k_cache, v_cache, qkv.data<float>(), B, n, pos0, block_size, C, n_head_,
-                       n_head_);
+                        local_kv_heads_);
   c_proj_.local().forward(ps, out, att.data<float>(), B * n);
 }
 
 void Block::forward_cached(const ParamStore& ps, float* x, float* k_cache, float* v_cache, int64_t B, int64_t n,
                            int64_t pos0, int64_t block_size) const {
   const int64_t N = B * n;
-  LayerNorm::Saved ln;
+  Norm::Saved ln;
   Tensor tmp = Tensor::empty({N, C_});
   ln_1_.forward(ps, ln, x, N);
   attn_.forward_cached(ps, tmp.data<float>(), ln.out.data<float>(), k_cache, v_cache, B, n, pos0, block_size);
@@ -64,15 +65,15 @@ Tensor GPT::forward_cached(ParamStore& ps, KVCache& cache, const int32_t* tokens
   Tensor last = Tensor::empty({B, C});
   for (int64_t b = 0; b < B; ++b)
     ops::copy(last.data<float>() + b * C, x.data<float>() + ((b + 1) * n - 1) * C, static_cast<size_t>(C) * 4);
-  LayerNorm::Saved ln;
+  Norm::Saved ln;
   ps.acquire(lnf_group);
   ln_f_.forward(ps, ln, last.data<float>(), B);
   ps.release(lnf_group);
   Tensor logits = Tensor::empty({B, V});
-  ps.acquire(emb_group);
-  ops::linear_forward(logits.data<float>(), ln.out.data<float>(), ps.param(embedding_.wte_id()).data<float>(),
-                      nullptr, B, C, V);
-  ps.release(emb_group);
+  ps.acquire(head_group());
+  ops::linear_forward(logits.data<float>(), ln.out.data<float>(), ps.param(head_table()).data<float>(), nullptr, B, C,
+                      V);
+  ps.release(head_group());
   return logits;
 }
 

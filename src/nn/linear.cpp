@@ -6,76 +6,216 @@
 namespace loom {
 
 Linear::Linear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group, float init_std,
-               const ParamParallel& weight, const ParamParallel& bias, const LoRAConfig& lora) {
-  weight_ = layout.add(name + ".weight", {out, in}, ParamInit::normal_(init_std), true, group, weight);
-  bias_ = layout.add(name + ".bias", {out}, ParamInit::constant(0.0f), false, group, bias);
-  out_ = layout.param(weight_).shape[0];
-  in_ = layout.param(weight_).shape[1];
-  if (!lora.enabled() || !lora.targets_module(name)) return;
+               const ParamParallel& weight, const ParamParallel& bias, bool has_bias, const LoRAConfig& lora)
+    : Linear(layout, {LinearPart{name, out, weight, bias, 0, 0, lora}}, in, group, init_std, has_bias) {}
+
+Linear::Linear(ParamLayout& layout, const std::vector<LinearPart>& parts, int64_t in, int group, float init_std,
+               bool has_bias)
+    : has_bias_(has_bias) {
+  for (const LinearPart& p : parts) {
+    Part part;
+    part.weight = layout.add(p.name + ".weight", {p.out, in}, ParamInit::normal_(init_std), true, group, p.weight);
+    if (has_bias)
+      part.bias = layout.add(p.name + ".bias", {p.out}, ParamInit::constant(0.0f), false, group, p.bias);
+    const int64_t local_rows = layout.param(part.weight).shape[0];
+    part.first_row = p.first_row;
+    part.rows = p.rows > 0 ? p.rows : local_rows;
+    LOOM_CHECK(part.first_row >= 0 && part.first_row + part.rows <= local_rows, "rows [", part.first_row, ", ",
+               part.first_row + part.rows, ") of ", p.name, "'s ", local_rows);
+    out_ += part.rows;
+    in_ = layout.param(part.weight).shape[1];
+    if (p.lora.enabled()) add_adapter(layout, p, part, group);
+    parts_.push_back(part);
+  }
+}
+
+void Linear::add_adapter(ParamLayout& layout, const LinearPart& p, Part& part, int group) {
   // Under tensor parallelism the factor on the split side of W is split
   // with it and the other is replicated, its gradient a partial sum over the
   // ranks. Column-parallel (W split by output rows): B by rows like W, A
   // whole, dA = dh^T x summed over the ranks' dh. Row-parallel (W split by
   // input columns): A by columns, B whole; each rank's x_r A_r^T B^T is added
   // into its partial output, which the layer already sums, and dB = dy^T h_r
-  // is summed likewise.
-  const bool split = weight.split.parts > 1;
+  // is summed likewise. A replicated W whose gradient is a partial sum (k and
+  // v over more ranks than kv heads) has both factors replicated and partial.
+  const bool split = p.weight.split.parts > 1;
   ParamParallel a, b;
-  if (weight.split.dim == 0) {
-    b.split = weight.split;
-    a.partial_grad = split;
+  a.partial_grad = b.partial_grad = p.weight.partial_grad;
+  if (p.weight.split.dim == 0) {
+    b.split = p.weight.split;
+    a.partial_grad = a.partial_grad || split;
   } else {
-    a.split = weight.split;
-    b.partial_grad = split;
+    a.split = p.weight.split;
+    b.partial_grad = b.partial_grad || split;
   }
-  layout.set_trainable(weight_, false);
-  layout.set_trainable(bias_, false);
-  rank_ = lora.r;
-  scale_ = lora.alpha / static_cast<float>(lora.r);
+  layout.set_trainable(part.weight, false);
+  if (part.bias >= 0) layout.set_trainable(part.bias, false);
+  part.rank = p.lora.r;
+  part.scale = p.lora.alpha / static_cast<float>(p.lora.r);
   // PEFT's kaiming_uniform_(a = sqrt(5)) over fan_in = in: a bound of
   // sqrt(6 / ((1 + a^2) in)) = 1 / sqrt(in). B starts at zero.
-  lora_a_ = layout.add(name + ".lora_A.weight", {lora.r, in}, ParamInit::uniform(1.0f / std::sqrt(float(in))), true,
-                       group, a);
-  lora_b_ = layout.add(name + ".lora_B.weight", {out, lora.r}, ParamInit::constant(0.0f), true, group, b);
-  layout.set_trainable(lora_a_, true);
-  layout.set_trainable(lora_b_, true);
+  const int64_t in = layout.param(part.weight).global_shape[1];
+  part.lora_a = layout.add(p.name + ".lora_A.weight", {p.lora.r, in},
+                           ParamInit::uniform(1.0f / std::sqrt(static_cast<float>(in))), true, group, a);
+  part.lora_b = layout.add(p.name + ".lora_B.weight", {p.out, p.lora.r}, ParamInit::constant(0.0f), true, group, b);
+  layout.set_trainable(part.lora_a, true);
+  layout.set_trainable(part.lora_b, true);
+}
+
+int Linear::weight_id() const {
+  LOOM_CHECK(parts_.size() == 1, "a linear layer of ", parts_.size(), " parts has no single weight");
+  return parts_[0].weight;
+}
+
+int Linear::bias_id() const {
+  LOOM_CHECK(parts_.size() == 1 && has_bias_, "a linear layer of ", parts_.size(), " parts has no single bias");
+  return parts_[0].bias;
+}
+
+int Linear::lora_a_id() const {
+  LOOM_CHECK(parts_.size() == 1, "a linear layer of ", parts_.size(), " parts has no single adapter");
+  return parts_[0].lora_a;
+}
+
+int Linear::lora_b_id() const {
+  LOOM_CHECK(parts_.size() == 1, "a linear layer of ", parts_.size(), " parts has no single adapter");
+  return parts_[0].lora_b;
+}
+
+namespace {
+
+// Rows [first, first + rows) of a [*, cols] tensor, in place.
+Tensor row_slice(const Tensor& t, int64_t first, int64_t rows, int64_t cols) {
+  if (first == 0 && rows * cols == t.numel()) return t;
+  return Tensor::borrow(t.data<float>() + first * cols, {rows, cols}, DType::f32, Tier::device);
+}
+
+// Pieces stacked by rows into one [rows, cols] tensor, and back.
+Tensor stack(const std::vector<Tensor>& pieces, int64_t rows, int64_t cols) {
+  if (pieces.size() == 1) return pieces[0];
+  Tensor out = Tensor::empty({rows, cols});
+  size_t at = 0;
+  for (const Tensor& p : pieces) {
+    ops::copy(static_cast<char*>(out.raw()) + at, p.raw(), p.nbytes());
+    at += p.nbytes();
+  }
+  return out;
+}
+
+void unstack(const Tensor& stacked, const std::vector<Tensor>& pieces) {
+  if (pieces.size() == 1) return;
+  size_t at = 0;
+  for (const Tensor& p : pieces) {
+    ops::copy(p.raw(), static_cast<const char*>(stacked.raw()) + at, p.nbytes());
+    at += p.nbytes();
+  }
+}
+
+}  // namespace
+
+std::vector<Tensor> Linear::pieces(const ParamStore& ps, bool bias) const {
+  std::vector<Tensor> out;
+  for (const Part& p : parts_)
+    out.push_back(row_slice(ps.param(bias ? p.bias : p.weight), p.first_row, p.rows, bias ? 1 : in_));
+  return out;
+}
+
+std::vector<Tensor> Linear::grad_pieces(const GradStore& gs, bool bias) const {
+  std::vector<Tensor> out;
+  bool any = false;
+  for (const Part& p : parts_) {
+    const Tensor g = gs.grad(bias ? p.bias : p.weight);
+    any = any || g.defined();
+    // A frozen part has no gradient (FrozenGradStore): its rows of a stacked
+    // gradient go to scratch.
+    out.push_back(g.defined() ? row_slice(g, p.first_row, p.rows, bias ? 1 : in_)
+                              : Tensor::zeros({p.rows, bias ? 1 : in_}));
+  }
+  // No part trains: no gradient at all.
+  if (!any) out.clear();
+  return out;
 }
 
 void Linear::forward(const ParamStore& ps, float* out, const float* in, int64_t N, bool bias) const {
-  ops::linear_forward(out, in, ps.param(weight_).data<float>(), bias ? ps.param(bias_).data<float>() : nullptr, N,
-                      in_, out_);
-  if (lora_a_ >= 0) lora_forward(ps, out, in, N);
+  const Tensor w = stack(pieces(ps, false), out_, in_);
+  const Tensor b = bias && has_bias_ ? stack(pieces(ps, true), out_, 1) : Tensor();
+  ops::linear_forward(out, in, w.data<float>(), b.defined() ? b.data<float>() : nullptr, N, in_, out_);
+  lora_forward(ps, out, in, N);
 }
 
 void Linear::backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N, bool bias) const {
-  ops::linear_backward(din, g.grads.grad(weight_).data<float>(), bias ? g.grads.grad(bias_).data<float>() : nullptr,
-                       dout, in, g.params.param(weight_).data<float>(), N, in_, out_, ops::GradWrite::overwrite);
-  if (lora_a_ >= 0) lora_backward(g, din, dout, in, N);
+  const Tensor w = stack(pieces(g.params, false), out_, in_);
+  const bool with_bias = bias && has_bias_;
+  // Several parts' gradients are stacked, accumulated into by one GEMM and
+  // copied back: the same sums as accumulating into each part in place.
+  const std::vector<Tensor> dws = grad_pieces(g.grads, false);
+  const std::vector<Tensor> dbs = with_bias ? grad_pieces(g.grads, true) : std::vector<Tensor>{};
+  Tensor dw = dws.empty() ? Tensor() : stack(dws, out_, in_);
+  Tensor db = dbs.empty() ? Tensor() : stack(dbs, out_, 1);
+  ops::linear_backward(din, dw.defined() ? dw.data<float>() : nullptr, db.defined() ? db.data<float>() : nullptr,
+                       dout, in, w.data<float>(), N, in_, out_, ops::GradWrite::overwrite);
+  if (dw.defined()) unstack(dw, dws);
+  if (db.defined()) unstack(db, dbs);
+  lora_backward(g, din, dout, in, N);
 }
 
+namespace {
+
+// A part's adapter B rows placed at the part's output rows of a zero
+// [out, r] matrix, so one GEMM adds the part's delta into its columns of the
+// stacked output (the other parts' columns get zero).
+Tensor padded_b(const Tensor& b_rows, int64_t first_out, int64_t out, int64_t r) {
+  if (first_out == 0 && b_rows.numel() == out * r) return b_rows;
+  Tensor padded = Tensor::zeros({out, r});
+  ops::copy(padded.data<float>() + first_out * r, b_rows.raw(), b_rows.nbytes());
+  return padded;
+}
+
+}  // namespace
+
 void Linear::lora_forward(const ParamStore& ps, float* out, const float* in, int64_t N) const {
-  // h = scale * in A^T (r columns, small), then out += h B^T.
-  Tensor h = Tensor::empty({N, rank_});
-  ops::linear_forward(h.data<float>(), in, ps.param(lora_a_).data<float>(), nullptr, N, in_, rank_);
-  ops::scale(h.data<float>(), h.numel(), scale_);
-  Tensor delta = Tensor::empty({N, out_});
-  ops::linear_forward(delta.data<float>(), h.data<float>(), ps.param(lora_b_).data<float>(), nullptr, N, rank_, out_);
-  ops::accumulate(out, delta.data<float>(), delta.numel());
+  int64_t first_out = 0;
+  for (const Part& p : parts_) {
+    if (p.lora_a >= 0) {
+      // h = scale * in A^T (r columns, small), then out += h B^T.
+      Tensor h = Tensor::empty({N, p.rank});
+      ops::linear_forward(h.data<float>(), in, ps.param(p.lora_a).data<float>(), nullptr, N, in_, p.rank);
+      ops::scale(h.data<float>(), h.numel(), p.scale);
+      const Tensor b = padded_b(row_slice(ps.param(p.lora_b), p.first_row, p.rows, p.rank), first_out, out_, p.rank);
+      Tensor delta = Tensor::empty({N, out_});
+      ops::linear_forward(delta.data<float>(), h.data<float>(), b.data<float>(), nullptr, N, p.rank, out_);
+      ops::accumulate(out, delta.data<float>(), delta.numel());
+    }
+    first_out += p.rows;
+  }
 }
 
 void Linear::lora_backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N) const {
-  // h is recomputed rather than kept: N x r, a small fraction of the layer.
-  Tensor h = Tensor::empty({N, rank_});
-  ops::linear_forward(h.data<float>(), in, g.params.param(lora_a_).data<float>(), nullptr, N, in_, rank_);
-  ops::scale(h.data<float>(), h.numel(), scale_);
-  // dB += dout^T h; dh = scale * dout B; dA += dh^T in; din += dh A.
-  Tensor dh = Tensor::empty({N, rank_});
-  ops::linear_backward(dh.data<float>(), g.grads.grad(lora_b_).data<float>(), nullptr, dout, h.data<float>(),
-                       g.params.param(lora_b_).data<float>(), N, rank_, out_, ops::GradWrite::overwrite);
-  h = Tensor();
-  ops::scale(dh.data<float>(), dh.numel(), scale_);
-  ops::linear_backward(din, g.grads.grad(lora_a_).data<float>(), nullptr, dh.data<float>(), in,
-                       g.params.param(lora_a_).data<float>(), N, in_, rank_, ops::GradWrite::accumulate);
+  int64_t first_out = 0;
+  for (const Part& p : parts_) {
+    if (p.lora_a >= 0) {
+      // h is recomputed rather than kept: N x r, a small fraction of the layer.
+      Tensor h = Tensor::empty({N, p.rank});
+      ops::linear_forward(h.data<float>(), in, g.params.param(p.lora_a).data<float>(), nullptr, N, in_, p.rank);
+      ops::scale(h.data<float>(), h.numel(), p.scale);
+      // dB += dout^T h over the part's columns; dh = scale * dout B;
+      // dA += dh^T in; din += dh A.
+      const Tensor b_rows = row_slice(g.params.param(p.lora_b), p.first_row, p.rows, p.rank);
+      const Tensor b = padded_b(b_rows, first_out, out_, p.rank);
+      const Tensor db_rows = row_slice(g.grads.grad(p.lora_b), p.first_row, p.rows, p.rank);
+      const bool padded = b.raw() != b_rows.raw();
+      Tensor db = padded ? Tensor::zeros({out_, p.rank}) : db_rows;
+      Tensor dh = Tensor::empty({N, p.rank});
+      ops::linear_backward(dh.data<float>(), db.data<float>(), nullptr, dout, h.data<float>(), b.data<float>(), N,
+                           p.rank, out_, ops::GradWrite::overwrite);
+      if (padded) ops::accumulate(db_rows.data<float>(), db.data<float>() + first_out * p.rank, db_rows.numel());
+      h = Tensor();
+      ops::scale(dh.data<float>(), dh.numel(), p.scale);
+      ops::linear_backward(din, g.grads.grad(p.lora_a).data<float>(), nullptr, dh.data<float>(), in,
+                           g.params.param(p.lora_a).data<float>(), N, in_, p.rank, ops::GradWrite::accumulate);
+    }
+    first_out += p.rows;
+  }
 }
 
 ColumnParallelLinear::ColumnParallelLinear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out,
@@ -84,8 +224,12 @@ ColumnParallelLinear::ColumnParallelLinear(ParamLayout& layout, const std::strin
     : tp_(tp) {
   ParamParallel split;
   split.split = TensorSplit{0, tp.size(), tp.rank(), blocks};
-  linear_ = Linear(layout, name, in, out, group, init_std, split, split, lora);
+  linear_ = Linear(layout, name, in, out, group, init_std, split, split, true, lora);
 }
+
+ColumnParallelLinear::ColumnParallelLinear(ParamLayout& layout, const std::vector<LinearPart>& parts, int64_t in,
+                                           int group, float init_std, const TensorParallel& tp, bool has_bias)
+    : tp_(tp), linear_(layout, parts, in, group, init_std, has_bias) {}
 
 Tensor ColumnParallelLinear::forward(const ParamStore& ps, const Tensor& x) const {
   const Tensor full = TensorParallelRegion::enter_forward(tp_, x);
@@ -106,12 +250,13 @@ Tensor ColumnParallelLinear::backward(const Grads& g, const Tensor& dy, const Te
 }
 
 RowParallelLinear::RowParallelLinear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out,
-                                     int group, float init_std, const TensorParallel& tp, const LoRAConfig& lora)
+                                     int group, float init_std, const TensorParallel& tp, bool has_bias,
+                                     const LoRAConfig& lora)
     : tp_(tp) {
   ParamParallel weight, bias;
   weight.split = TensorSplit{1, tp.size(), tp.rank(), 1};
   bias.partial_grad = tp.splits_tokens();
-  linear_ = Linear(layout, name, in, out, group, init_std, weight, bias, lora);
+  linear_ = Linear(layout, name, in, out, group, init_std, weight, bias, has_bias, lora);
 }
 
 Tensor RowParallelLinear::forward(const ParamStore& ps, const Tensor& x) const {
@@ -124,15 +269,16 @@ Tensor RowParallelLinear::forward(const ParamStore& ps, const Tensor& x) const {
   if (!split) return partial;
   Tensor y = TensorParallelRegion::leave_forward(tp_, partial);
   partial = Tensor();
-  ops::add_bias(y.data<float>(), ps.param(linear_.bias_id()).data<float>(), y.numel() / linear_.out_features(),
-                linear_.out_features());
+  if (linear_.has_bias())
+    ops::add_bias(y.data<float>(), ps.param(linear_.bias_id()).data<float>(), y.numel() / linear_.out_features(),
+                  linear_.out_features());
   return y;
 }
 
 Tensor RowParallelLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x) const {
   const int64_t N = x.numel() / linear_.in_features();
   const bool split = tp_.size() > 1;
-  if (split)
+  if (split && linear_.has_bias())
     ops::linear_backward(nullptr, nullptr, g.grads.grad(linear_.bias_id()).data<float>(), dy.data<float>(), nullptr,
                          nullptr, dy.numel() / linear_.out_features(), linear_.in_features(), linear_.out_features());
   const Tensor full = TensorParallelRegion::leave_backward(tp_, dy);

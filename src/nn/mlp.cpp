@@ -3,11 +3,22 @@
 
 namespace loom {
 
-MLP::MLP(ParamLayout& layout, const std::string& prefix, int64_t C, int group, float proj_std,
-         const TensorParallel& tp, const LoRAConfig& lora)
-    : C_(C) {
-  c_fc_ = ColumnParallelLinear(layout, prefix + ".c_fc", C, 4 * C, group, 0.02f, tp, 1, lora);
-  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", 4 * C, C, group, proj_std, tp, lora);
+MLP::MLP(ParamLayout& layout, const std::string& prefix, const GPTConfig& cfg, int group, float proj_std,
+         const TensorParallel& tp)
+    : kind_(cfg.mlp), local_I_(cfg.intermediate() / tp.size()) {
+  const int64_t C = cfg.n_embd, I = cfg.intermediate();
+  LOOM_CHECK(I % tp.size() == 0, "intermediate size ", I, " over ", tp.size(), " tensor-parallel ranks");
+  ParamParallel split;
+  split.split = TensorSplit{0, tp.size(), tp.rank(), 1};
+  // SwiGLU's gate | up: one GEMM writes the [N, 2I] buffer its kernel reads.
+  const std::vector<std::string> names =
+      kind_ == MlpKind::gelu ? std::vector<std::string>{"c_fc"} : std::vector<std::string>{"gate", "up"};
+  std::vector<LinearPart> parts;
+  for (const std::string& name : names)
+    parts.push_back({prefix + "." + name, I, split, split, 0, 0, cfg.adapter("mlp." + name)});
+  c_fc_ = ColumnParallelLinear(layout, parts, C, group, 0.02f, tp, cfg.mlp_bias);
+  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", I, C, group, proj_std, tp, cfg.mlp_bias,
+                              cfg.adapter("mlp.c_proj"));
 }
 
 Tensor MLP::forward(const ParamStore& ps, Saved& s, const Tensor& in) const {
@@ -17,16 +28,26 @@ Tensor MLP::forward(const ParamStore& ps, Saved& s, const Tensor& in) const {
 
 void MLP::forward_activation(const ParamStore& ps, Saved& s, const Tensor& in) const {
   s.fc = c_fc_.forward(ps, in);
-  s.act = Tensor::empty(s.fc.shape());
-  ops::gelu_forward(s.act.data<float>(), s.fc.data<float>(), s.fc.numel());
+  const int64_t N = s.fc.numel() / (kind_ == MlpKind::swiglu ? 2 * local_I_ : local_I_);
+  s.act = Tensor::empty({N, local_I_});
+  const float* fc = s.fc.data<float>();
+  if (kind_ == MlpKind::swiglu)
+    ops::swiglu_forward(s.act.data<float>(), fc, fc + local_I_, N, local_I_, 2 * local_I_);
+  else
+    ops::gelu_forward(s.act.data<float>(), fc, s.fc.numel());
 }
 
 Tensor MLP::backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s) const {
-  // dact is freed as soon as GELU's backward has consumed it, so at most two
-  // [N, 4C/tp] gradient buffers exist at once.
+  // dact is freed as soon as the activation's backward has consumed it, so
+  // at most two intermediate-sized gradient buffers exist at once.
   Tensor dact = c_proj_.backward(g, dout, s.act);
   Tensor dfc = Tensor::empty(s.fc.shape());
-  ops::gelu_backward(dfc.data<float>(), s.fc.data<float>(), dact.data<float>(), s.fc.numel(), ops::GradWrite::overwrite);
+  const float* fc = s.fc.data<float>();
+  if (kind_ == MlpKind::swiglu)
+    ops::swiglu_backward(dfc.data<float>(), dfc.data<float>() + local_I_, dact.data<float>(), fc, fc + local_I_,
+                         s.act.numel() / local_I_, local_I_, 2 * local_I_, ops::GradWrite::overwrite);
+  else
+    ops::gelu_backward(dfc.data<float>(), fc, dact.data<float>(), s.fc.numel(), ops::GradWrite::overwrite);
   dact = Tensor();
   return c_fc_.backward(g, dfc, in);
 }

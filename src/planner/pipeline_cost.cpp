@@ -26,16 +26,16 @@ std::vector<int> balanced_stage_layers(const GPTConfig& cfg, int64_t seq_len, in
 
 // Megatron-LM's count, split where the layers are: training_flops_per_step
 // for one sequence is
-//   72 s L h^2 + 12 s^2 L h + 6 s h V
-// of which each block does 72 s h^2 + 12 s^2 h (3 x its forward's 24 s h^2
-// matmul and 4 s^2 h attention-score FLOPs) and the head 6 s h V. The
+//   6 s L M + 12 s^2 L h + 6 s h V
+// of which each block does 6 s M + 12 s^2 h (3 x its forward's 2 s M matmul
+// and 4 s^2 h attention-score FLOPs; GPT-2: M = 12 h^2) and the head 6 s h V. The
 // embedding lookup does no multiply-adds; the cross-entropy's O(V) per token
 // is left out against the head's O(V h), as Megatron leaves it out.
 std::vector<double> pipeline_layer_costs(const GPTConfig& cfg, int64_t seq_len) {
   LOOM_CHECK(cfg.n_layer >= 1 && seq_len >= 1, "layer costs of ", cfg.n_layer, " layers at seq_len ", seq_len);
   const double s = static_cast<double>(seq_len), h = static_cast<double>(cfg.n_embd);
   const double V = static_cast<double>(cfg.vocab_size);
-  std::vector<double> costs(static_cast<size_t>(cfg.n_layer), 72.0 * s * h * h + 12.0 * s * s * h);
+  std::vector<double> costs(static_cast<size_t>(cfg.n_layer), 6.0 * s * layer_matmul_weights(cfg) + 12.0 * s * s * h);
   costs.back() += 6.0 * s * h * V;
   return costs;
 }

@@ -2,10 +2,16 @@
 
 namespace loom {
 
+double layer_matmul_weights(const GPTConfig& cfg) {
+  const double h = static_cast<double>(cfg.n_embd), I = static_cast<double>(cfg.intermediate());
+  const double kv = static_cast<double>(cfg.kv_heads() * cfg.head_dim());
+  return 2.0 * h * h + 2.0 * h * kv + (cfg.mlp == MlpKind::swiglu ? 3.0 : 2.0) * h * I;
+}
+
 double training_flops_per_step(const GPTConfig& cfg, int64_t B, int64_t T) {
   const double s = static_cast<double>(T), h = static_cast<double>(cfg.n_embd);
   const double L = static_cast<double>(cfg.n_layer), V = static_cast<double>(cfg.vocab_size);
-  return 72.0 * static_cast<double>(B) * s * L * h * h * (1.0 + s / (6.0 * h) + V / (12.0 * L * h));
+  return 6.0 * static_cast<double>(B) * s * (L * layer_matmul_weights(cfg) + 2.0 * s * L * h + h * V);
 }
 
 double StepMemoryEstimate::total() const {
@@ -18,14 +24,20 @@ double activation_bytes_per_layer(const GPTConfig& cfg, int64_t B, int64_t T, in
                                   bool checkpoint_activations) {
   const double N = static_cast<double>(B * T), h = static_cast<double>(cfg.n_embd);
   const double a = static_cast<double>(cfg.n_head), t = static_cast<double>(tp);
+  const double I = static_cast<double>(cfg.intermediate()), hs = static_cast<double>(cfg.head_dim());
   // Token rows outside the tensor-parallel regions.
   const double rows = sequence_parallel && tp > 1 ? N / t : N;
   if (checkpoint_activations) return 4.0 * rows * h;
   // Outside the regions: x, ln_1 out, r, ln_2 out (4 h per row) and the two
-  // LayerNorms' mean and rstd (4 per row). Inside, every token of this rank's
-  // heads and MLP columns: qkv (3h), attention out (h), fc and GELU out (4h
-  // each), i.e. 12 h / t, and attention's log-sum-exp (a / t).
-  return 4.0 * (rows * (4.0 * h + 4.0) + N * (12.0 * h + a) / t);
+  // norms' statistics (LayerNorm: mean and rstd, RMSNorm: rstd). Inside,
+  // every token of this rank's heads and MLP columns: q | k | v (k and v of
+  // its kv heads: split, or the one it shares), attention out (h), the MLP's
+  // input projection (I, SwiGLU's gate | up 2I) and activation (I), and
+  // attention's log-sum-exp (a / t). GPT-2: 12 h / t + a / t.
+  const double stats = cfg.norm == NormKind::layernorm ? 4.0 : 2.0;
+  const double kv = cfg.kv_heads() % tp == 0 ? static_cast<double>(cfg.kv_heads()) * hs / t : hs;
+  const double fc = cfg.mlp == MlpKind::swiglu ? 2.0 * I : I;
+  return 4.0 * (rows * (4.0 * h + stats) + N * ((2.0 * h + fc + I + a) / t + 2.0 * kv));
 }
 
 StepMemoryEstimate estimate_step_memory(const GPTConfig& cfg, int64_t B, int64_t T, bool checkpoint_activations) {
@@ -47,19 +59,21 @@ StepMemoryEstimate estimate_step_memory(const GPTConfig& cfg, int64_t B, int64_t
   head.phase = "output head backward";
   head.terms = state;
   head.terms.push_back({"block activations", f * L * kept_block});
-  head.terms.push_back({"final norm", f * (2.0 * N * C + 2.0 * N)});
+  head.terms.push_back({"final norm", f * (2.0 * N * C + (cfg.norm == NormKind::layernorm ? 2.0 : 1.0) * N)});
   head.terms.push_back({"logits", f * (N * V + 2.0 * N)});
   head.terms.push_back({"head input gradient", f * N * C});
 
   // Peak candidate 2, the last block's MLP backward: every block's
   // activations (the last one rebuilt in full under checkpointing), the
-  // residual-stream gradient, the LayerNorm input gradient and the MLP's two
-  // [N, 4C] gradient buffers.
+  // residual-stream gradient, the norm's input gradient and the MLP's two
+  // gradient buffers ([N, I] each; SwiGLU's gate | up one [N, 2I]).
   StepMemoryEstimate block;
   block.phase = "last block backward";
   block.terms = state;
   block.terms.push_back({"block activations", f * ((L - 1.0) * kept_block + full_block)});
-  block.terms.push_back({"backward buffers", f * (N * C + N * C + 8.0 * N * C)});
+  const double I = static_cast<double>(cfg.intermediate());
+  block.terms.push_back(
+      {"backward buffers", f * (N * C + N * C + (cfg.mlp == MlpKind::swiglu ? 3.0 : 2.0) * N * I)});
 
   return head.total() >= block.total() ? head : block;
 }

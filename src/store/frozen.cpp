@@ -98,14 +98,20 @@ namespace {
 // Calls on_trainable(model id, trainable-flat offset within the piece) for
 // each parameter of every piece the trainable store visits and
 // on_frozen(model id) for the frozen ones between them, so that the model's
-// parameters come in their flat order.
+// parameters come in their flat order. With `owned_only` the trainable
+// store may skip parameters it holds nothing of (a ZeRO store loads only its
+// own); otherwise it must visit every one.
 template <typename Visit, typename OnTrainable, typename OnFrozen>
-void in_model_order(const FrozenParams& f, Visit visit_trainable, OnTrainable on_trainable, OnFrozen on_frozen) {
+void in_model_order(const FrozenParams& f, Visit visit_trainable, OnTrainable on_trainable, OnFrozen on_frozen,
+                    bool owned_only = false) {
   const int n = static_cast<int>(f.layout().params().size());
   int next = 0;
   const auto frozen_until = [&](int end) {
     for (; next < end; ++next) {
-      LOOM_CHECK(f.frozen(next), "trainable parameter ", f.layout().param(next).name, " skipped by the store");
+      if (!f.frozen(next)) {
+        LOOM_CHECK(owned_only, "trainable parameter ", f.layout().param(next).name, " skipped by the store");
+        continue;
+      }
       on_frozen(next);
     }
   };
@@ -168,7 +174,8 @@ void FrozenOptimizer::load_state(const StateFiller& fill) {
         for (auto* b : {&values, &m, &v}) b->resize(static_cast<size_t>(n));
         fill(range_of(layout.param(id)), values.data(), m.data(), v.data());
         frozen_.load(id, values.data());
-      });
+      },
+      true);
 }
 
 void FrozenOptimizer::visit_gradients(const GradientVisitor& visit) {

@@ -10,6 +10,7 @@
 #include "loom/io.h"
 #include "loom/device.h"
 #include "loom/train.h"
+#include "train/model_json.h"
 
 namespace loom {
 
@@ -115,12 +116,7 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
       f["loss_scale"] = {
           {"scale", ls.scale}, {"clean_steps", ls.clean_steps}, {"hysteresis_left", ls.hysteresis_left}};
     }
-    const GPTConfig& mc = t.model().config();
-    f["model"] = {{"n_layer", mc.n_layer},       {"n_head", mc.n_head},         {"n_embd", mc.n_embd},
-                  {"vocab_size", mc.vocab_size}, {"block_size", mc.block_size}, {"dropout", mc.dropout}};
-    if (mc.lora.enabled())
-      f["model"]["lora"] = {{"r", mc.lora.r}, {"alpha", mc.lora.alpha}, {"dropout", mc.lora.dropout},
-                            {"targets", mc.lora.targets}};
+    f["model"] = model_json(t.model().config());
     write_manifest(dir->temp_dir(), f);
     dir->commit();
     write_latest(root, name);
@@ -147,21 +143,12 @@ CheckpointInfo read_checkpoint_info(const fs::path& dir) {
 
 GPTConfig checkpoint_model_config(const CheckpointInfo& info) {
   const nlohmann::json& j = info.fields.at("model");
-  GPTConfig c;
-  c.n_layer = j.at("n_layer").get<int64_t>();
-  c.n_head = j.at("n_head").get<int64_t>();
-  c.n_embd = j.at("n_embd").get<int64_t>();
-  c.vocab_size = j.at("vocab_size").get<int64_t>();
-  c.block_size = j.at("block_size").get<int64_t>();
-  c.dropout = j.at("dropout").get<float>();
-  // Absent: a model without adapters (and checkpoints from before them).
-  if (j.contains("lora")) {
-    const nlohmann::json& l = j.at("lora");
-    c.lora.r = l.at("r").get<int64_t>();
-    c.lora.alpha = l.at("alpha").get<float>();
-    c.lora.dropout = l.at("dropout").get<float>();
-    c.lora.targets = l.at("targets").get<std::vector<std::string>>();
-  }
+  for (const char* key : {"n_layer", "n_head", "n_embd", "vocab_size", "block_size", "dropout"})
+    if (!j.contains(key))
+      throw Error(str("manifest of checkpoint '", info.dir.string(), "' lacks model.", key,
+                      ": the checkpoint is corrupt or not loom's"));
+  // The variants are optional: a manifest written before them holds a GPT-2.
+  const GPTConfig c = model_from_json(j);
   c.validate();
   return c;
 }
@@ -188,6 +175,12 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
     throw Error(str("checkpoint '", dir.string(), "' holds LoRA adapters of rank ", saved.lora.r, " on ",
                     saved.lora.targets.size(), " target(s); the config asks for rank ", mc.lora.r, " on ",
                     mc.lora.targets.size(), ": resume with the lora.* settings the run was started with"));
+  nlohmann::json saved_variant = model_json(saved), variant = model_json(mc);
+  saved_variant.erase("dropout");
+  variant.erase("dropout");
+  if (saved_variant != variant)
+    throw Error(str("checkpoint '", dir.string(), "' holds the model ", saved_variant.dump(),
+                    "; the config asks for ", variant.dump(), ": resume with the config the run was started with"));
   const ParamLayout& layout = trainer.state_layout();
   const SafetensorsReader model_file(dir / kModelFile), optimizer_file(dir / kOptimizerFile);
   Trainer::State state;

@@ -1,5 +1,6 @@
 // A run's config turned into a validated plan: every cross-field rule is
-// checked here, before a byte is allocated or a file is read.
+// checked here, before a byte is allocated or a file is read (but the
+// headers of an imported checkpoint, init.from, which are validated too).
 #include <unistd.h>
 
 #include <algorithm>
@@ -7,16 +8,33 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 
 #include "loom/comm.h"
 #include "loom/config.h"
 #include "loom/memory.h"
 #include "loom/planner.h"
 #include "loom/train.h"
+#include "train/model_json.h"
 
 namespace loom {
 
+namespace fs = std::filesystem;
+
 namespace {
+
+// init.from's directory, or nullopt for a fresh initialization.
+std::optional<fs::path> init_hf_dir(const Config& cfg) {
+  const std::string from = cfg.get<std::string>("init.from");
+  if (from.empty()) return std::nullopt;
+  try {
+    if (std::optional<fs::path> dir = hf_dir_of(from)) return dir;
+  } catch (const Error& e) {
+    throw ConfigError(cfg, "init.from", e.what(), "write init.from = \"hf:DIR\"");
+  }
+  throw ConfigError(cfg, "init.from", "must be empty (a fresh initialization) or \"hf:DIR\" (a Hugging Face checkpoint)",
+                    str("write init.from = \"hf:", from, "\"; to continue a loom run, use `loom train --resume`"));
+}
 
 // The valid values nearest to `x` in [lo, hi], one below and one above where
 // they exist, for the "fix:" part of a message.
@@ -161,6 +179,20 @@ ModelParallelOptions plan_model_parallel(const Config& cfg, const TrainPlan& p) 
                                            nearest_valid(m.n_head, 1, 1024,
                                                          [&](int64_t h) { return h % p.tp == 0 && m.n_embd % h == 0; }))
                            : std::string()}));
+  // kv heads split like the query heads, or, fewer than the ranks, are
+  // shared by an equal number of them.
+  const int64_t nkv = m.kv_heads();
+  if (nkv % p.tp != 0 && p.tp % nkv != 0)
+    throw ConfigError(cfg, "parallel.tp",
+                      str("must divide or be a multiple of model.n_kv_head = ", nkv,
+                          ", since each tensor-parallel rank computes whole kv heads or shares one"),
+                      assign_one_of("parallel.tp", nearest_valid(p.tp, 1, m.n_head, [&](int64_t t) {
+                                      return m.n_head % t == 0 && (nkv % t == 0 || t % nkv == 0);
+                                    })));
+  if (m.intermediate() % p.tp != 0)
+    throw ConfigError(cfg, "parallel.tp", str("must divide the MLP's model.intermediate_size = ", m.intermediate()),
+                      custom ? str("set model.intermediate_size to a multiple of ", p.tp)
+                             : str("choose parallel.tp dividing ", m.intermediate()));
   // The vocabulary is padded to a multiple of tp (the padding rows are masked
   // out of the softmax), so only a vocabulary smaller than the group fails.
   if (m.vocab_size < p.tp)
@@ -400,33 +432,62 @@ void check_memory_fits(const Config& cfg, const TrainPlan& p) {
 
 }  // namespace
 
-GPTConfig model_config_from(const Config& cfg) {
-  const std::string preset = cfg.get<std::string>("model.preset");
-  GPTConfig m;
-  if (preset == "custom") {
-    m.n_layer = cfg.get<int64_t>("model.n_layer");
-    m.n_head = cfg.get<int64_t>("model.n_head");
-    m.n_embd = cfg.get<int64_t>("model.n_embd");
-    m.vocab_size = cfg.get<int64_t>("model.vocab_size");
-    m.block_size = cfg.get<int64_t>("model.block_size");
-  } else {
-    m = GPTConfig::preset(preset);
+namespace {
+
+// init.from's model: config.json's, which the model.* keys a user set may
+// repeat but not contradict.
+GPTConfig imported_model_config(const Config& cfg, const fs::path& dir) {
+  GPTConfig m = gpt_config_from_hf(read_hf_config(dir), dir);
+  const std::string source = (dir / "config.json").string();
+  if (!cfg.is_default("model.preset") && cfg.get<std::string>("model.preset") != "custom")
+    throw ConfigError(cfg, "model.preset", str("contradicts init.from: the model is the one ", source, " describes"),
+                      "remove model.preset or set it to \"custom\" (configs/finetune-hf.toml sets none)");
+  // A key the user set contradicts the checkpoint when setting it changes
+  // the model config.json describes.
+  const nlohmann::json keys = cfg.to_json().at("model"), imported = model_json(m);
+  for (const auto& [name, value] : keys.items()) {
+    const std::string key = "model." + name;
+    if (!imported.contains(name) || name == "dropout" || cfg.is_default(key)) continue;
+    if (!(model_from_json({{name, value}}, m) == m))
+      throw ConfigError(cfg, key, str("contradicts ", source, ", which gives ", imported.at(name).dump()),
+                        str("remove ", key, " or set it to ", imported.at(name).dump(),
+                            " (configs/finetune-hf.toml sets no model shape: the checkpoint's is used)"));
   }
   m.dropout = static_cast<float>(cfg.get<double>("model.dropout"));
+  m.validate();
+  return m;
+}
+
+}  // namespace
+
+GPTConfig model_config_from(const Config& cfg) {
+  GPTConfig m;
+  if (const std::optional<fs::path> dir = init_hf_dir(cfg)) {
+    m = imported_model_config(cfg, *dir);
+  } else {
+    const std::string preset = cfg.get<std::string>("model.preset");
+    m = preset == "custom" ? model_from_json(cfg.to_json().at("model")) : GPTConfig::preset(preset);
+    m.dropout = static_cast<float>(cfg.get<double>("model.dropout"));
+  }
+  // Adapters go on any model, a fresh one or an imported one.
   m.lora.r = cfg.get<int64_t>("lora.r");
   m.lora.alpha = static_cast<float>(cfg.get<double>("lora.alpha"));
   m.lora.dropout = static_cast<float>(cfg.get<double>("lora.dropout"));
   for (const std::string& t : comma_list(cfg.get<std::string>("lora.targets")))
     if (!t.empty()) m.lora.targets.push_back(t);
   m.validate();
-  // The adapters' targets are checked against the model's linear layers.
-  if (m.lora.enabled()) GPT{m};
   return m;
 }
 
 TrainPlan plan_training(const Config& cfg) {
   TrainPlan p;
   p.model = model_config_from(cfg);
+  if (const std::optional<fs::path> dir = init_hf_dir(cfg)) {
+    // Every tensor is checked against config.json before the run allocates.
+    const HFImport checked(*dir);
+    p.init_hf = *dir;
+    if (std::optional<fs::path> tokenizer = hf_tokenizer_file(*dir)) p.init_tokenizer = *tokenizer;
+  }
   p.steps = cfg.get<int64_t>("train.steps");
   p.global_batch = cfg.get<int64_t>("train.batch_size");
   p.micro_batch = cfg.get<int64_t>("train.micro_batch_size");
@@ -463,11 +524,16 @@ TrainPlan plan_training(const Config& cfg) {
                       str("set train.batch_size to ", down > 0 ? str(down, " or ") : std::string(), down + per_step));
   }
   p.accumulation = p.global_batch / per_step;
-  if (cfg.get<int64_t>("data.vocab_size") > p.model.vocab_size)
+  // A tokenizer beside an imported checkpoint replaces data.vocab_size's (the
+  // run checks it against the model once the data is prepared).
+  if (p.init_tokenizer.empty() && cfg.get<int64_t>("data.vocab_size") > p.model.vocab_size)
     throw ConfigError(cfg, "data.vocab_size",
                       str("the tokenizer's vocabulary may not exceed model.vocab_size = ", p.model.vocab_size),
-                      str("set model.vocab_size >= ", cfg.get<int64_t>("data.vocab_size"),
-                          " or lower data.vocab_size"));
+                      p.init_hf.empty() ? str("set model.vocab_size >= ", cfg.get<int64_t>("data.vocab_size"),
+                                              " or lower data.vocab_size")
+                                        : str("set data.vocab_size <= ", p.model.vocab_size, " (the vocab_size of ",
+                                              (p.init_hf / "config.json").string(),
+                                              "), or place the checkpoint's tokenizer beside it"));
   p.options.model_parallel = plan_model_parallel(cfg, p);
 
   TrainOptions& o = p.options;

@@ -39,12 +39,20 @@ std::string format_duration(double s) {
 }
 
 // The dataset a config names: data.dir if it holds a prepared dataset, else
-// data.text prepared into data.dir.
-DatasetInfo ensure_dataset(const Config& cfg, int64_t seq_len, bool quiet) {
+// data.text prepared into data.dir, with `tokenizer` when given (one beside
+// an imported checkpoint) or a tokenizer trained for it.
+DatasetInfo ensure_dataset(const Config& cfg, int64_t seq_len, const std::optional<fs::path>& tokenizer, bool quiet) {
   const fs::path dir = cfg.get<std::string>("data.dir");
   std::error_code ec;
   if (fs::exists(dir / "dataset.json", ec)) {
     DatasetInfo info = DatasetInfo::read(dir);
+    if (tokenizer) {
+      if (info.tokenizer_sha256 != sha256_file(*tokenizer))
+        throw Error(str("the dataset in '", dir.string(), "' was tokenized with ", info.tokenizer.string(),
+                        ", not with ", tokenizer->string(), " beside the checkpoint init.from imports: point "
+                        "data.dir at a new directory to prepare the data with the checkpoint's tokenizer"));
+      return info;
+    }
     const int64_t wanted = cfg.get<int64_t>("data.vocab_size");
     if (info.vocab_size != wanted)
       throw Error(str("the dataset in '", dir.string(), "' was prepared with a vocabulary of ", info.vocab_size,
@@ -60,7 +68,10 @@ DatasetInfo ensure_dataset(const Config& cfg, int64_t seq_len, bool quiet) {
   PrepareOptions po;
   po.inputs = {text};
   po.out_dir = dir;
-  po.vocab_size = static_cast<int>(cfg.get<int64_t>("data.vocab_size"));
+  if (tokenizer)
+    po.tokenizer = *tokenizer;
+  else
+    po.vocab_size = static_cast<int>(cfg.get<int64_t>("data.vocab_size"));
   po.val_fraction = cfg.get<double>("data.val_fraction");
   po.seq_len = static_cast<int>(seq_len);
   return prepare_dataset(po);
@@ -101,14 +112,23 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   host.set_budget(cfg.get_bytes("memory.host_budget"));
 
   // Rank 0 prepares the dataset on first use; the others read it once it exists.
+  const bool imported = !plan.init_hf.empty();
+  const std::optional<fs::path> hf_tokenizer =
+      plan.init_tokenizer.empty() ? std::nullopt : std::optional<fs::path>(plan.init_tokenizer);
   DatasetInfo data;
-  if (root) data = ensure_dataset(cfg, plan.seq_len, quiet);
+  if (root) data = ensure_dataset(cfg, plan.seq_len, hf_tokenizer, quiet);
   if (world) world->barrier();
-  if (!root) data = ensure_dataset(cfg, plan.seq_len, true);
+  if (!root) data = ensure_dataset(cfg, plan.seq_len, hf_tokenizer, true);
   if (data.vocab_size > plan.model.vocab_size)
     throw Error(str("the dataset in '", data.dir.string(), "' was tokenized with a vocabulary of ", data.vocab_size,
-                    " but model.vocab_size = ", plan.model.vocab_size,
-                    ": set model.vocab_size >= ", data.vocab_size, " or prepare the data with a smaller vocabulary"));
+                    " but ",
+                    imported ? str("the checkpoint in '", plan.init_hf.string(), "' has vocab_size = ")
+                             : std::string("model.vocab_size = "),
+                    plan.model.vocab_size, ": ",
+                    imported ? std::string("prepare the data with the checkpoint's tokenizer (place it beside "
+                                           "config.json) or one of at most that many tokens")
+                             : str("set model.vocab_size >= ", data.vocab_size,
+                                   " or prepare the data with a smaller vocabulary")));
   const Tokenizer tokenizer = Tokenizer::load(data.tokenizer);
 
   std::unique_ptr<DeviceMesh> mesh;
@@ -146,6 +166,11 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
     CheckpointInfo info = load_checkpoint(*latest, trainer);
     loader.restore(info.fields.at("loader").get<LoaderState>());
     say(str("resumed from ", latest->string(), " at step ", info.step));
+  } else if (imported) {
+    const HFImport src(plan.init_hf);
+    load_hf_weights(src, trainer);
+    say(str("initialized from ", plan.init_hf.string(), " (", src.hf.architecture, ", ",
+            src.checkpoint.tensors().size(), " tensors)"));
   }
 
   // MFU is against the whole job's peak: each rank measures its own share of

@@ -182,11 +182,14 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, DeviceMesh& m
     const bool holds_table = stage == 0 || stage == pp - 1;
     embedding_group_ = world.split(holds_table ? mesh.coord(MeshAxis::dp) * tp + mesh.coord(MeshAxis::tp) : -1, stage);
   }
-  // A partial gradient (sequence parallelism's, a tensor-parallel LoRA
-  // adapter's replicated factor) is summed over tp before the dp reduction.
+  // A gradient that is a partial sum over tp (sequence parallelism's norms,
+  // kv heads replicated over the tp ranks, a tensor-parallel LoRA adapter's
+  // replicated factor) is summed after the schedule, before the data-parallel
+  // reduction.
   const auto& params = model_.layout().params();
-  const bool partial = std::any_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.parallel.partial_grad; });
-  defer_reduction_ = pp > 1 || tpl.splits_tokens() || partial;
+  defer_reduction_ = pp > 1 || std::any_of(params.begin(), params.end(), [&](const ParamSpec& p) {
+                       return p.parallel.partial_grad && tpl.size() > 1;
+                     });
   ZeroOptimizer& zero = build_zero_stores();
   std::vector<FlatRange> duplicates;
   for (const ParamSpec& p : store_layout().params())
@@ -530,6 +533,19 @@ void Trainer::load_state(const State& counters, const StateFiller& fill) {
   }
   optim_->load_state(fill);
   load_counters(counters);
+}
+
+void Trainer::load_weights(const WeightFiller& fill) {
+  ops::synchronize();
+  const ParamLayout& layout = model_.layout();
+  optim_->load_state([&](FlatRange r, float* p, float* m, float* v) {
+    fill(layout, r, p);
+    std::fill_n(m, r.numel(), 0.0f);
+    std::fill_n(v, r.numel(), 0.0f);
+  });
+  // Step 0; a fresh State has no loss-scaler state, so an fp16 scaler keeps
+  // its initial one.
+  load_counters(State{});
 }
 
 }  // namespace loom

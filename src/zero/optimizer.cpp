@@ -169,11 +169,21 @@ void ZeroOptimizer::visit_state(const StateVisitor& visit) {
 }
 
 void ZeroOptimizer::load_state(const StateFiller& fill) {
-  const int64_t n = layout_.numel();
-  Tensor p = Tensor::empty({n}, DType::f32, Tier::host), m = Tensor::empty({n}, DType::f32, Tier::host),
-         v = Tensor::empty({n}, DType::f32, Tier::host);
-  fill({0, n}, p.data<float>(), m.data<float>(), v.data<float>());
-  load_state(p, m, v);
+  Tensor staged;
+  for (const ParamSpec& p : layout_.params()) {
+    const FlatRange piece{p.offset, p.offset + p.numel()};
+    if (std::none_of(ranges_.begin(), ranges_.end(),
+                     [&](FlatRange r) { return r.begin < piece.end && piece.begin < r.end; }))
+      continue;
+    const int64_t n = piece.numel();
+    staged = Tensor::empty({3 * n}, DType::f32, Tier::host);
+    float* values = staged.data<float>();
+    fill(piece, values, values + n, values + 2 * n);
+    take_owned(piece, values, values + n, values + 2 * n);
+    // The copies read the staging buffer; the next parameter replaces it.
+    ops::synchronize();
+  }
+  publish_loaded();
 }
 
 void ZeroOptimizer::visit_gradients(const GradientVisitor& visit) {
@@ -185,18 +195,30 @@ void ZeroOptimizer::load_state(const Tensor& params, const Tensor& exp_avg, cons
   const int64_t n = layout_.numel();
   LOOM_CHECK(params.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n, "state of ", params.numel(),
              " elements for a model of ", n);
+  take_owned({0, n}, params.data<float>(), exp_avg.data<float>(), exp_avg_sq.data<float>());
+  publish_loaded();
+}
+
+void ZeroOptimizer::take_owned(FlatRange piece, const float* params, const float* exp_avg, const float* exp_avg_sq) {
   float* m = adamw_->exp_avg().data<float>();
   float* v = adamw_->exp_avg_sq().data<float>();
-  // The host's state is copied in stream order; the caller may free it when
-  // this returns.
   for (size_t i = 0; i < ranges_.size(); ++i) {
     const FlatRange r = ranges_[i];
-    ops::copy(master(i), params.data<float>() + r.begin, static_cast<size_t>(r.numel()) * 4);
-    ops::copy(m + adamw_->offset(i), exp_avg.data<float>() + r.begin, static_cast<size_t>(r.numel()) * 4);
-    ops::copy(v + adamw_->offset(i), exp_avg_sq.data<float>() + r.begin, static_cast<size_t>(r.numel()) * 4);
-    params_.assign(r, master(i));
+    const int64_t begin = std::max(r.begin, piece.begin), end = std::min(r.end, piece.end);
+    if (begin >= end) continue;
+    const size_t bytes = static_cast<size_t>(end - begin) * 4;
+    const int64_t into = begin - r.begin, from = begin - piece.begin;
+    ops::copy(master(i) + into, params + from, bytes);
+    ops::copy(m + adamw_->offset(i) + into, exp_avg + from, bytes);
+    ops::copy(v + adamw_->offset(i) + into, exp_avg_sq + from, bytes);
   }
+}
+
+void ZeroOptimizer::publish_loaded() {
+  for (size_t i = 0; i < ranges_.size(); ++i) params_.assign(ranges_[i], master(i));
   params_.publish();
+  // The host's state was copied in stream order; the caller may free it when
+  // this returns.
   ops::synchronize();
 }
 

@@ -18,30 +18,9 @@ namespace {
 namespace fs = std::filesystem;
 using testing::error_of;
 using testing::hf_fixture;
+using testing::edited_copy;
+using testing::Raw;
 using testing::TempDir;
-
-struct Raw {
-  std::string name;
-  DType dtype;
-  Shape shape;
-  std::vector<uint8_t> bytes;
-};
-
-std::vector<Raw> load_all(const fs::path& file) {
-  const SafetensorsReader r(file);
-  std::vector<Raw> out;
-  for (const SafetensorsReader::Entry& e : r.entries()) {
-    out.push_back({e.name, e.dtype, e.shape, std::vector<uint8_t>(e.bytes)});
-    r.read(e.name, out.back().bytes.data(), e.bytes);
-  }
-  return out;
-}
-
-void save_all(const fs::path& file, const std::vector<Raw>& tensors) {
-  std::vector<SafetensorsTensor> list;
-  for (const Raw& t : tensors) list.push_back({t.name, t.dtype, t.shape, t.bytes.data()});
-  write_safetensors(file, list, {{"format", "pt"}});
-}
 
 std::vector<float> read_all(const HFCheckpoint& c, const std::string& name) {
   std::vector<float> v(static_cast<size_t>(shape_numel(c.tensor(name).shape)));
@@ -53,17 +32,6 @@ std::vector<float> read_param(const HFCheckpoint& c, const HFParam& p) {
   std::vector<float> v(static_cast<size_t>(shape_numel(p.loom_shape)));
   c.read_param(p, v.data());
   return v;
-}
-
-// A copy of fixture `name` whose model.safetensors `edit` rewrites.
-template <typename Edit>
-fs::path edited_copy(const TempDir& dir, const std::string& name, Edit edit) {
-  const fs::path out = dir / name;
-  fs::copy(hf_fixture(name), out, fs::copy_options::recursive);
-  std::vector<Raw> tensors = load_all(out / "model.safetensors");
-  edit(tensors);
-  save_all(out / "model.safetensors", tensors);
-  return out;
 }
 
 fs::path sharded_copy(const TempDir& dir) {

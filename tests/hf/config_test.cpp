@@ -31,7 +31,7 @@ TEST(HFConfig, ReadsGpt2Fixture) {
   EXPECT_TRUE(c.tie_word_embeddings);
   EXPECT_TRUE(c.attention_bias);
   EXPECT_TRUE(c.mlp_bias);
-  EXPECT_EQ(c.rope_scaling.type, HFRopeType::none);
+  EXPECT_EQ(c.rope_scaling.type, cpu::RopeScalingType::none);
   EXPECT_EQ(c.dtype, DType::f32);
 }
 
@@ -49,7 +49,7 @@ TEST(HFConfig, ReadsLlamaFixtureWithLlama3Rope) {
   EXPECT_FALSE(c.attention_bias);
   EXPECT_FALSE(c.mlp_bias);
   EXPECT_DOUBLE_EQ(c.rope_theta, 10000.0);
-  EXPECT_EQ(c.rope_scaling.type, HFRopeType::llama3);
+  EXPECT_EQ(c.rope_scaling.type, cpu::RopeScalingType::llama3);
   EXPECT_DOUBLE_EQ(c.rope_scaling.factor, 8.0);
   EXPECT_DOUBLE_EQ(c.rope_scaling.low_freq_factor, 1.0);
   EXPECT_DOUBLE_EQ(c.rope_scaling.high_freq_factor, 4.0);
@@ -61,7 +61,7 @@ TEST(HFConfig, ReadsMultiQueryFixtureWithLinearRope) {
   const HFModelConfig c = read_hf_config(hf_fixture("llama_mqa"));
   EXPECT_EQ(c.num_key_value_heads, 1);
   EXPECT_EQ(c.num_hidden_layers, 1);
-  EXPECT_EQ(c.rope_scaling.type, HFRopeType::linear);
+  EXPECT_EQ(c.rope_scaling.type, cpu::RopeScalingType::linear);
   EXPECT_DOUBLE_EQ(c.rope_scaling.factor, 2.0);
 }
 

@@ -32,8 +32,7 @@ struct Case {
 // no head), so the input comes from outside and is in `before`; the output,
 // the same size, stands in for it in `after`, and the difference is exactly
 // the layers' saved activations.
-std::vector<double> measure(const Case& c) {
-  const GPTConfig cfg = model_config();
+std::vector<double> measure(const GPTConfig& cfg, const Case& c) {
   const BatchShape bs{2, 64};
   std::vector<double> measured(static_cast<size_t>(c.tp), 0.0);
   run_local(c.tp, [&](Communicator& world) {
@@ -58,17 +57,33 @@ std::vector<double> measure(const Case& c) {
   return measured;
 }
 
+// LLaMA's variants: RMSNorm's one statistic, SwiGLU's gate | up, 2 kv heads
+// (split over 2 ranks, one shared by 2 of 4 ranks), no learned positions.
+GPTConfig llama_config() {
+  GPTConfig c = model_config();
+  c.norm = NormKind::rmsnorm;
+  c.positions = PositionKind::rope;
+  c.mlp = MlpKind::swiglu;
+  c.intermediate_size = 320;
+  c.n_kv_head = 2;
+  c.packed_qkv = false;
+  c.attention_bias = c.mlp_bias = c.tied_embeddings = false;
+  return c;
+}
+
 TEST(ActivationMemory, MatchesTheAdaptedKorthikantiFormula) {
-  const GPTConfig cfg = model_config();
-  for (const Case& c : {Case{1, false, false}, Case{2, false, false}, Case{2, true, false}, Case{4, false, false},
-                        Case{4, true, false}, Case{1, false, true}, Case{2, true, true}}) {
-    const double expected =
-        static_cast<double>(cfg.n_layer) * activation_bytes_per_layer(cfg, 2, 64, c.tp, c.sequence_parallel, c.recompute);
-    for (double bytes : measure(c)) {
-      std::printf("tp=%d sp=%d recompute=%d: %.0f bytes per rank, formula %.0f (ratio %.4f)\n", c.tp,
-                  c.sequence_parallel, c.recompute, bytes, expected, bytes / expected);
-      EXPECT_NEAR(bytes / expected, 1.0, 0.01) << "tp " << c.tp << " sp " << c.sequence_parallel << " recompute "
-                                               << c.recompute;
+  for (const GPTConfig& cfg : {model_config(), llama_config()}) {
+    for (const Case& c : {Case{1, false, false}, Case{2, false, false}, Case{2, true, false}, Case{4, false, false},
+                          Case{4, true, false}, Case{1, false, true}, Case{2, true, true}}) {
+      const double expected = static_cast<double>(cfg.n_layer) *
+                              activation_bytes_per_layer(cfg, 2, 64, c.tp, c.sequence_parallel, c.recompute);
+      for (double bytes : measure(cfg, c)) {
+        std::printf("%s tp=%d sp=%d recompute=%d: %.0f bytes per rank, formula %.0f (ratio %.4f)\n",
+                    cfg.mlp == MlpKind::swiglu ? "llama" : "gpt2", c.tp, c.sequence_parallel, c.recompute, bytes,
+                    expected, bytes / expected);
+        EXPECT_NEAR(bytes / expected, 1.0, 0.01)
+            << "tp " << c.tp << " sp " << c.sequence_parallel << " recompute " << c.recompute;
+      }
     }
   }
 }

@@ -37,7 +37,7 @@ TEST(LoRA, GradientsMatchFiniteDifferences) {
   constexpr int64_t N = 6, in = 5, out = 4;
   ParamLayout layout;
   const int group = layout.add_group("g");
-  const Linear lin(layout, "blk.fc", in, out, group, 0.3f, {}, {}, lora({"fc"}));
+  const Linear lin(layout, "blk.fc", in, out, group, 0.3f, {}, {}, true, lora({"fc"}));
   ASSERT_GE(lin.lora_a_id(), 0);
   EXPECT_FALSE(layout.param(lin.weight_id()).trainable);
   EXPECT_FALSE(layout.param(lin.bias_id()).trainable);
@@ -77,7 +77,7 @@ TEST(LoRA, GradientsMatchFiniteDifferences) {
 TEST(LoRA, AInitializedAsPeftDoesAndBZero) {
   constexpr int64_t in = 400, r = 8;
   ParamLayout layout;
-  const Linear lin(layout, "c_attn", in, 30, layout.add_group("g"), 0.02f, {}, {}, lora({"c_attn"}, r));
+  const Linear lin(layout, "c_attn", in, 30, layout.add_group("g"), 0.02f, {}, {}, true, lora({"c_attn"}, r));
   ParamStore ps(layout, 11);
   const HostSection host;
   const Tensor A = ps.param(lin.lora_a_id());

@@ -69,7 +69,11 @@ TEST(PeftExport, AdaptersLandUnderPeftsNamesWithTheirValues) {
   EXPECT_EQ(ours["peft_type"], peft["peft_type"]);
   EXPECT_EQ(ours["r"], 4);
   EXPECT_EQ(ours["lora_alpha"], 16.0);
-  EXPECT_EQ(ours["target_modules"], nlohmann::json({"c_attn", "mlp.c_proj"}));
+  // Whole module paths: "c_proj" alone would name the attention's too.
+  nlohmann::json modules = nlohmann::json::array();
+  for (int i = 0; i < cfg.n_layer; ++i)
+    for (const char* m : {"attn.c_attn", "mlp.c_proj"}) modules.push_back(str("transformer.h.", i, ".", m));
+  EXPECT_EQ(ours["target_modules"], modules);
   EXPECT_TRUE(ours["fan_in_fan_out"].get<bool>());  // GPT-2's Conv1D layers
 }
 
@@ -102,7 +106,7 @@ TEST(PeftExport, MergedExportAddsTheScaledProductToTheBaseWeights) {
   ParamStore ps(model.layout(), 3);
   give_b_values(model, ps);
   testing::TempDir dir;
-  export_hf_gpt2(model, ps, dir.path() / "hf");
+  export_hf(model, ps, dir.path() / "hf");
   const SafetensorsReader r(dir.path() / "hf" / "model.safetensors");
   for (const auto& e : r.entries()) EXPECT_EQ(e.name.find("lora_"), std::string::npos) << e.name;
   const HostSection host;
@@ -112,7 +116,7 @@ TEST(PeftExport, MergedExportAddsTheScaledProductToTheBaseWeights) {
   const ParamSpec& b = model.layout().param(model.layout().find("h.1.mlp.c_fc.lora_B.weight"));
   const int64_t out = w.shape[0], in = w.shape[1];
   std::vector<float> stored(static_cast<size_t>(w.numel()));
-  r.read("h.1.mlp.c_fc.weight", stored.data(), stored.size() * sizeof(float));
+  r.read("transformer.h.1.mlp.c_fc.weight", stored.data(), stored.size() * sizeof(float));
   double worst = 0.0, delta = 0.0;
   for (int64_t o = 0; o < out; ++o)
     for (int64_t i = 0; i < in; ++i) {

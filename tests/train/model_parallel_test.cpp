@@ -107,6 +107,55 @@ std::vector<Layout> layouts() {
 INSTANTIATE_TEST_SUITE_P(Layouts, ModelParallelFp32, ::testing::ValuesIn(layouts()),
                          [](const ::testing::TestParamInfo<Layout>& i) { return i.param.name; });
 
+// LLaMA's variants (RMSNorm, RoPE, SwiGLU of an intermediate size that is not
+// 4C, no biases, an untied head) under ZeRO-3 and tensor parallelism: k and v
+// split by kv heads (2 kv heads on 2 ranks) or replicated with partial
+// gradients (1 kv head on 2 ranks, 2 on 4).
+struct LlamaLayout {
+  Layout layout;
+  int n_kv_head = 1;
+};
+
+class LlamaModelParallelFp32 : public ::testing::TestWithParam<LlamaLayout> {};
+
+TEST_P(LlamaModelParallelFp32, MatchesTheReferenceAndIsBitIdenticalRunToRun) {
+  const int n_kv_head = GetParam().n_kv_head;
+  const auto llama = [n_kv_head](GPTConfig& c) {
+    const GPTConfig tiny = GPTConfig::preset("llama-tiny");
+    c.norm = tiny.norm;
+    c.positions = tiny.positions;
+    c.mlp = tiny.mlp;
+    c.packed_qkv = tiny.packed_qkv;
+    c.attention_bias = c.mlp_bias = c.tied_embeddings = false;
+    c.intermediate_size = 72;
+    c.n_kv_head = n_kv_head;
+  };
+  DataParallelRun ref_run = testing::layout(0, 0);
+  ref_run.n_layer = kLayers;
+  ref_run.n_head = kHeads;
+  ref_run.model_variant = llama;
+  const RunResult ref = testing::run_layout(ref_run);
+  DataParallelRun r = run_of(GetParam().layout);
+  r.model_variant = llama;
+  const RunResult a = testing::run_layout(r);
+  std::printf("%s, %d kv heads: max loss rel diff %.3g, params rel diff %.3g\n", GetParam().layout.name.c_str(),
+              n_kv_head, testing::max_loss_rel_diff(a, ref), testing::param_rel_diff(a, ref));
+  EXPECT_TRUE(testing::matches_reference(a, ref, 1e-5));
+  const RunResult b = testing::run_layout(r);
+  EXPECT_TRUE(testing::bit_equal(a.params, b.params));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, LlamaModelParallelFp32,
+    ::testing::Values(LlamaLayout{{.name = "dp2_zero3", .dp = 2, .stage = 3}, 2},
+                      LlamaLayout{{.name = "tp2_kv2", .tp = 2}, 2}, LlamaLayout{{.name = "tp2_kv1", .tp = 2}, 1},
+                      LlamaLayout{{.name = "tp4_kv2", .tp = 4}, 2},
+                      LlamaLayout{{.name = "tp2_sp_kv1", .tp = 2, .sequence_parallel = true}, 1},
+                      LlamaLayout{{.name = "dp2_tp2_pp2_checkpointing_kv1", .dp = 2, .tp = 2, .pp = 2,
+                                   .checkpoint = true, .accumulation = 2},
+                                  1}),
+    [](const ::testing::TestParamInfo<LlamaLayout>& i) { return i.param.layout.name; });
+
 // The comparison can fail: with the tensor-parallel group's floating-point
 // sums doubled (the partial gradients, and the activations' reductions), or
 // the data-parallel group's on a hybrid.

@@ -352,6 +352,31 @@ TEST(PlanTraining, TensorParallelMustDivideTheHeads) {
   EXPECT_EQ(e.find("or model.n_head"), std::string::npos) << e;
 }
 
+TEST(PlanTraining, LlamaKeysBuildTheModelAndTheirTensorParallelRules) {
+  const TrainPlan p = plan_training(tiny({"model.n_head=4", "model.norm=rmsnorm", "model.positions=rope",
+                                          "model.mlp=swiglu", "model.n_kv_head=2", "model.packed_qkv=false",
+                                          "model.rope_scaling=linear", "model.rope_scaling_factor=2",
+                                          "model.tied_embeddings=false", "parallel.tp=4"}));
+  EXPECT_EQ(p.model.norm, NormKind::rmsnorm);
+  EXPECT_EQ(p.model.positions, PositionKind::rope);
+  EXPECT_EQ(p.model.mlp, MlpKind::swiglu);
+  EXPECT_EQ(p.model.kv_heads(), 2);
+  EXPECT_EQ(p.model.rope_scaling.type, cpu::RopeScalingType::linear);
+  EXPECT_FALSE(p.model.tied_embeddings);
+  std::string e = error_of([] {
+    plan_training(tiny({"model.n_head=6", "model.n_embd=48", "model.n_kv_head=3", "model.packed_qkv=false",
+                        "parallel.tp=2"}));
+  });
+  EXPECT_CONTAINS(e, "must divide or be a multiple of model.n_kv_head = 3");
+  EXPECT_CONTAINS(e, "fix: parallel.tp = 1 or 3");
+  e = error_of([] { plan_training(tiny({"model.n_head=4", "model.intermediate_size=100", "parallel.tp=8"})); });
+  EXPECT_CONTAINS(e, "model.n_head = 4");  // the heads' rule comes first
+  e = error_of([] { plan_training(tiny({"model.n_head=4", "model.intermediate_size=102", "parallel.tp=4"})); });
+  EXPECT_CONTAINS(e, "must divide the MLP's model.intermediate_size = 102");
+  e = error_of([] { plan_training(tiny({"model.n_kv_head=3"})); });
+  EXPECT_CONTAINS(e, "model.n_kv_head = 3");
+}
+
 TEST(PlanTraining, TensorParallelPadsTheVocabularyButNeedsARowPerRank) {
   // 510 rows over 4 ranks is padded to 512 by the model: no error.
   EXPECT_EQ(plan_training(tiny({"model.n_head=4", "parallel.tp=4", "model.vocab_size=510", "data.vocab_size=500"})).tp,

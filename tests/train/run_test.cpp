@@ -22,6 +22,18 @@ namespace fs = std::filesystem;
 using testing::error_of;
 using testing::TempDir;
 
+// The weights of a run's latest checkpoint in a whole model.
+struct CheckpointWeights {
+  explicit CheckpointWeights(const fs::path& run)
+      : info(read_checkpoint_info(resolve_checkpoint(run))), model(checkpoint_model_config(info)),
+        ps(model.layout(), 0) {
+    load_weights(info, model, ps);
+  }
+  CheckpointInfo info;
+  GPT model;
+  ParamStore ps;
+};
+
 // A dataset prepared once for the whole suite: 80 KB of Shakespeare, vocab 512.
 class MainJob : public ::testing::Test {
  protected:
@@ -411,6 +423,49 @@ TEST_F(MainJob, ResumeWithoutACheckpointOrWithAnotherModelIsAnError) {
   Config wider = config("other");
   wider.set_override("model.n_embd=64");
   EXPECT_CONTAINS(error_of([&] { run_training(wider, resume); }), "the config asks for");
+  Config rms = config("other");
+  rms.set_override("model.norm=rmsnorm");
+  EXPECT_CONTAINS(error_of([&] { run_training(rms, resume); }), "the config asks for");
+}
+
+TEST_F(MainJob, LlamaRunRecordsItsVariantsAndResumes) {
+  Config c = config("llama");
+  for (const char* o : {"model.norm=rmsnorm", "model.positions=rope", "model.rope_scaling=linear",
+                        "model.rope_scaling_factor=2", "model.mlp=swiglu", "model.intermediate_size=80",
+                        "model.n_kv_head=1", "model.packed_qkv=false", "model.attention_bias=false",
+                        "model.mlp_bias=false", "model.tied_embeddings=false"})
+    c.set_override(o);
+  RunOptions stop = quiet();
+  stop.stop_after = 5;
+  run_training(c, stop);
+  const GPTConfig want = plan_training(c).model;
+  const GPTConfig saved = checkpoint_model_config(read_checkpoint_info(resolve_checkpoint(*dir_ / "llama")));
+  EXPECT_EQ(saved.norm, want.norm);
+  EXPECT_EQ(saved.positions, want.positions);
+  EXPECT_EQ(saved.rope_scaling.type, want.rope_scaling.type);
+  EXPECT_EQ(saved.rope_scaling.factor, want.rope_scaling.factor);
+  EXPECT_EQ(saved.mlp, want.mlp);
+  EXPECT_EQ(saved.intermediate(), want.intermediate());
+  EXPECT_EQ(saved.kv_heads(), want.kv_heads());
+  EXPECT_EQ(saved.packed_qkv, want.packed_qkv);
+  EXPECT_EQ(saved.attention_bias, want.attention_bias);
+  EXPECT_EQ(saved.tied_embeddings, want.tied_embeddings);
+  EXPECT_EQ(saved.num_params(), want.num_params());
+  // The checkpoint loads as the same model and samples through the KV cache.
+  const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(*dir_ / "llama"));
+  GPT model(checkpoint_model_config(info));
+  ParamStore ps(model.layout(), 0);
+  load_weights(info, model, ps);
+  const Tokenizer tok = Tokenizer::load(info.fields.at("tokenizer").get<std::string>());
+  const std::string sample = generate(model, ps, tok, "ROMEO:", 20, SampleOptions{});
+  EXPECT_FALSE(sample.empty());
+  EXPECT_EQ(sample, generate(model, ps, tok, "ROMEO:", 20, SampleOptions{}));
+  RunOptions resume = quiet();
+  resume.resume = true;
+  run_training(c, resume);
+  const std::vector<double> l = losses(*dir_ / "llama" / "metrics.jsonl");
+  ASSERT_EQ(l.size(), 20u);
+  EXPECT_LT(l.back(), l.front());
 }
 
 TEST_F(MainJob, VocabularyMismatchAndShortCorpusAreErrors) {
@@ -441,31 +496,69 @@ TEST_F(MainJob, ExportWritesHuggingFaceNamesAndConv1DLayouts) {
   cfg.block_size = 6;
   GPT model(cfg);
   ParamStore ps(model.layout(), 3);
-  export_hf_gpt2(model, ps, *dir_ / "hf");
+  export_hf(model, ps, *dir_ / "hf");
   SafetensorsReader r(*dir_ / "hf" / "model.safetensors");
   EXPECT_EQ(r.entries().size(), model.layout().params().size());
   const int fc = model.layout().find("h.0.mlp.c_fc.weight");
-  const auto& e = r.entry("h.0.mlp.c_fc.weight");
+  const auto& e = r.entry("transformer.h.0.mlp.c_fc.weight");
   EXPECT_EQ(e.shape, (Shape{8, 32}));  // [in, out]
-  Tensor t = r.load("h.0.mlp.c_fc.weight");
+  Tensor t = r.load("transformer.h.0.mlp.c_fc.weight");
   const float* src = ps.param(fc).data<float>();  // [out, in]
   for (int64_t o = 0; o < 32; ++o)
     for (int64_t i = 0; i < 8; ++i) ASSERT_EQ(t.data<float>()[i * 32 + o], src[o * 8 + i]);
-  EXPECT_EQ(r.entry("wte.weight").shape, (Shape{11, 8}));
-  EXPECT_EQ(r.entry("h.0.ln_1.bias").shape, (Shape{8}));
+  EXPECT_EQ(r.entry("transformer.wte.weight").shape, (Shape{11, 8}));
+  EXPECT_EQ(r.entry("transformer.h.0.ln_1.bias").shape, (Shape{8}));
   nlohmann::json j = nlohmann::json::parse(read_file(*dir_ / "hf" / "config.json"));
   EXPECT_EQ(j.at("model_type"), "gpt2");
   EXPECT_EQ(j.at("n_positions"), 6);
+  cfg.norm = NormKind::rmsnorm;
+  GPT rms(cfg);
+  ParamStore rms_params(rms.layout(), 3);
+  // RMSNorm with GPT-2's other variants is neither architecture.
+  EXPECT_CONTAINS(error_of([&] { export_hf(rms, rms_params, *dir_ / "hf-rms"); }), "mixes their variants");
+}
+
+TEST_F(MainJob, ARunStartsFromAnExportedCheckpointWithItsTokenizer) {
+  Config a = config("hf-source");
+  a.set_override("train.steps=5");
+  const EvalResult source = run_training(a, quiet());
+  // `loom export`: the weights, and the tokenizer beside them.
+  const CheckpointWeights w(*dir_ / "hf-source");
+  const fs::path hf = *dir_ / "hf-export";
+  export_hf(w.model, w.ps, hf);
+  const fs::path tokenizer = w.info.fields.at("tokenizer").get<std::string>();
+  fs::copy_file(tokenizer, hf / tokenizer.filename());
+
+  // With no learning rate the imported weights stay as they are: the final
+  // validation is the source run's.
+  for (const char* tp : {"1", "2"}) {
+    Config b = config(str("hf-import-tp", tp));
+    b.set_override(str("init.from=hf:", hf.string()));
+    b.set_override(str("parallel.tp=", tp));
+    b.set_override("train.steps=2");
+    b.set_override("train.lr=0");
+    b.set_override("train.min_lr=0");
+    const EvalResult imported = run_training(b, quiet());
+    if (std::string(tp) == "1")
+      EXPECT_EQ(imported.loss_per_token, source.loss_per_token);
+    else
+      EXPECT_NEAR(imported.loss_per_token, source.loss_per_token, 1e-5 * source.loss_per_token);
+  }
+  // A model key that contradicts config.json stops the run before it starts.
+  Config wider = config("hf-wider");
+  wider.set_override(str("init.from=hf:", hf.string()));
+  wider.set_override("model.n_embd=64");
+  EXPECT_CONTAINS(error_of([&] { run_training(wider, quiet()); }), "model.n_embd");
 }
 
 TEST_F(MainJob, GenerationIsSeededAndEvaluationReportsPerCharLoss) {
   Config c = config("gen");
   c.set_override("train.steps=5");
   const EvalResult final_eval = run_training(c, quiet());
-  const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(*dir_ / "gen"));
-  GPT model(checkpoint_model_config(info));
-  ParamStore ps(model.layout(), 0);
-  load_weights(info, model, ps);
+  CheckpointWeights w(*dir_ / "gen");
+  const CheckpointInfo& info = w.info;
+  GPT& model = w.model;
+  ParamStore& ps = w.ps;
   const Tokenizer tok = Tokenizer::load(info.fields.at("tokenizer").get<std::string>());
   SampleOptions so;
   so.top_k = 20;

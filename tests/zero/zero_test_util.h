@@ -30,6 +30,8 @@ struct DataParallelRun {
   bool checkpoint_activations = false;
   ModelParallelOptions model_parallel;
   int n_layer = 2, n_head = 2;
+  // Turns small_gpt's GPT-2 into another variant of the model (LLaMA's).
+  std::function<void(GPTConfig&)> model_variant;
   // Chunk placement (memory.h) and the per-rank budgets it runs under.
   MemoryOptions memory;
   size_t device_budget = kUnlimited, host_budget = kUnlimited;
@@ -40,6 +42,11 @@ struct DataParallelRun {
   // second (as prompts of fine-tuning data do), so the ranks hold unequal
   // numbers of targets.
   bool masked_targets = false;
+  // Another model than small_gpt, and what each rank does once its Trainer
+  // is built (an imported checkpoint's weights); RunResult::initial_params
+  // then holds the state it left.
+  std::optional<GPTConfig> model;
+  std::function<void(Trainer&)> init;
   std::vector<std::string> freeze;  // TrainOptions::freeze
   LoRAConfig lora;                  // the model's adapters
   bool uses_mesh() const { return mesh || tp > 1 || pp > 1; }
@@ -51,6 +58,7 @@ struct RunResult {
   std::vector<float> params;     // the final weights (master weights), layout order
   std::vector<float> exp_avg, exp_avg_sq;
   std::vector<float> grads;  // step 0's reduced gradient (Trainer::gather_gradients)
+  std::vector<float> initial_params;  // after DataParallelRun::init, when given
   MemoryReport memory;  // rank 0's, after the last step
   ChunkPlacement placement;  // rank 0's final placement under a memory policy
 };
@@ -140,8 +148,9 @@ inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& re
   MemoryContext::Install install(context);
   context.tier(Tier::device).set_budget(r.device_budget);
   context.tier(Tier::host).set_budget(r.host_budget);
-  GPTConfig cfg = small_gpt(r.dropout, r.n_layer, r.n_head);
-  cfg.lora = r.lora;
+  GPTConfig cfg = r.model ? *r.model : small_gpt(r.dropout, r.n_layer, r.n_head);
+  if (r.model_variant) r.model_variant(cfg);
+  if (r.lora.enabled()) cfg.lora = r.lora;
   TrainOptions opts = small_options(r);
   int step = 0;
   Trainer* trainer_of_step = nullptr;
@@ -172,6 +181,13 @@ inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& re
   std::unique_ptr<Trainer> trainer =
       mesh ? std::make_unique<Trainer>(cfg, opts, *mesh) : std::make_unique<Trainer>(cfg, opts, comm);
   trainer_of_step = trainer.get();
+  if (r.init) {
+    r.init(*trainer);
+    context.tier(Tier::host).set_budget(kUnlimited);
+    const Trainer::State initial = trainer->gather_state();
+    context.tier(Tier::host).set_budget(r.host_budget);
+    if (!comm || comm->rank() == 0) result.initial_params = to_vector(initial.params);
+  }
   const int dp = mesh ? r.dp : comm ? comm->size() : 1;
   const int rank = mesh ? mesh->coord(MeshAxis::dp) : comm ? comm->rank() : 0;
   std::vector<StepStats> stats;

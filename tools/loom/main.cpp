@@ -1,6 +1,8 @@
 // The `loom` command line: prepare, train, generate, eval, export.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "loom/config.h"
@@ -13,19 +15,39 @@ using namespace loom;
 
 namespace {
 
-// A trained model loaded from a checkpoint, with its tokenizer.
+// A trained model with its tokenizer: a loom checkpoint (the tokenizer its
+// manifest names), or "hf:DIR" (the tokenizer beside config.json).
 struct LoadedModel {
-  CheckpointInfo info;
-  GPT model;
-  ParamStore params;
+  std::optional<CheckpointInfo> info;  // a loom checkpoint's
+  std::unique_ptr<HFImport> hf;
+  std::unique_ptr<GPT> model;
+  std::unique_ptr<ParamStore> params;
   Tokenizer tokenizer;
 
-  explicit LoadedModel(const fs::path& checkpoint)
-      : info(read_checkpoint_info(resolve_checkpoint(checkpoint))),
-        model(checkpoint_model_config(info)),
-        params(model.layout(), 0),
-        tokenizer(Tokenizer::load(info.fields.at("tokenizer").get<std::string>())) {
-    load_weights(info, model, params);
+  explicit LoadedModel(const std::string& checkpoint) : tokenizer(open(checkpoint)) {
+    params = std::make_unique<ParamStore>(model->layout(), 0);
+    if (hf)
+      load_hf_weights(*hf, *model, *params);
+    else
+      load_weights(*info, *model, *params);
+  }
+
+ private:
+  // Validates the checkpoint and describes its model; returns its tokenizer.
+  Tokenizer open(const std::string& checkpoint) {
+    if (const std::optional<fs::path> dir = hf_dir_of(checkpoint)) {
+      hf = std::make_unique<HFImport>(*dir);
+      model = std::make_unique<GPT>(hf->model);
+      Tokenizer tok = Tokenizer::load(*dir);
+      if (tok.vocab_size() > hf->model.vocab_size)
+        throw Error(str("the tokenizer in '", dir->string(), "' has ", tok.vocab_size(),
+                        " tokens but config.json's vocab_size is ", hf->model.vocab_size,
+                        ": the tokenizer does not belong to this checkpoint"));
+      return tok;
+    }
+    info = read_checkpoint_info(resolve_checkpoint(checkpoint));
+    model = std::make_unique<GPT>(checkpoint_model_config(*info));
+    return Tokenizer::load(info->fields.at("tokenizer").get<std::string>());
   }
 };
 
@@ -84,7 +106,9 @@ int main(int argc, char** argv) {
   std::string ckpt, prompt = "\n";
   int64_t max_tokens = 200;
   SampleOptions so;
-  gen->add_option("--checkpoint", ckpt, "checkpoint directory, or a run directory (uses latest)")->required();
+  gen->add_option("--checkpoint", ckpt,
+                  "checkpoint directory, a run directory (uses latest), or hf:DIR (a Hugging Face checkpoint)")
+      ->required();
   gen->add_option("--prompt", prompt, "text to continue");
   gen->add_option("--tokens", max_tokens, "tokens to generate");
   gen->add_option("--temperature", so.temperature, "0 = greedy")->capture_default_str();
@@ -96,21 +120,29 @@ int main(int argc, char** argv) {
   auto* eval = app.add_subcommand("eval", "mean loss of a checkpoint over a token-shard file");
   std::string eval_data;
   int64_t eval_seq = 0, eval_batch = 8;
-  eval->add_option("--checkpoint", ckpt, "checkpoint directory, or a run directory (uses latest)")->required();
+  eval->add_option("--checkpoint", ckpt,
+                   "checkpoint directory, a run directory (uses latest), or hf:DIR (a Hugging Face checkpoint)")
+      ->required();
   eval->add_option("--data", eval_data, "token shard (.bin); its dataset.json gives chars per token")->required();
   eval->add_option("--seq-len", eval_seq,
                    "window length; default: the model's context, or a fine-tuning dataset's packing length");
   eval->add_option("--batch", eval_batch, "sequences per forward");
 
   // export
-  auto* exp = app.add_subcommand("export", "write Hugging Face GPT-2 config.json + model.safetensors");
-  std::string export_out;
+  auto* exp = app.add_subcommand(
+      "export", "write a Hugging Face checkpoint directory (config.json, safetensors, the tokenizer)");
+  std::string export_out, export_dtype = "f32", export_shard = "5GB";
   exp->add_option("--checkpoint", ckpt, "checkpoint directory, or a run directory (uses latest)")->required();
   exp->add_option("--out", export_out, "output directory")->required();
   bool export_peft = false;
   exp->add_flag("--peft", export_peft,
                 "write a LoRA run's adapters in PEFT's layout (adapter_config.json + adapter_model.safetensors); "
                 "without it a LoRA model is exported with its adapters merged into the weights");
+  exp->add_option("--dtype", export_dtype, "stored dtype: f32, bf16 or f16 (rounded to nearest even)")
+      ->capture_default_str();
+  exp->add_option("--max-shard-size", export_shard,
+                  "shard the weights above this size (an index lists the shards), e.g. 2GB")
+      ->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -144,7 +176,7 @@ int main(int argc, char** argv) {
     } else if (gen->parsed()) {
       LoadedModel m(ckpt);
       std::printf("%s", prompt.c_str());
-      generate(m.model, m.params, m.tokenizer, prompt, max_tokens, so, [](const std::string& piece) {
+      generate(*m.model, *m.params, m.tokenizer, prompt, max_tokens, so, [](const std::string& piece) {
         std::fputs(piece.c_str(), stdout);
         std::fflush(stdout);
       });
@@ -153,12 +185,14 @@ int main(int argc, char** argv) {
       LoadedModel m(ckpt);
       const fs::path data(eval_data);
       double chars_per_token = 0.0;
-      int64_t T = eval_seq > 0 ? eval_seq : m.model.config().block_size;
+      int64_t T = eval_seq > 0 ? eval_seq : m.model->config().block_size;
       std::vector<fs::path> masks;
       std::error_code ec;
       if (fs::exists(data.parent_path() / "dataset.json", ec)) {
         const DatasetInfo d = DatasetInfo::read(data.parent_path());
-        if (d.tokenizer_sha256 != m.info.fields.value("tokenizer_sha256", std::string()))
+        const std::string wanted =
+            m.info ? m.info->fields.value("tokenizer_sha256", std::string()) : sha256_file(m.tokenizer.path());
+        if (d.tokenizer_sha256 != wanted)
           throw Error(str("'", eval_data, "' was tokenized with ", d.tokenizer.string(),
                           ", not the checkpoint's tokenizer: evaluate on data prepared with the same tokenizer"));
         const SplitInfo& split = fs::equivalent(data, d.val.file, ec) ? d.val : d.train;
@@ -167,19 +201,29 @@ int main(int argc, char** argv) {
         // Packed rows are whole windows only at the packing's length.
         if (eval_seq == 0 && d.mode == DatasetMode::sft) T = d.seq_len;
       }
-      const EvalResult r = evaluate(m.model, m.params, {data}, T, eval_batch, chars_per_token, 0, nullptr, masks);
+      const EvalResult r = evaluate(*m.model, *m.params, {data}, T, eval_batch, chars_per_token, 0, nullptr, masks);
       std::printf("loss %.6f nats/token", r.loss_per_token);
       if (chars_per_token > 0) std::printf(", %.6f nats/char", r.loss_per_char);
       std::printf(" over %lld tokens\n", static_cast<long long>(r.tokens));
     } else if (exp->parsed()) {
+      HFExportOptions eo;
+      eo.dtype = parse_dtype(export_dtype);
+      if (eo.dtype != DType::f32 && eo.dtype != DType::bf16 && eo.dtype != DType::f16)
+        throw Error(str("--dtype ", export_dtype, ": export writes f32, bf16 or f16"));
+      eo.max_shard_bytes = parse_bytes(export_shard);
+      if (eo.max_shard_bytes == 0) throw Error("--max-shard-size must be positive, e.g. 2GB");
       LoadedModel m(ckpt);
       if (export_peft) {
-        export_peft_adapter(m.model, m.params, export_out);
+        export_peft_adapter(*m.model, *m.params, export_out);
         std::printf("wrote %s/adapter_config.json and %s/adapter_model.safetensors\n", export_out.c_str(),
                     export_out.c_str());
       } else {
-        export_hf_gpt2(m.model, m.params, export_out);
-        std::printf("wrote %s/config.json and %s/model.safetensors\n", export_out.c_str(), export_out.c_str());
+        export_hf(*m.model, *m.params, export_out, eo);
+        // Beside the weights, so that importing the directory finds it.
+        fs::copy_file(m.tokenizer.path(), fs::path(export_out) / m.tokenizer.path().filename(),
+                      fs::copy_options::overwrite_existing);
+        std::printf("wrote %s (%s, %s)\n", export_out.c_str(), dtype_name(eo.dtype),
+                    m.tokenizer.path().filename().string().c_str());
       }
     }
   } catch (const Error& e) {
