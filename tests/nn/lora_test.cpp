@@ -1,12 +1,20 @@
 // LoRA adapters on linear layers (LoRAConfig): the adapter's gradients
 // against finite differences, PEFT's initialization, a zero B leaving the
-// base model's output unchanged, and target validation.
+// base model's output unchanged, target validation, and LLaMA's adapters
+// against PEFT's (tests/fixtures/hf/llama_lora).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <random>
 
+#include <nlohmann/json.hpp>
+
+#include "hf/hf_fixtures.h"
 #include "loom/device.h"
+#include "loom/hf.h"
+#include "loom/io.h"
 #include "loom/nn.h"
 #include "test_util.h"
 
@@ -141,6 +149,90 @@ TEST(LoRA, TargetsMatchBySuffixAndUnknownOnesAreErrorsListingTheValidNames) {
   LoRAConfig dropout = lora({"c_attn"});
   dropout.dropout = 0.1f;
   EXPECT_THROW(GPT{small(dropout)}, Error);
+}
+
+
+// ---------------------------------------------------------------------------
+// LLaMA: an adapter per stacked parameter, against PEFT
+// ---------------------------------------------------------------------------
+
+// The llama fixture's model with the adapters llama_lora/adapter_config.json
+// describes (PEFT's q_proj ... down_proj are loom's q ... down).
+GPTConfig llama_with_fixture_adapters() {
+  GPTConfig cfg = GPTConfig::from_hf(read_hf_config(testing::hf_fixture("llama")));
+  std::ifstream in(testing::hf_fixture("llama_lora") / "adapter_config.json");
+  const nlohmann::json j = nlohmann::json::parse(in);
+  cfg.lora.r = j.at("r").get<int64_t>();
+  cfg.lora.alpha = j.at("lora_alpha").get<float>();
+  for (const std::string& m : j.at("target_modules").get<std::vector<std::string>>())
+    cfg.lora.targets.push_back(m.substr(0, m.rfind("_proj")));
+  return cfg;
+}
+
+TEST(LoRA, LlamaTargetsAdaptEachStackedParameterAndNameOAndDown) {
+  GPTConfig cfg = GPTConfig::preset("llama-tiny");
+  cfg.lora = lora({"k", "o", "down"});
+  const GPT model(cfg);
+  std::vector<std::string> adapted;
+  for (const ParamSpec& p : model.layout().params())
+    if (p.name.starts_with("h.0.") && p.name.ends_with(".lora_A.weight")) adapted.push_back(p.name);
+  EXPECT_EQ(adapted, (std::vector<std::string>{"h.0.attn.k.lora_A.weight", "h.0.attn.c_proj.lora_A.weight",
+                                               "h.0.mlp.c_proj.lora_A.weight"}));
+  EXPECT_EQ(model.layout().numel(), cfg.num_params());
+  cfg.lora = lora({"c_attn"});
+  try {
+    cfg.validate();
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    ASSERT_NE(m.find("valid: "), std::string::npos) << m;
+    std::vector<std::string> valid;
+    for (std::string rest = m.substr(m.find("valid: ") + 7) + ", "; !rest.empty(); rest = rest.substr(rest.find(", ") + 2))
+      valid.push_back(rest.substr(0, rest.find(", ")));
+    for (const char* name : {"q", "k", "v", "o", "gate", "up", "down"})
+      EXPECT_NE(std::find(valid.begin(), valid.end(), name), valid.end()) << name << " missing from: " << m;
+  }
+}
+
+// The llama fixture with PEFT's adapter on every projection (q, k, v
+// stacked, gate and up stacked, GQA 4/2): loom's forward gives PEFT's logits
+// and loss, and its backward the adapters' gradients (fixtures README).
+TEST(LoRA, LlamaAdapterMatchesPeftLogitsLossAndGradients) {
+  const GPTConfig cfg = llama_with_fixture_adapters();
+  const HFParamMap map(read_hf_config(testing::hf_fixture("llama")));
+  const HFCheckpoint base(testing::hf_fixture("llama")), adapter(testing::hf_fixture("llama_lora"), "adapter_model");
+  const SafetensorsReader ref(testing::hf_fixture("llama_lora.reference.safetensors"));
+  GPT model(cfg);
+  ParamStore ps(model.layout(), 0);
+  GradStore gs(model.layout());
+  // PEFT's name of an adapter factor: its base weight's HF module, prefixed.
+  const auto peft_name = [&](const ParamSpec& p) {
+    const size_t at = p.name.find(".lora_");
+    const HFParam* w = map.by_loom(p.name.substr(0, at) + ".weight");
+    EXPECT_NE(w, nullptr) << p.name;
+    return "base_model.model." + w->hf_name.substr(0, w->hf_name.rfind(".weight")) + p.name.substr(at);
+  };
+  int adapters = 0;
+  for (int id = 0; id < static_cast<int>(model.layout().params().size()); ++id) {
+    const ParamSpec& spec = model.layout().param(id);
+    std::vector<float> v(static_cast<size_t>(spec.numel()));
+    if (const HFParam* p = map.by_loom(spec.name)) {
+      base.read_param(*p, v.data());
+    } else {
+      adapter.read_f32(peft_name(spec), v.data(), spec.numel());
+      ++adapters;
+    }
+    ps.param(id).copy_from(Tensor::from_host(v.data(), spec.shape, DType::f32, Tier::host));
+  }
+  EXPECT_EQ(static_cast<size_t>(adapters), adapter.tensors().size());
+
+  testing::forward_backward_like_reference(model, ps, gs, ref);
+  for (int id = 0; id < static_cast<int>(model.layout().params().size()); ++id) {
+    const ParamSpec& spec = model.layout().param(id);
+    if (map.by_loom(spec.name)) continue;  // frozen: PEFT computes no gradient
+    const Tensor want = ref.load("grad." + peft_name(spec));
+    testing::expect_gradient_near(gs.grad(id), want.data<float>(), want.numel(), 1e-4, spec.name);
+  }
 }
 
 }  // namespace

@@ -52,10 +52,7 @@ TEST(HFImport, Gpt2FixtureGivesTransformersLogitsAndLoss) {
   const SafetensorsReader ref(fs::path(LOOM_SOURCE_DIR) / "tests/fixtures/hf/gpt2.reference.safetensors");
   const Tensor ids = ref.load("input_ids"), want = ref.load("logits");
   const int64_t B = ids.shape()[0], T = ids.shape()[1], V = src.model.vocab_size;
-  // transformers' labels=input_ids: position t predicts token t + 1.
-  std::vector<int32_t> targets(static_cast<size_t>(B * T), -1);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t + 1 < T; ++t) targets[static_cast<size_t>(b * T + t)] = ids.data<int32_t>()[b * T + t + 1];
+  const std::vector<int32_t> targets = testing::next_token_targets(ids);
   MicroBatchState s;
   ForwardOptions fo;
   fo.training = false;

@@ -166,6 +166,50 @@ TEST(PeftExport, CheckpointsRecordTheAdapters) {
   EXPECT_THROW(load_checkpoint(saved, resumed), Error);
 }
 
+// A LLaMA model's adapters (one per stacked q, k, v and gate, up
+// parameter) export under the names and with the configuration PEFT gave
+// the fixture: loading tests/fixtures/hf/llama_lora and exporting it again
+// reproduces every tensor.
+TEST(PeftExport, LlamaAdaptersExportAsPeftSavedThem) {
+  const HFImport base(kPeftFixture.parent_path() / "llama");
+  const nlohmann::json peft = read_json(kPeftFixture / "adapter_config.json");
+  GPTConfig cfg = base.model;
+  cfg.lora.r = peft["r"].get<int64_t>();
+  cfg.lora.alpha = peft["lora_alpha"].get<float>();
+  cfg.lora.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+  const GPT model(cfg);
+  ParamStore ps(model.layout(), 3);
+  load_hf_weights(base, model, ps);
+  const HFCheckpoint fixture(kPeftFixture, "adapter_model");
+  {
+    const HostSection host;
+    float* flat = ps.flat().data<float>();
+    for (const ParamSpec& p : model.layout().params()) {
+      if (base.map.by_loom(p.name)) continue;
+      const size_t at = p.name.find(".lora_");
+      const std::string hf = base.map.by_loom(p.name.substr(0, at) + ".weight")->hf_name;
+      fixture.read_f32("base_model.model." + hf.substr(0, hf.rfind(".weight")) + p.name.substr(at),
+                       flat + p.offset, p.numel());
+    }
+  }
+  testing::TempDir dir;
+  export_peft_adapter(model, ps, dir.path() / "adapter");
+  const HFCheckpoint ours(dir.path() / "adapter", "adapter_model");
+  ASSERT_EQ(ours.tensors().size(), fixture.tensors().size());
+  for (const HFTensorInfo& t : fixture.tensors()) {
+    ASSERT_TRUE(ours.contains(t.name)) << t.name;
+    EXPECT_EQ(ours.tensor(t.name).shape, t.shape) << t.name;
+    const int64_t n = shape_numel(t.shape);
+    std::vector<float> want(static_cast<size_t>(n)), got(static_cast<size_t>(n));
+    fixture.read_f32(t.name, want.data(), n);
+    ours.read_f32(t.name, got.data(), n);
+    EXPECT_EQ(got, want) << t.name;
+  }
+  const nlohmann::json config = read_json(dir.path() / "adapter" / "adapter_config.json");
+  for (const char* key : {"peft_type", "r", "lora_alpha", "fan_in_fan_out", "auto_mapping"})
+    EXPECT_EQ(config[key], peft[key]) << key;
+}
+
 TEST(PeftExport, AModelWithoutAdaptersIsAnError) {
   const GPT model(GPTConfig::preset("tiny"));
   ParamStore ps(model.layout(), 3);

@@ -95,6 +95,31 @@ std::vector<Case> cases() {
 INSTANTIATE_TEST_SUITE_P(Layouts, FrozenLayouts, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
 
+// Freezing some of the parameters a Linear stacks into one GEMM (LLaMA's k
+// of q | k | v, up of gate | up) leaves the others' gradients as they are
+// without freezing, bit for bit, and the frozen ones without gradient.
+TEST(Frozen, PartOfAStackedLinear) {
+  DataParallelRun run = testing::layout(0, 0);
+  run.model_variant = testing::llama_variant(2);
+  const RunResult all = testing::run_layout(run);
+  run.freeze = {"h.0.attn.k", "h.1.mlp.up"};
+  const RunResult some = testing::run_layout(run);
+  const GPT model(some.model);
+  int frozen = 0;
+  for (const ParamSpec& p : model.layout().params()) {
+    const auto at = [&](const std::vector<float>& v) {
+      return std::vector<float>(v.begin() + p.offset, v.begin() + p.offset + p.numel());
+    };
+    if (is_frozen(p.name, run.freeze)) {
+      ++frozen;
+      EXPECT_EQ(at(some.grads), std::vector<float>(static_cast<size_t>(p.numel()), 0.0f)) << p.name;
+    } else {
+      EXPECT_EQ(at(some.grads), at(all.grads)) << p.name;
+    }
+  }
+  EXPECT_EQ(frozen, 2);
+}
+
 TEST(Frozen, UnknownEntryIsAnErrorNamingIt) {
   TrainOptions opts;
   opts.freeze = {"h.0.atn"};

@@ -74,6 +74,26 @@ TEST(LoRATraining, ParallelLayoutsMatchTheReference) {
   }
 }
 
+// LLaMA with an adapter on every projection (q, k, v and gate, up stacked
+// into one GEMM each; one kv head, so k, v and their adapters are replicated
+// over tp with partial gradients): tensor-parallel layouts, sequence
+// parallelism included, match the reference.
+TEST(LoRATraining, LlamaTensorParallelWithOneKvHeadMatchesTheReference) {
+  const auto llama = testing::llama_variant(1);
+  DataParallelRun ref = testing::layout(0, 0);
+  ref.model_variant = llama;
+  ref.lora = adapters({"q", "k", "v", "o", "gate", "up", "down"});
+  const testing::RunResult reference = testing::run_layout(ref);
+  for (bool sp : {false, true}) {
+    DataParallelRun tp = testing::layout(1, 0);
+    tp.tp = 2;
+    tp.model_parallel.sequence_parallel = sp;
+    tp.model_variant = llama;
+    tp.lora = ref.lora;
+    EXPECT_TRUE(testing::matches_reference(testing::run_layout(tp), reference, 1e-5)) << (sp ? "tp2 sp" : "tp2");
+  }
+}
+
 // Under a device budget between the two runs' needs, full fine-tuning fails
 // with the allocator's out-of-memory error and LoRA trains.
 TEST(LoRATraining, FitsADeviceBudgetFullFineTuningDoesNot) {

@@ -83,6 +83,22 @@ inline GPTConfig small_gpt(float dropout, int n_layer = 2, int n_head = 2) {
   return c;
 }
 
+// DataParallelRun::model_variant turning small_gpt into a LLaMA (RMSNorm,
+// RoPE, SwiGLU of an intermediate size that is not 4C, q, k, v apart, no
+// biases, an untied head) with n_kv_head kv heads.
+inline std::function<void(GPTConfig&)> llama_variant(int n_kv_head) {
+  return [n_kv_head](GPTConfig& c) {
+    const GPTConfig tiny = GPTConfig::preset("llama-tiny");
+    c.norm = tiny.norm;
+    c.positions = tiny.positions;
+    c.mlp = tiny.mlp;
+    c.packed_qkv = tiny.packed_qkv;
+    c.attention_bias = c.mlp_bias = c.tied_embeddings = false;
+    c.intermediate_size = 72;
+    c.n_kv_head = n_kv_head;
+  };
+}
+
 // A model of about 10.6M parameters, for model-state bytes per rank.
 inline GPTConfig ten_million() {
   GPTConfig c;
