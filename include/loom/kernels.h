@@ -90,12 +90,14 @@ void embedding_lookup_range_backward(float* dwte, const float* dout, const int32
                                      int64_t rows, int64_t N, int64_t C);
 void position_embedding_add(float* out, const float* wpe, int64_t row0, int64_t N, int64_t T, int64_t C,
                             int64_t pos0);
+// A null dwte or dwpe (a frozen table) is skipped.
 void position_embedding_backward(float* dwpe, const float* dout, int64_t row0, int64_t N, int64_t T, int64_t C);
 
 // ---------------------------------------------------------------------------
 // LayerNorm over the last dimension, eps = 1e-5 (as PyTorch's default).
 // forward saves mean[N] and rstd[N] for backward; backward writes dinp as
-// dinp_write says and accumulates dweight and dbias.
+// dinp_write says and accumulates dweight and dbias (each skipped when null:
+// a frozen parameter's gradient).
 // ---------------------------------------------------------------------------
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,

@@ -26,6 +26,36 @@ namespace loom {
 
 struct HFModelConfig;
 
+// LoRA (Hu et al. 2021) adapters on linear layers, as PEFT adds them: a
+// targeted layer computes y = x W^T + b + (alpha / r) x A^T B^T with A
+// [r, in] drawn as PEFT's kaiming_uniform(a = sqrt(5)) (uniform within
+// 1 / sqrt(in)) and B [out, r] zero, so training starts from the base model;
+// W and b are frozen (ParamSpec::trainable), A and B train; a GPT with
+// adapters freezes every other parameter too (PEFT's default). Parameter
+// names are PEFT's relative to the module: "<module>.lora_A.weight". A layer
+// of several stacked parameters (LLaMA's q | k | v) has one adapter per
+// targeted parameter, as PEFT adapts q_proj, k_proj and v_proj separately.
+struct LoRAConfig {
+  int64_t r = 0;  // 0: no adapters
+  float alpha = 8.0f;
+  float dropout = 0.0f;  // only 0 for now
+  // Block modules a target matches by suffix, as PEFT's target_modules do
+  // (GPT-2: "c_attn", "c_proj" (attention's and MLP's), "mlp.c_proj", "c_fc";
+  // LLaMA: "q", "k", "v", "gate", "up", "c_proj"), or by the module's alias
+  // (LLaMA's "o" and "down", its HF o_proj and down_proj).
+  std::vector<std::string> targets;
+  bool enabled() const { return r > 0; }
+  bool operator==(const LoRAConfig&) const = default;
+};
+
+// A linear layer of every block: its name within the block ("attn.c_attn"),
+// another name lora.targets may use for it (empty if none) and its global
+// sizes.
+struct BlockLinear {
+  std::string name, alias;
+  int64_t in = 0, out = 0;
+};
+
 // The variants a model is built from, chosen per model by its config (GPT-2:
 // LayerNorm, learned positions, GELU MLP, biases, tied head; LLaMA: RMSNorm,
 // RoPE, SwiGLU, no biases, grouped-query attention, often an untied head).
@@ -55,10 +85,16 @@ struct GPTConfig {
   bool attention_bias = true;  // q/k/v (c_attn) and the output projection
   bool mlp_bias = true;
   bool tied_embeddings = true;  // the output head multiplies by wte; else its own lm_head
+  LoRAConfig lora;
 
   int64_t head_dim() const { return n_embd / n_head; }
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int64_t intermediate() const { return intermediate_size > 0 ? intermediate_size : 4 * n_embd; }
+  // Every block's linear layers, in the block's order.
+  std::vector<BlockLinear> block_linears() const;
+  // The adapter the block's linear layer `name` ("attn.q") gets: `lora`
+  // when a target names it, else none (r 0).
+  LoRAConfig adapter(std::string_view name) const;
 
   // "tiny", "gpt2" (124M), "gpt2-medium", "gpt2-large", "gpt2-xl";
   // "llama-tiny" (tests), "llama3.2-1b", "llama2-7b", "llama3-8b".
@@ -68,10 +104,14 @@ struct GPTConfig {
   // loom's model cannot express (a head_dim other than hidden / heads).
   static GPTConfig from_hf(const HFModelConfig& hf);
 
-  // Throws Error naming the field, the constraint and the fix.
+  // Throws Error naming the field, the constraint and the fix (lora.*: a
+  // target that names no linear layer is listed with the valid names).
   void validate() const;
   int64_t num_params() const;
   bool operator==(const GPTConfig&) const = default;
+
+ private:
+  void validate_lora() const;
 };
 
 // RoPE scaling types as config files and manifests spell them ("none",
@@ -115,6 +155,9 @@ struct LinearPart {
   ParamParallel weight, bias;
   // The rows of this rank's piece the layer multiplies by (rows 0: all).
   int64_t first_row = 0, rows = 0;
+  // With r > 0, the part carries an adapter and its weight and bias are
+  // frozen.
+  LoRAConfig lora;
 };
 
 // y = x W^T + b with W stored [out, in] (PyTorch's nn.Linear layout): the
@@ -123,12 +166,13 @@ struct LinearPart {
 // parameters stacked by output rows (LLaMA's q | k | v, gate | up): one GEMM
 // over their concatenation (copied together per call, a small fraction of
 // the GEMM's traffic) writes the packed output the attention and SwiGLU
-// kernels read.
+// kernels read. A part's LoRA adapter adds into the part's output columns.
 class Linear {
  public:
   Linear() = default;
   Linear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group, float init_std,
-         const ParamParallel& weight = {}, const ParamParallel& bias = {}, bool has_bias = true);
+         const ParamParallel& weight = {}, const ParamParallel& bias = {}, bool has_bias = true,
+         const LoRAConfig& lora = {});
   Linear(ParamLayout& layout, const std::vector<LinearPart>& parts, int64_t in, int group, float init_std,
          bool has_bias);
   // bias: whether the bias is added here (a row-parallel layer adds it after
@@ -144,12 +188,23 @@ class Linear {
   // The single part's parameters.
   int weight_id() const;
   int bias_id() const;
+  // The single part's adapter's parameters (-1 without one).
+  int lora_a_id() const;
+  int lora_b_id() const;
 
  private:
   struct Part {
     int weight = -1, bias = -1;
     int64_t first_row = 0, rows = 0;
+    int lora_a = -1, lora_b = -1;
+    int64_t rank = 0;
+    float scale = 0.0f;
   };
+  void add_adapter(ParamLayout& layout, const LinearPart& p, Part& part, int group);
+  // out += scale in A^T B^T over each adapted part's output columns, and
+  // its backward (accumulates dA, dB and din, which may be null).
+  void lora_forward(const ParamStore& ps, float* out, const float* in, int64_t N) const;
+  void lora_backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N) const;
   // Each part's rows of the weights (or biases), of the parameters or of
   // their gradients.
   std::vector<Tensor> pieces(const ParamStore& ps, bool bias) const;
@@ -170,7 +225,7 @@ class ColumnParallelLinear {
  public:
   ColumnParallelLinear() = default;
   ColumnParallelLinear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group,
-                       float init_std, const TensorParallel& tp, int64_t blocks = 1);
+                       float init_std, const TensorParallel& tp, int64_t blocks = 1, const LoRAConfig& lora = {});
   // Several parameters stacked by output rows (parts' `out` global rows),
   // each split over the ranks (or replicated, as its ParamParallel says):
   // the local output is the parts' local rows side by side.
@@ -196,7 +251,7 @@ class RowParallelLinear {
  public:
   RowParallelLinear() = default;
   RowParallelLinear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group,
-                    float init_std, const TensorParallel& tp, bool has_bias = true);
+                    float init_std, const TensorParallel& tp, bool has_bias = true, const LoRAConfig& lora = {});
   // x: [N, in / tp]. Returns this rank's token rows [rows, out].
   Tensor forward(const ParamStore& ps, const Tensor& x) const;
   // dy: this rank's token rows [rows, out]. Returns the gradient of x.

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,12 +22,13 @@ namespace loom {
 // function of (seed, parameter name, element index), so any shard of any
 // layout initializes itself without materializing the whole tensor.
 struct ParamInit {
-  enum class Kind : uint8_t { normal, constant } kind = Kind::normal;
+  enum class Kind : uint8_t { normal, constant, uniform } kind = Kind::normal;
   float mean = 0.0f;  // for normal; the value for constant
-  float std = 0.02f;
+  float std = 0.02f;  // for normal; the bound b of uniform(-b, b)
 
   static ParamInit normal_(float std) { return {Kind::normal, 0.0f, std}; }
   static ParamInit constant(float value) { return {Kind::constant, value, 0.0f}; }
+  static ParamInit uniform(float bound) { return {Kind::uniform, 0.0f, bound}; }
 };
 
 // Elements [begin, end) of the flat parameter space.
@@ -73,6 +75,9 @@ struct ParamSpec {
   int group = 0;             // unit of acquisition (a module: embedding, one block, final norm)
   int64_t offset = 0;        // first element in the flat parameter space
   ParamParallel parallel;
+  // A frozen parameter (false) is read but never updated: it has no
+  // gradient and no optimizer state (FrozenParams).
+  bool trainable = true;
   int64_t numel() const { return shape_numel(shape); }
   // The global index (into the whole tensor, row-major) of this rank's
   // element `local`, or -1 for a padding element; *run receives how many
@@ -89,6 +94,12 @@ class ParamLayout {
   // `shape` is the global shape; a split parameter stores its piece.
   int add(std::string name, Shape shape, ParamInit init, bool weight_decay, int group,
           const ParamParallel& parallel = {});
+
+  // Whether parameter `id` trains (ParamSpec::trainable), and whether
+  // parameters added from now on do (a model fine-tuned through adapters
+  // adds its base frozen and makes the adapters trainable).
+  void set_trainable(int id, bool trainable) { params_.at(static_cast<size_t>(id)).trainable = trainable; }
+  void set_added_trainable(bool trainable) { added_trainable_ = trainable; }
 
   const std::vector<ParamSpec>& params() const { return params_; }
   const ParamSpec& param(int id) const { return params_.at(static_cast<size_t>(id)); }
@@ -108,6 +119,7 @@ class ParamLayout {
   std::vector<std::string> group_names_;
   std::vector<std::pair<int64_t, int64_t>> group_ranges_;
   int64_t numel_ = 0;
+  bool added_trainable_ = true;
 };
 
 // Parameters of one rank. The reference store keeps the whole flat space in
@@ -221,6 +233,110 @@ class OptimizerStore {
   // loss scale) in flat order, in pieces like visit_state; valid between the
   // gradient store's finish() and step().
   virtual void visit_gradients(const GradientVisitor& visit) = 0;
+};
+
+// Frozen parameters (ParamSpec::trainable false, or chosen by the Trainer).
+// The stores of any family (reference, ZeRO, chunks) are built over
+// trainable(): a layout of the trainable parameters alone, with the same
+// names, shapes, splits and initialization (so the same values), and the
+// groups that hold a trainable parameter. The frozen ones live here: this
+// rank's layout's pieces of them (split over tp as their ParamParallel says;
+// not sharded over dp, since they have no optimizer state to shard), stored
+// in `dtype` (the working precision: no fp32 master) and initialized as the
+// whole layout would. FrozenParamStore, FrozenGradStore and FrozenOptimizer
+// put the two back together in the model's layout: the model and the
+// Trainer's state see every parameter where the layout puts it.
+class FrozenParams {
+ public:
+  // frozen[id]: whether parameter id of `layout` is frozen (at least one
+  // parameter must stay trainable).
+  FrozenParams(const ParamLayout& layout, const std::vector<bool>& frozen, DType dtype, uint64_t seed);
+  FrozenParams(const FrozenParams&) = delete;
+  FrozenParams& operator=(const FrozenParams&) = delete;
+
+  const ParamLayout& layout() const { return layout_; }
+  const ParamLayout& trainable() const { return trainable_; }
+  bool frozen(int id) const { return trainable_id(id) < 0; }
+  // The id in trainable() of the model's parameter `id` (-1 when frozen),
+  // and back.
+  int trainable_id(int id) const { return to_trainable_.at(static_cast<size_t>(id)); }
+  int model_id(int trainable_id) const { return to_model_.at(static_cast<size_t>(trainable_id)); }
+  // The group of trainable() of the model's group (-1 when it has no
+  // trainable parameter).
+  int trainable_group(int group) const { return groups_.at(static_cast<size_t>(group)); }
+  DType dtype() const { return dtype_; }
+  // The stored values of frozen parameter `id` (this rank's piece, dtype()).
+  const Tensor& stored(int id) const { return stored_.at(static_cast<size_t>(id)); }
+  // Sets frozen parameter `id` from fp32 values on the host.
+  void load(int id, const float* values);
+  int64_t numel() const;  // frozen elements of this rank
+
+ private:
+  const ParamLayout& layout_;
+  ParamLayout trainable_;
+  std::vector<int> to_trainable_, to_model_, groups_;
+  DType dtype_;
+  std::vector<Tensor> stored_;  // by model id; undefined for trainable ones
+};
+
+// The model's ParamStore over FrozenParams and a store of trainable().
+// Under a working precision below fp32 a group's frozen parameters are
+// converted to fp32 while it is acquired, as the ZeRO stores' are.
+class FrozenParamStore final : public ParamStore {
+ public:
+  FrozenParamStore(const FrozenParams& frozen, std::unique_ptr<ParamStore> trainable);
+  void acquire(int group) override;
+  void release(int group) override;
+  Tensor param(int id) const override;
+  void begin_step() override { trainable_->begin_step(); }
+  void end_step() override { trainable_->end_step(); }
+  ParamStore& trainable() { return *trainable_; }
+
+ private:
+  const FrozenParams& frozen_;
+  std::unique_ptr<ParamStore> trainable_;
+  std::vector<int> acquired_;        // per group: acquisitions not yet released
+  std::vector<Tensor> working_;      // fp32 copies of acquired frozen parameters (below-fp32 storage)
+};
+
+// The model's GradStore: a frozen parameter's gradient is undefined (a null
+// pointer, which the backward kernels skip); the rest is the trainable
+// store's.
+class FrozenGradStore final : public GradStore {
+ public:
+  FrozenGradStore(const FrozenParams& frozen, std::unique_ptr<GradStore> trainable);
+  Tensor grad(int id) const override;
+  void zero() override { trainable_->zero(); }
+  void set_reduce(bool reduce) override { trainable_->set_reduce(reduce); }
+  void group_ready(int group) override;
+  void finish() override { trainable_->finish(); }
+  GradStore& trainable() { return *trainable_; }
+
+ private:
+  const FrozenParams& frozen_;
+  std::unique_ptr<GradStore> trainable_;
+};
+
+// The model's OptimizerStore: the trainable store's update, gradient check
+// and counters (frozen parameters take no part in the norm or the update);
+// the state and gradients visited in the model's flat order, a frozen
+// parameter with zero moments and a zero gradient.
+class FrozenOptimizer final : public OptimizerStore {
+ public:
+  FrozenOptimizer(FrozenParams& frozen, std::unique_ptr<OptimizerStore> trainable);
+  GradientCheck check_gradients() override { return trainable_->check_gradients(); }
+  void step(float lr, float grad_scale) override { trainable_->step(lr, grad_scale); }
+  void after_skip() override { trainable_->after_skip(); }
+  int64_t steps() const override { return trainable_->steps(); }
+  void set_steps(int64_t t) override { trainable_->set_steps(t); }
+  void visit_state(const StateVisitor& visit) override;
+  void load_state(const StateFiller& fill) override;
+  void visit_gradients(const GradientVisitor& visit) override;
+  OptimizerStore& trainable() { return *trainable_; }
+
+ private:
+  FrozenParams& frozen_;
+  std::unique_ptr<OptimizerStore> trainable_;
 };
 
 }  // namespace loom

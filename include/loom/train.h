@@ -46,6 +46,12 @@ struct TrainOptions {
   // any policy but none replaces the ZeRO stores with chunk stores, sharded
   // over dp as ZeRO-3 is. Not with tensor or pipeline parallelism.
   MemoryOptions memory;
+  // Parameters to freeze besides those the model freezes itself (LoRA's
+  // base weights): each entry names a parameter ("h.0.mlp.c_fc.weight") or
+  // every parameter under a module ("h.0", "h.1.attn"). Frozen parameters
+  // keep their values and have no gradient and no optimizer state
+  // (FrozenParams, store.h).
+  std::vector<std::string> freeze;
   // Called on every rank once the step's gradients are reduced, before they
   // are checked and applied (tests inject faults here).
   std::function<void(GradStore&)> on_gradients;
@@ -113,6 +119,8 @@ class Trainer {
   // Steps run (skipped ones included); the optimizer counts applied updates.
   int64_t steps_done() const { return steps_; }
   const LossScaler* loss_scaler() const { return scaler_.get(); }
+  // The frozen parameters (nullptr when every parameter trains).
+  const FrozenParams* frozen() const { return frozen_.get(); }
   // How the model state is cut over the dp ranks (nullptr for the reference).
   const ZeroPartition* partition() const { return partition_.get(); }
   // The whole model's parameters, the layout State and checkpoints use (the
@@ -160,6 +168,14 @@ class Trainer {
   ZeroOptimizer& build_zero_stores();
   // The chunk stores of memory.h under a memory policy.
   void build_chunk_stores();
+  // Before the stores are built: the frozen parameters (the model's own and
+  // TrainOptions::freeze) in a FrozenParams stored in `dtype`, if any.
+  void split_frozen(DType dtype);
+  // The layout the stores are built over: the trainable parameters.
+  const ParamLayout& store_layout() const { return frozen_ ? frozen_->trainable() : model_.layout(); }
+  // After the stores are built: with frozen parameters, the stores put
+  // back in the model's layout (FrozenParamStore, ...).
+  void wrap_frozen();
   // The mesh step: this rank's micro-batches through the pipeline schedule.
   double run_micro_batches(std::span<const MicroBatch> micro_batches, const ForwardOptions& base, float dloss);
   // Tensor-parallel partial gradients and the tied embedding's copies are
@@ -183,6 +199,8 @@ class Trainer {
   bool defer_reduction_ = false;
   PipelineTiming pipeline_timing_;
   std::unique_ptr<ZeroPartition> partition_;
+  std::unique_ptr<FrozenParams> frozen_;
+  ZeroGradStore* zero_grads_ = nullptr;  // the ZeRO gradient store, wrapped or not
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<GradStore> grads_;
   // The optimizer store of whichever family holds the state (reference,
@@ -309,21 +327,33 @@ struct HFImport {
   HFParamMap map;
   HFCheckpoint checkpoint;
   // Writes flat elements `range` (whole parameters) of `layout` - any rank's
-  // layout of `model`, split over tp or not: each tensor-parallel piece reads
-  // only the rows it covers, one tensor at a time, converted to f32; the
-  // vocabulary's padding rows are zero.
-  void fill(const ParamLayout& layout, FlatRange range, float* params) const;
+  // layout of `model`, split over tp or not, with or without LoRA adapters:
+  // each tensor-parallel piece reads only the rows it covers, one tensor at a
+  // time, converted to f32; the vocabulary's padding rows are zero. An
+  // adapter, which the checkpoint lacks, gets its fresh initialization
+  // (ParamLayout::initialize with `seed`), as a run that imports nothing.
+  void fill(const ParamLayout& layout, FlatRange range, float* params, uint64_t seed) const;
 };
 // Collective: the checkpoint's weights into a Trainer of `src.model` (any
-// layout), with a fresh optimizer state.
+// layout, adapters added or not), with a fresh optimizer state.
 void load_hf_weights(const HFImport& src, Trainer& trainer);
-// Into the reference ParamStore of a whole model (generate, eval).
+// Into the reference ParamStore of a whole model (generate, eval); adapters
+// keep the values `params` holds.
 void load_hf_weights(const HFImport& src, const GPT& model, ParamStore& params);
 // Writes a whole model's weights (a reference ParamStore) as a Hugging Face
 // checkpoint directory (write_hf_checkpoint: names per HFParamMap, sharded
-// above options.max_shard_bytes, in options.dtype).
+// above options.max_shard_bytes, in options.dtype). LoRA adapters are merged
+// into their base weights, W + (alpha / r) B A: the export is the plain
+// architecture.
 void export_hf(const GPT& model, const ParamStore& params, const std::filesystem::path& out_dir,
                const HFExportOptions& options = {});
+// A model's LoRA adapters in PEFT's layout, loadable by
+// PeftModel.from_pretrained over the base model export_hf writes (GPT-2 or
+// LLaMA): adapter_config.json and adapter_model.safetensors with
+// base_model.model.<HF module>.lora_A.weight [r, in] and .lora_B.weight
+// [out, r] (f32), the HF module named by HFParamMap. Throws Error for a model
+// without adapters.
+void export_peft_adapter(const GPT& model, const ParamStore& params, const std::filesystem::path& out_dir);
 
 struct EvalResult {
   double loss_per_token = 0.0;

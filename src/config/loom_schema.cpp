@@ -46,6 +46,13 @@ ConfigSchema build_loom_schema() {
                "initial weights: empty = a fresh initialization; \"hf:DIR\" = the Hugging Face checkpoint in DIR "
                "(its config.json fixes the model, a tokenizer beside it tokenizes the data)");
 
+  s.add_int("lora.r", 0, "LoRA adapter rank; 0 = no adapters (the whole model trains)", 0, kMaxDim);
+  s.add_float("lora.alpha", 8.0, "LoRA scale numerator: adapters add (alpha / r) x A^T B^T", 0.0);
+  s.add_float("lora.dropout", 0.0, "dropout on the adapters' input (only 0 for now)", 0.0, 1.0);
+  s.add_string("lora.targets", "c_attn",
+               "comma-separated linear layers that get adapters, matched by suffix: GPT-2's c_attn, c_proj, "
+               "c_fc, attn.c_proj, mlp.c_proj; LLaMA's q, k, v, o, gate, up, down");
+
   s.add_int("train.batch_size", 32, "global batch in sequences per optimizer step", 1);
   s.add_int("train.micro_batch_size", 16, "sequences per rank per forward/backward (gradient accumulation makes up the rest)", 1);
   s.add_int("train.seq_len", 128, "tokens per training sequence (at most model.block_size)", 1, kMaxDim);

@@ -79,7 +79,12 @@ void ChunkManager::Impl::step(float lr, float grad_scale) {
   for (int c = 0; c < n; ++c) {
     ChunkState& s = cs[static_cast<size_t>(c)];
     const FlatRange r = chunks.owned(c, rank);
-    if (r.numel() == 0) continue;
+    if (r.numel() == 0) {
+      // A shard of padding alone: the (zero) gradient written over it is
+      // already what the parameters' padding holds.
+      s.holds_grads = false;
+      continue;
+    }
     read_ahead();
     // The update runs where the optimizer state lives: on the device, or on
     // the host (the CPU AdamW) for host and NVMe state.

@@ -16,12 +16,14 @@ CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string&
     // q, k and v are three blocks of c_attn's rows: splitting each block keeps
     // whole heads on every rank, so attention itself needs no communication.
     local_kv_heads_ = local_heads_;
-    c_attn_ = ColumnParallelLinear(layout, prefix + ".c_attn", C, 3 * C, group, 0.02f, tp, 3);
+    c_attn_ = ColumnParallelLinear(layout, prefix + ".c_attn", C, 3 * C, group, 0.02f, tp, 3,
+                                   cfg.adapter("attn.c_attn"));
   } else {
     ParamParallel split;
     split.split = TensorSplit{0, tp.size(), tp.rank(), 1};
-    std::vector<LinearPart> parts{{prefix + ".q", C, split, split}, {prefix + ".k", nkv * hs_, split, split},
-                                  {prefix + ".v", nkv * hs_, split, split}};
+    std::vector<LinearPart> parts{{prefix + ".q", C, split, split, 0, 0, cfg.adapter("attn.q")},
+                                  {prefix + ".k", nkv * hs_, split, split, 0, 0, cfg.adapter("attn.k")},
+                                  {prefix + ".v", nkv * hs_, split, split, 0, 0, cfg.adapter("attn.v")}};
     if (nkv % tp.size() == 0) {
       local_kv_heads_ = nkv / tp.size();
     } else {
@@ -40,7 +42,8 @@ CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string&
     }
     c_attn_ = ColumnParallelLinear(layout, parts, C, group, 0.02f, tp, cfg.attention_bias);
   }
-  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", C, C, group, proj_std, tp, cfg.attention_bias);
+  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", C, C, group, proj_std, tp, cfg.attention_bias,
+                              cfg.adapter("attn.c_proj"));
   if (cfg.positions == PositionKind::rope) {
     inv_freq_.resize(static_cast<size_t>(hs_ / 2));
     cpu::rope_inv_freq(inv_freq_.data(), hs_, cfg.rope_theta, cfg.rope_scaling);

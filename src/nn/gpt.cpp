@@ -31,6 +31,8 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp) : cfg_(cfg), mp_(mp) {
                    chunks_[c].end <= cfg_.n_layer,
                "bad layer range [", chunks_[c].begin, ", ", chunks_[c].end, ") for chunk ", c);
   local_vocab_ = (cfg_.vocab_size + tp.size() - 1) / tp.size();
+  // Fine-tuning through adapters freezes the whole base model, as PEFT does.
+  layout_.set_added_trainable(!cfg_.lora.enabled());
 
   if (mp_.first_stage) {
     embedding_group_ = layout_.add_group("embedding");

@@ -1,3 +1,7 @@
+#include <algorithm>
+#include <optional>
+
+#include "loom/config.h"
 #include "loom/hf.h"
 #include "loom/nn.h"
 
@@ -185,6 +189,78 @@ void GPTConfig::validate() const {
                       ") and a positive original_max_position_embeddings (",
                       rope_scaling.original_max_position_embeddings, ")"));
   }
+  validate_lora();
+}
+
+std::vector<BlockLinear> GPTConfig::block_linears() const {
+  const int64_t C = n_embd, I = intermediate(), kv = kv_heads() * head_dim();
+  std::vector<BlockLinear> out;
+  if (packed_qkv)
+    out.push_back({"attn.c_attn", "", C, 3 * C});
+  else
+    out.insert(out.end(), {{"attn.q", "", C, C}, {"attn.k", "", C, kv}, {"attn.v", "", C, kv}});
+  // LLaMA's output projections answer to their HF names too (o_proj,
+  // down_proj), which is how PEFT users name them.
+  const bool hf_names = !packed_qkv;
+  out.push_back({"attn.c_proj", hf_names ? "o" : "", C, C});
+  if (mlp == MlpKind::swiglu)
+    out.insert(out.end(), {{"mlp.gate", "", C, I}, {"mlp.up", "", C, I}});
+  else
+    out.push_back({"mlp.c_fc", "", C, I});
+  out.push_back({"mlp.c_proj", hf_names ? "down" : "", I, C});
+  return out;
+}
+
+namespace {
+
+// Whether target `t` names block linear `l`: its name, a suffix of it after
+// a dot ("c_proj" of "attn.c_proj"), or its alias.
+bool names(const std::string& t, const BlockLinear& l) {
+  const bool suffix = l.name.size() > t.size() && l.name.ends_with(t) && l.name[l.name.size() - t.size() - 1] == '.';
+  return l.name == t || suffix || (!l.alias.empty() && l.alias == t);
+}
+
+std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
+}  // namespace
+
+LoRAConfig GPTConfig::adapter(std::string_view name) const {
+  if (!lora.enabled()) return {};
+  for (const BlockLinear& l : block_linears())
+    if (l.name == name)
+      for (const std::string& t : lora.targets)
+        if (names(t, l)) return lora;
+  return {};
+}
+
+void GPTConfig::validate_lora() const {
+  if (lora.r < 0) throw Error(str("lora.r = ", lora.r, ": must be 0 (no adapters) or a positive rank"));
+  if (lora.r == 0) return;
+  if (!(lora.alpha > 0.0f))
+    throw Error(str("lora.alpha = ", lora.alpha, ": must be positive (the scale is alpha / r)"));
+  if (lora.dropout != 0.0f)
+    throw Error(str("lora.dropout = ", lora.dropout,
+                    ": dropout on the adapters' input is not supported yet; set it to 0"));
+  // The names a target may use: each linear's last component, its full name
+  // within the block and its alias.
+  const std::vector<BlockLinear> linears = block_linears();
+  std::vector<std::string> valid;
+  for (const BlockLinear& l : linears)
+    for (const std::string& n : {l.name.substr(l.name.rfind('.') + 1), l.name, l.alias})
+      if (!n.empty() && std::find(valid.begin(), valid.end(), n) == valid.end()) valid.push_back(n);
+  if (lora.targets.empty())
+    throw Error(str("lora.r = ", lora.r, " with no lora.targets: name the linear layers to adapt (", joined(valid),
+                    ")"));
+  for (const std::string& t : lora.targets)
+    if (std::none_of(linears.begin(), linears.end(), [&](const BlockLinear& l) { return names(t, l); })) {
+      const std::optional<std::string> near = did_you_mean(t, valid);
+      throw Error(str("lora.targets names \"", t, "\", which is no linear layer of this model",
+                      near ? str(" (did you mean \"", *near, "\"?)") : std::string(), "; valid: ", joined(valid)));
+    }
 }
 
 int64_t GPTConfig::num_params() const {
@@ -193,7 +269,10 @@ int64_t GPTConfig::num_params() const {
   const int64_t attn = (C + 2 * kv) * C + C * C + (attention_bias ? 2 * C + 2 * kv : 0);
   const int64_t in_rows = mlp == MlpKind::swiglu ? 2 * I : I;  // gate and up, or c_fc
   const int64_t mlp_params = in_rows * C + C * I + (mlp_bias ? in_rows + C : 0);
-  const int64_t per_block = 2 * norm_params + attn + mlp_params;
+  int64_t per_block = 2 * norm_params + attn + mlp_params;
+  // LoRA adds r (in + out) per adapted linear.
+  for (const BlockLinear& l : block_linears())
+    if (adapter(l.name).enabled()) per_block += lora.r * (l.in + l.out);
   return vocab_size * C * (tied_embeddings ? 1 : 2) + (positions == PositionKind::learned ? block_size * C : 0) +
          n_layer * per_block + norm_params;
 }

@@ -1,11 +1,13 @@
+#include <cmath>
+
 #include "loom/device.h"
 #include "loom/nn.h"
 
 namespace loom {
 
 Linear::Linear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group, float init_std,
-               const ParamParallel& weight, const ParamParallel& bias, bool has_bias)
-    : Linear(layout, {LinearPart{name, out, weight, bias}}, in, group, init_std, has_bias) {}
+               const ParamParallel& weight, const ParamParallel& bias, bool has_bias, const LoRAConfig& lora)
+    : Linear(layout, {LinearPart{name, out, weight, bias, 0, 0, lora}}, in, group, init_std, has_bias) {}
 
 Linear::Linear(ParamLayout& layout, const std::vector<LinearPart>& parts, int64_t in, int group, float init_std,
                bool has_bias)
@@ -22,8 +24,42 @@ Linear::Linear(ParamLayout& layout, const std::vector<LinearPart>& parts, int64_
                part.first_row + part.rows, ") of ", p.name, "'s ", local_rows);
     out_ += part.rows;
     in_ = layout.param(part.weight).shape[1];
+    if (p.lora.enabled()) add_adapter(layout, p, part, group);
     parts_.push_back(part);
   }
+}
+
+void Linear::add_adapter(ParamLayout& layout, const LinearPart& p, Part& part, int group) {
+  // Under tensor parallelism the factor on the split side of W is split
+  // with it and the other is replicated, its gradient a partial sum over the
+  // ranks. Column-parallel (W split by output rows): B by rows like W, A
+  // whole, dA = dh^T x summed over the ranks' dh. Row-parallel (W split by
+  // input columns): A by columns, B whole; each rank's x_r A_r^T B^T is added
+  // into its partial output, which the layer already sums, and dB = dy^T h_r
+  // is summed likewise. A replicated W whose gradient is a partial sum (k and
+  // v over more ranks than kv heads) has both factors replicated and partial.
+  const bool split = p.weight.split.parts > 1;
+  ParamParallel a, b;
+  a.partial_grad = b.partial_grad = p.weight.partial_grad;
+  if (p.weight.split.dim == 0) {
+    b.split = p.weight.split;
+    a.partial_grad = a.partial_grad || split;
+  } else {
+    a.split = p.weight.split;
+    b.partial_grad = b.partial_grad || split;
+  }
+  layout.set_trainable(part.weight, false);
+  if (part.bias >= 0) layout.set_trainable(part.bias, false);
+  part.rank = p.lora.r;
+  part.scale = p.lora.alpha / static_cast<float>(p.lora.r);
+  // PEFT's kaiming_uniform_(a = sqrt(5)) over fan_in = in: a bound of
+  // sqrt(6 / ((1 + a^2) in)) = 1 / sqrt(in). B starts at zero.
+  const int64_t in = layout.param(part.weight).global_shape[1];
+  part.lora_a = layout.add(p.name + ".lora_A.weight", {p.lora.r, in},
+                           ParamInit::uniform(1.0f / std::sqrt(static_cast<float>(in))), true, group, a);
+  part.lora_b = layout.add(p.name + ".lora_B.weight", {p.out, p.lora.r}, ParamInit::constant(0.0f), true, group, b);
+  layout.set_trainable(part.lora_a, true);
+  layout.set_trainable(part.lora_b, true);
 }
 
 int Linear::weight_id() const {
@@ -34,6 +70,16 @@ int Linear::weight_id() const {
 int Linear::bias_id() const {
   LOOM_CHECK(parts_.size() == 1 && has_bias_, "a linear layer of ", parts_.size(), " parts has no single bias");
   return parts_[0].bias;
+}
+
+int Linear::lora_a_id() const {
+  LOOM_CHECK(parts_.size() == 1, "a linear layer of ", parts_.size(), " parts has no single adapter");
+  return parts_[0].lora_a;
+}
+
+int Linear::lora_b_id() const {
+  LOOM_CHECK(parts_.size() == 1, "a linear layer of ", parts_.size(), " parts has no single adapter");
+  return parts_[0].lora_b;
 }
 
 namespace {
@@ -76,8 +122,17 @@ std::vector<Tensor> Linear::pieces(const ParamStore& ps, bool bias) const {
 
 std::vector<Tensor> Linear::grad_pieces(const GradStore& gs, bool bias) const {
   std::vector<Tensor> out;
-  for (const Part& p : parts_)
-    out.push_back(row_slice(gs.grad(bias ? p.bias : p.weight), p.first_row, p.rows, bias ? 1 : in_));
+  bool any = false;
+  for (const Part& p : parts_) {
+    const Tensor g = gs.grad(bias ? p.bias : p.weight);
+    any = any || g.defined();
+    // A frozen part has no gradient (FrozenGradStore): its rows of a stacked
+    // gradient go to scratch.
+    out.push_back(g.defined() ? row_slice(g, p.first_row, p.rows, bias ? 1 : in_)
+                              : Tensor::zeros({p.rows, bias ? 1 : in_}));
+  }
+  // No part trains: no gradient at all.
+  if (!any) out.clear();
   return out;
 }
 
@@ -85,6 +140,7 @@ void Linear::forward(const ParamStore& ps, float* out, const float* in, int64_t 
   const Tensor w = stack(pieces(ps, false), out_, in_);
   const Tensor b = bias && has_bias_ ? stack(pieces(ps, true), out_, 1) : Tensor();
   ops::linear_forward(out, in, w.data<float>(), b.defined() ? b.data<float>() : nullptr, N, in_, out_);
+  lora_forward(ps, out, in, N);
 }
 
 void Linear::backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N, bool bias) const {
@@ -94,20 +150,81 @@ void Linear::backward(const Grads& g, float* din, const float* dout, const float
   // copied back: the same sums as accumulating into each part in place.
   const std::vector<Tensor> dws = grad_pieces(g.grads, false);
   const std::vector<Tensor> dbs = with_bias ? grad_pieces(g.grads, true) : std::vector<Tensor>{};
-  Tensor dw = stack(dws, out_, in_);
-  Tensor db = with_bias ? stack(dbs, out_, 1) : Tensor();
-  ops::linear_backward(din, dw.data<float>(), with_bias ? db.data<float>() : nullptr, dout, in, w.data<float>(), N,
-                       in_, out_, ops::GradWrite::overwrite);
-  unstack(dw, dws);
-  if (with_bias) unstack(db, dbs);
+  Tensor dw = dws.empty() ? Tensor() : stack(dws, out_, in_);
+  Tensor db = dbs.empty() ? Tensor() : stack(dbs, out_, 1);
+  ops::linear_backward(din, dw.defined() ? dw.data<float>() : nullptr, db.defined() ? db.data<float>() : nullptr,
+                       dout, in, w.data<float>(), N, in_, out_, ops::GradWrite::overwrite);
+  if (dw.defined()) unstack(dw, dws);
+  if (db.defined()) unstack(db, dbs);
+  lora_backward(g, din, dout, in, N);
+}
+
+namespace {
+
+// A part's adapter B rows placed at the part's output rows of a zero
+// [out, r] matrix, so one GEMM adds the part's delta into its columns of the
+// stacked output (the other parts' columns get zero).
+Tensor padded_b(const Tensor& b_rows, int64_t first_out, int64_t out, int64_t r) {
+  if (first_out == 0 && b_rows.numel() == out * r) return b_rows;
+  Tensor padded = Tensor::zeros({out, r});
+  ops::copy(padded.data<float>() + first_out * r, b_rows.raw(), b_rows.nbytes());
+  return padded;
+}
+
+}  // namespace
+
+void Linear::lora_forward(const ParamStore& ps, float* out, const float* in, int64_t N) const {
+  int64_t first_out = 0;
+  for (const Part& p : parts_) {
+    if (p.lora_a >= 0) {
+      // h = scale * in A^T (r columns, small), then out += h B^T.
+      Tensor h = Tensor::empty({N, p.rank});
+      ops::linear_forward(h.data<float>(), in, ps.param(p.lora_a).data<float>(), nullptr, N, in_, p.rank);
+      ops::scale(h.data<float>(), h.numel(), p.scale);
+      const Tensor b = padded_b(row_slice(ps.param(p.lora_b), p.first_row, p.rows, p.rank), first_out, out_, p.rank);
+      Tensor delta = Tensor::empty({N, out_});
+      ops::linear_forward(delta.data<float>(), h.data<float>(), b.data<float>(), nullptr, N, p.rank, out_);
+      ops::accumulate(out, delta.data<float>(), delta.numel());
+    }
+    first_out += p.rows;
+  }
+}
+
+void Linear::lora_backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N) const {
+  int64_t first_out = 0;
+  for (const Part& p : parts_) {
+    if (p.lora_a >= 0) {
+      // h is recomputed rather than kept: N x r, a small fraction of the layer.
+      Tensor h = Tensor::empty({N, p.rank});
+      ops::linear_forward(h.data<float>(), in, g.params.param(p.lora_a).data<float>(), nullptr, N, in_, p.rank);
+      ops::scale(h.data<float>(), h.numel(), p.scale);
+      // dB += dout^T h over the part's columns; dh = scale * dout B;
+      // dA += dh^T in; din += dh A.
+      const Tensor b_rows = row_slice(g.params.param(p.lora_b), p.first_row, p.rows, p.rank);
+      const Tensor b = padded_b(b_rows, first_out, out_, p.rank);
+      const Tensor db_rows = row_slice(g.grads.grad(p.lora_b), p.first_row, p.rows, p.rank);
+      const bool padded = b.raw() != b_rows.raw();
+      Tensor db = padded ? Tensor::zeros({out_, p.rank}) : db_rows;
+      Tensor dh = Tensor::empty({N, p.rank});
+      ops::linear_backward(dh.data<float>(), db.data<float>(), nullptr, dout, h.data<float>(), b.data<float>(), N,
+                           p.rank, out_, ops::GradWrite::overwrite);
+      if (padded) ops::accumulate(db_rows.data<float>(), db.data<float>() + first_out * p.rank, db_rows.numel());
+      h = Tensor();
+      ops::scale(dh.data<float>(), dh.numel(), p.scale);
+      ops::linear_backward(din, g.grads.grad(p.lora_a).data<float>(), nullptr, dh.data<float>(), in,
+                           g.params.param(p.lora_a).data<float>(), N, in_, p.rank, ops::GradWrite::accumulate);
+    }
+    first_out += p.rows;
+  }
 }
 
 ColumnParallelLinear::ColumnParallelLinear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out,
-                                           int group, float init_std, const TensorParallel& tp, int64_t blocks)
+                                           int group, float init_std, const TensorParallel& tp, int64_t blocks,
+                                           const LoRAConfig& lora)
     : tp_(tp) {
   ParamParallel split;
   split.split = TensorSplit{0, tp.size(), tp.rank(), blocks};
-  linear_ = Linear(layout, name, in, out, group, init_std, split, split);
+  linear_ = Linear(layout, name, in, out, group, init_std, split, split, true, lora);
 }
 
 ColumnParallelLinear::ColumnParallelLinear(ParamLayout& layout, const std::vector<LinearPart>& parts, int64_t in,
@@ -133,12 +250,13 @@ Tensor ColumnParallelLinear::backward(const Grads& g, const Tensor& dy, const Te
 }
 
 RowParallelLinear::RowParallelLinear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out,
-                                     int group, float init_std, const TensorParallel& tp, bool has_bias)
+                                     int group, float init_std, const TensorParallel& tp, bool has_bias,
+                                     const LoRAConfig& lora)
     : tp_(tp) {
   ParamParallel weight, bias;
   weight.split = TensorSplit{1, tp.size(), tp.rank(), 1};
   bias.partial_grad = tp.splits_tokens();
-  linear_ = Linear(layout, name, in, out, group, init_std, weight, bias, has_bias);
+  linear_ = Linear(layout, name, in, out, group, init_std, weight, bias, has_bias, lora);
 }
 
 Tensor RowParallelLinear::forward(const ParamStore& ps, const Tensor& x) const {

@@ -11,12 +11,14 @@ MLP::MLP(ParamLayout& layout, const std::string& prefix, const GPTConfig& cfg, i
   ParamParallel split;
   split.split = TensorSplit{0, tp.size(), tp.rank(), 1};
   // SwiGLU's gate | up: one GEMM writes the [N, 2I] buffer its kernel reads.
-  const std::vector<LinearPart> parts =
-      kind_ == MlpKind::gelu
-          ? std::vector<LinearPart>{{prefix + ".c_fc", I, split, split}}
-          : std::vector<LinearPart>{{prefix + ".gate", I, split, split}, {prefix + ".up", I, split, split}};
+  const std::vector<std::string> names =
+      kind_ == MlpKind::gelu ? std::vector<std::string>{"c_fc"} : std::vector<std::string>{"gate", "up"};
+  std::vector<LinearPart> parts;
+  for (const std::string& name : names)
+    parts.push_back({prefix + "." + name, I, split, split, 0, 0, cfg.adapter("mlp." + name)});
   c_fc_ = ColumnParallelLinear(layout, parts, C, group, 0.02f, tp, cfg.mlp_bias);
-  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", I, C, group, proj_std, tp, cfg.mlp_bias);
+  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", I, C, group, proj_std, tp, cfg.mlp_bias,
+                              cfg.adapter("mlp.c_proj"));
 }
 
 Tensor MLP::forward(const ParamStore& ps, Saved& s, const Tensor& in) const {

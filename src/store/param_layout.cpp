@@ -60,7 +60,8 @@ int ParamLayout::add(std::string name, Shape shape, ParamInit init, bool weight_
                "bad split of ", name, " ", shape_str(shape));
     local[static_cast<size_t>(s.dim)] = s.blocks * piece_extent(s, shape[static_cast<size_t>(s.dim)]);
   }
-  ParamSpec spec{std::move(name), std::move(local), std::move(shape), init, weight_decay, group, numel_, parallel};
+  ParamSpec spec{std::move(name), std::move(local), std::move(shape), init, weight_decay, group, numel_, parallel,
+                 added_trainable_};
   numel_ += spec.numel();
   group_ranges_.back().second = numel_;
   params_.push_back(std::move(spec));
@@ -92,6 +93,9 @@ void ParamLayout::initialize(float* out, int64_t first, int64_t n, uint64_t seed
         std::fill(dst, dst + run, 0.0f);
       else if (p.init.kind == ParamInit::Kind::constant)
         std::fill(dst, dst + run, p.init.mean);
+      else if (p.init.kind == ParamInit::Kind::uniform)
+        for (int64_t k = 0; k < run; ++k)
+          dst[k] = p.init.std * (2.0f * philox_uniform(key, static_cast<uint64_t>(global + k)) - 1.0f);
       else
         fill_normal(dst, run, key, static_cast<uint64_t>(global), p.init.mean, p.init.std);
       local += run;

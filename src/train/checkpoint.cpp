@@ -171,6 +171,10 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
                     saved.n_embd, ", vocab ", saved.vocab_size, ", context ", saved.block_size,
                     "; the config asks for ", mc.n_layer, ", ", mc.n_embd, ", ", mc.vocab_size, ", ",
                     mc.block_size, ": resume with the config the run was started with"));
+  if (saved.lora.r != mc.lora.r || (mc.lora.enabled() && saved.lora.targets != mc.lora.targets))
+    throw Error(str("checkpoint '", dir.string(), "' holds LoRA adapters of rank ", saved.lora.r, " on ",
+                    saved.lora.targets.size(), " target(s); the config asks for rank ", mc.lora.r, " on ",
+                    mc.lora.targets.size(), ": resume with the lora.* settings the run was started with"));
   nlohmann::json saved_variant = model_json(saved), variant = model_json(mc);
   saved_variant.erase("dropout");
   variant.erase("dropout");

@@ -7,7 +7,10 @@
 #include <cstdlib>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "loom/device.h"
+#include "loom/io.h"
 #include "loom/train.h"
 
 namespace loom {
@@ -90,14 +93,22 @@ HFImport::HFImport(const fs::path& dir)
   checkpoint.check(map);
 }
 
-void HFImport::fill(const ParamLayout& layout, FlatRange range, float* params) const {
+void HFImport::fill(const ParamLayout& layout, FlatRange range, float* params, uint64_t seed) const {
+  // Adapters make the rest of the model frozen: only a layout with frozen
+  // parameters may have trainable ones the checkpoint lacks.
+  const bool adapters = std::any_of(layout.params().begin(), layout.params().end(),
+                                    [](const ParamSpec& p) { return !p.trainable; });
   std::vector<float> rows;
   for (const ParamSpec& p : layout.params()) {
     if (p.offset < range.begin || p.offset >= range.end) continue;
+    float* dst = params + (p.offset - range.begin);
     const HFParam* hp = map.by_loom(p.name);
+    if (!hp && adapters && p.trainable) {
+      layout.initialize(dst, p.offset, p.numel(), seed);
+      continue;
+    }
     LOOM_CHECK(hp && hp->loom_shape == p.global_shape, "parameter '", p.name, "' ", shape_str(p.global_shape),
                " is not in the map of the model config.json describes");
-    float* dst = params + (p.offset - range.begin);
     // The piece's runs of consecutive global elements, read as spans of whole
     // global rows: a piece cut along rows (c_attn's q | k | v blocks, the
     // vocabulary) reads only its own rows, one cut along columns every row.
@@ -135,15 +146,30 @@ void HFImport::fill(const ParamLayout& layout, FlatRange range, float* params) c
 }
 
 void load_hf_weights(const HFImport& src, Trainer& trainer) {
-  trainer.load_weights([&](const ParamLayout& layout, FlatRange r, float* p) { src.fill(layout, r, p); });
+  const uint64_t seed = trainer.options().seed;
+  trainer.load_weights([&](const ParamLayout& layout, FlatRange r, float* p) { src.fill(layout, r, p, seed); });
 }
 
 void load_hf_weights(const HFImport& src, const GPT& model, ParamStore& params) {
   Tensor flat = params.flat();
-  // The files are read straight into the parameters.
+  // The files are read straight into the parameters, adapters around them
+  // kept (a whole parameter at a time).
   const HostSection host;
-  src.fill(model.layout(), {0, model.layout().numel()}, flat.data<float>());
+  const ParamLayout& layout = model.layout();
+  for (const ParamSpec& p : layout.params())
+    if (src.map.by_loom(p.name)) src.fill(layout, {p.offset, p.offset + p.numel()}, flat.data<float>() + p.offset, 0);
 }
+
+namespace {
+
+// The adapter factors (lora_A, lora_B) of a base weight, by PEFT's names
+// relative to its module; -1 without an adapter.
+std::pair<int, int> adapter_of(const ParamLayout& layout, std::string_view weight_name) {
+  const std::string module(weight_name.substr(0, weight_name.rfind(".weight")));
+  return {layout.find(module + ".lora_A.weight"), layout.find(module + ".lora_B.weight")};
+}
+
+}  // namespace
 
 void export_hf(const GPT& model, const ParamStore& params, const fs::path& out_dir, const HFExportOptions& options) {
   const ParamLayout& layout = model.layout();
@@ -155,8 +181,79 @@ void export_hf(const GPT& model, const ParamStore& params, const fs::path& out_d
         LOOM_CHECK(id >= 0, "HF parameter '", p.hf_name, "' maps to '", p.loom_name, "', which the model lacks");
         const Tensor t = params.param(id);
         std::copy_n(t.data<float>(), t.numel(), dst);
+        // A LoRA adapter is merged into its base weight: W + (alpha / r) B A.
+        const auto [a, b] = adapter_of(layout, p.loom_name);
+        if (a < 0 || !p.loom_name.ends_with(".weight")) return;
+        const LoRAConfig& lora = model.config().lora;
+        const float scale = lora.alpha / static_cast<float>(lora.r);
+        const float* A = params.param(a).data<float>();
+        const float* B = params.param(b).data<float>();
+        const int64_t out = p.loom_shape[0], in = p.loom_shape[1], r = lora.r;
+        for (int64_t o = 0; o < out; ++o)
+          for (int64_t k = 0; k < r; ++k) {
+            const float bk = scale * B[o * r + k];
+            for (int64_t i = 0; i < in; ++i) dst[o * in + i] += bk * A[k * in + i];
+          }
       },
       options);
+}
+
+void export_peft_adapter(const GPT& model, const ParamStore& params, const fs::path& out_dir) {
+  const LoRAConfig& lora = model.config().lora;
+  if (!lora.enabled())
+    throw Error(str("export of LoRA adapters to '", out_dir.string(), "': the model has none (lora.r = 0)"));
+  const ParamLayout& layout = model.layout();
+  const HFModelConfig hf = hf_config_from_gpt(model.config());
+  const HFParamMap map(hf);
+  // Each adapter factor under its base layer's Hugging Face module path; the
+  // modules themselves are PEFT's target_modules (whole paths: a leaf name
+  // such as c_proj could name layers without adapters).
+  std::vector<std::pair<int, std::string>> adapters;
+  std::vector<SafetensorsSpec> specs;
+  std::vector<std::string> modules;
+  for (const HFParam& base : map.params()) {
+    const auto [a, b] = adapter_of(layout, base.loom_name);
+    if (a < 0 || !base.loom_name.ends_with(".weight")) continue;
+    const std::string module = base.hf_name.substr(0, base.hf_name.rfind(".weight"));
+    modules.push_back(module);
+    for (const auto& [id, factor] : {std::pair{a, ".lora_A.weight"}, std::pair{b, ".lora_B.weight"}}) {
+      adapters.emplace_back(id, "base_model.model." + module + factor);
+      specs.push_back({adapters.back().second, DType::f32, layout.param(id).shape});
+    }
+  }
+  fs::create_directories(out_dir.parent_path().empty() ? fs::path(".") : out_dir.parent_path());
+  AtomicDirWriter dir(out_dir);
+  {
+    const HostSection host;
+    SafetensorsWriter w(dir.path("adapter_model.safetensors"), specs, {{"format", "pt"}});
+    for (const auto& [id, name] : adapters) w.write(name, params.param(id).raw());
+    w.finish();
+  }
+  // GPT-2's layers are Conv1D, whose weights PEFT reads as [in, out]
+  // (fan_in_fan_out); the adapters themselves are plain [r, in], [out, r].
+  const bool conv1d = hf.arch == HFArch::gpt2;
+  const nlohmann::json cfg = {
+      {"peft_type", "LORA"},
+      {"task_type", nullptr},
+      {"base_model_name_or_path", nullptr},
+      {"auto_mapping",
+       {{"base_model_class", hf.architecture},
+        {"parent_library", str("transformers.models.", hf.model_type, ".modeling_", hf.model_type)}}},
+      {"r", lora.r},
+      {"lora_alpha", lora.alpha},
+      {"lora_dropout", lora.dropout},
+      {"target_modules", modules},
+      {"fan_in_fan_out", conv1d},
+      {"bias", "none"},
+      {"inference_mode", true},
+      {"init_lora_weights", true},
+      {"use_rslora", false},
+      {"use_dora", false},
+      {"modules_to_save", nullptr},
+      {"rank_pattern", nlohmann::json::object()},
+      {"alpha_pattern", nlohmann::json::object()}};
+  dir.write_file("adapter_config.json", cfg.dump(2) + "\n");
+  dir.commit();
 }
 
 }  // namespace loom

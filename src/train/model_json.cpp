@@ -2,6 +2,7 @@
 
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace loom {
 
@@ -22,28 +23,32 @@ void choice(const nlohmann::json& j, const char* key, T& field, std::pair<const 
 }  // namespace
 
 nlohmann::json model_json(const GPTConfig& c) {
-  return {{"n_layer", c.n_layer},
-          {"n_head", c.n_head},
-          {"n_embd", c.n_embd},
-          {"vocab_size", c.vocab_size},
-          {"block_size", c.block_size},
-          {"dropout", c.dropout},
-          {"norm", c.norm == NormKind::rmsnorm ? "rmsnorm" : "layernorm"},
-          {"norm_eps", c.norm_eps},
-          {"positions", c.positions == PositionKind::rope ? "rope" : "learned"},
-          {"rope_theta", c.rope_theta},
-          {"rope_scaling", rope_scaling_name(c.rope_scaling.type)},
-          {"rope_scaling_factor", c.rope_scaling.factor},
-          {"rope_low_freq_factor", c.rope_scaling.low_freq_factor},
-          {"rope_high_freq_factor", c.rope_scaling.high_freq_factor},
-          {"rope_original_max_positions", c.rope_scaling.original_max_position_embeddings},
-          {"mlp", c.mlp == MlpKind::swiglu ? "swiglu" : "gelu"},
-          {"intermediate_size", c.intermediate_size},
-          {"n_kv_head", c.n_kv_head},
-          {"packed_qkv", c.packed_qkv},
-          {"attention_bias", c.attention_bias},
-          {"mlp_bias", c.mlp_bias},
-          {"tied_embeddings", c.tied_embeddings}};
+  nlohmann::json j = {{"n_layer", c.n_layer},
+                      {"n_head", c.n_head},
+                      {"n_embd", c.n_embd},
+                      {"vocab_size", c.vocab_size},
+                      {"block_size", c.block_size},
+                      {"dropout", c.dropout},
+                      {"norm", c.norm == NormKind::rmsnorm ? "rmsnorm" : "layernorm"},
+                      {"norm_eps", c.norm_eps},
+                      {"positions", c.positions == PositionKind::rope ? "rope" : "learned"},
+                      {"rope_theta", c.rope_theta},
+                      {"rope_scaling", rope_scaling_name(c.rope_scaling.type)},
+                      {"rope_scaling_factor", c.rope_scaling.factor},
+                      {"rope_low_freq_factor", c.rope_scaling.low_freq_factor},
+                      {"rope_high_freq_factor", c.rope_scaling.high_freq_factor},
+                      {"rope_original_max_positions", c.rope_scaling.original_max_position_embeddings},
+                      {"mlp", c.mlp == MlpKind::swiglu ? "swiglu" : "gelu"},
+                      {"intermediate_size", c.intermediate_size},
+                      {"n_kv_head", c.n_kv_head},
+                      {"packed_qkv", c.packed_qkv},
+                      {"attention_bias", c.attention_bias},
+                      {"mlp_bias", c.mlp_bias},
+                      {"tied_embeddings", c.tied_embeddings}};
+  // Absent without adapters, as in checkpoints from before them.
+  if (c.lora.enabled())
+    j["lora"] = {{"r", c.lora.r}, {"alpha", c.lora.alpha}, {"dropout", c.lora.dropout}, {"targets", c.lora.targets}};
+  return j;
 }
 
 GPTConfig model_from_json(const nlohmann::json& j, GPTConfig c) {
@@ -81,6 +86,17 @@ GPTConfig model_from_json(const nlohmann::json& j, GPTConfig c) {
   read("attention_bias", c.attention_bias);
   read("mlp_bias", c.mlp_bias);
   read("tied_embeddings", c.tied_embeddings);
+  if (j.contains("lora")) {
+    const nlohmann::json& l = j.at("lora");
+    try {
+      c.lora.r = l.at("r").get<int64_t>();
+      c.lora.alpha = l.at("alpha").get<float>();
+      c.lora.dropout = l.at("dropout").get<float>();
+      c.lora.targets = l.at("targets").get<std::vector<std::string>>();
+    } catch (const nlohmann::json::exception&) {
+      throw Error(str("model.lora = ", l.dump(), ": needs r, alpha, dropout and targets of the right types"));
+    }
+  }
   return c;
 }
 

@@ -106,6 +106,21 @@ void check_launcher(const Config& cfg, const std::string& backend, int64_t ranks
                           started % model_ranks == 0 ? str(", or set parallel.dp = ", started / model_ranks) : ""));
 }
 
+// The entries of a comma-separated list, spaces around each removed (empty
+// ones kept, for the caller to judge).
+std::vector<std::string> comma_list(const std::string& text) {
+  std::vector<std::string> entries;
+  for (size_t begin = 0; begin <= text.size();) {
+    const size_t end = std::min(text.find(',', begin), text.size());
+    std::string_view entry = std::string_view(text).substr(begin, end - begin);
+    while (!entry.empty() && entry.front() == ' ') entry.remove_prefix(1);
+    while (!entry.empty() && entry.back() == ' ') entry.remove_suffix(1);
+    entries.emplace_back(entry);
+    begin = end + 1;
+  }
+  return entries;
+}
+
 // parallel.stage_layers: comma-separated layer counts, one per virtual stage,
 // held to pipeline_stage_layers' rules (planner.h) so that a bad override is
 // reported against its key rather than as the planner's Error.
@@ -114,11 +129,7 @@ std::vector<int> parse_stage_layers(const Config& cfg, int64_t n_layer, int64_t 
   const std::string fix = str("set parallel.stage_layers = \"", even_stage_layers(n_layer, virtual_stages), "\"",
                               balanced_ok ? ", or \"\" to balance the stages by cost" : "");
   std::vector<int> layers;
-  for (size_t begin = 0; begin <= text.size();) {
-    const size_t end = std::min(text.find(',', begin), text.size());
-    std::string_view entry = std::string_view(text).substr(begin, end - begin);
-    while (!entry.empty() && entry.front() == ' ') entry.remove_prefix(1);
-    while (!entry.empty() && entry.back() == ' ') entry.remove_suffix(1);
+  for (const std::string& entry : comma_list(text)) {
     int count = 0;
     const auto [ptr, ec] = std::from_chars(entry.data(), entry.data() + entry.size(), count);
     if (entry.empty() || ec != std::errc() || ptr != entry.data() + entry.size())
@@ -127,7 +138,6 @@ std::vector<int> parse_stage_layers(const Config& cfg, int64_t n_layer, int64_t 
           str("must be comma-separated layer counts, one per virtual stage, and '", entry, "' is not a whole number"),
           fix);
     layers.push_back(count);
-    begin = end + 1;
   }
   if (static_cast<int64_t>(layers.size()) != virtual_stages)
     throw ConfigError(cfg, "parallel.stage_layers",
@@ -451,15 +461,20 @@ GPTConfig imported_model_config(const Config& cfg, const fs::path& dir) {
 }  // namespace
 
 GPTConfig model_config_from(const Config& cfg) {
-  if (const std::optional<fs::path> dir = init_hf_dir(cfg)) return imported_model_config(cfg, *dir);
-  const std::string preset = cfg.get<std::string>("model.preset");
   GPTConfig m;
-  if (preset == "custom") {
-    m = model_from_json(cfg.to_json().at("model"));
+  if (const std::optional<fs::path> dir = init_hf_dir(cfg)) {
+    m = imported_model_config(cfg, *dir);
   } else {
-    m = GPTConfig::preset(preset);
+    const std::string preset = cfg.get<std::string>("model.preset");
+    m = preset == "custom" ? model_from_json(cfg.to_json().at("model")) : GPTConfig::preset(preset);
+    m.dropout = static_cast<float>(cfg.get<double>("model.dropout"));
   }
-  m.dropout = static_cast<float>(cfg.get<double>("model.dropout"));
+  // Adapters go on any model, a fresh one or an imported one.
+  m.lora.r = cfg.get<int64_t>("lora.r");
+  m.lora.alpha = static_cast<float>(cfg.get<double>("lora.alpha"));
+  m.lora.dropout = static_cast<float>(cfg.get<double>("lora.dropout"));
+  for (const std::string& t : comma_list(cfg.get<std::string>("lora.targets")))
+    if (!t.empty()) m.lora.targets.push_back(t);
   m.validate();
   return m;
 }

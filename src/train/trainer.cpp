@@ -65,6 +65,11 @@ bool owns_values(const ParamSpec& p, int tp_rank) {
   return !p.parallel.tied_copy && (p.parallel.split.parts > 1 || tp_rank == 0);
 }
 
+// Whether `name` is `entry` or a parameter under the module `entry`.
+bool names_under(const std::string& name, const std::string& entry) {
+  return name == entry || (name.size() > entry.size() && name.starts_with(entry) && name[entry.size()] == '.');
+}
+
 // Visits every element of a rank's layout in runs: fn(spec, flat offset in
 // `local`, flat offset in `whole` or -1 for padding, length).
 template <typename Fn>
@@ -139,7 +144,6 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, Communicator*
     : opts_(opts), dp_(dp), model_(model) {
   validate(opts_.zero);
   const ZeroOptions& z = opts_.zero;
-  const ParamLayout& layout = model_.layout();
   if (opts_.memory.policy != MemoryPolicy::none) {
     build_chunk_stores();
     return;
@@ -148,9 +152,11 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, Communicator*
     if (z.stage != 0 || z.precision != DType::f32)
       throw Error(str("ZeRO stage ", z.stage, " with precision ", dtype_name(z.precision),
                       " needs a data-parallel communicator; the single-rank reference is stage 0 in fp32"));
-    params_ = std::make_unique<ParamStore>(layout, opts_.seed);
-    grads_ = std::make_unique<GradStore>(layout);
+    split_frozen(DType::f32);
+    params_ = std::make_unique<ParamStore>(store_layout(), opts_.seed);
+    grads_ = std::make_unique<GradStore>(store_layout());
     optim_ = std::make_unique<ReferenceOptimizer>(*params_, *grads_, opts_.adamw);
+    wrap_frozen();
     return;
   }
   build_zero_stores();
@@ -177,15 +183,16 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, DeviceMesh& m
     embedding_group_ = world.split(holds_table ? mesh.coord(MeshAxis::dp) * tp + mesh.coord(MeshAxis::tp) : -1, stage);
   }
   // A gradient that is a partial sum over tp (sequence parallelism's norms,
-  // kv heads replicated over the tp ranks) is summed after the schedule,
-  // before the data-parallel reduction.
+  // kv heads replicated over the tp ranks, a tensor-parallel LoRA adapter's
+  // replicated factor) is summed after the schedule, before the data-parallel
+  // reduction.
   const auto& params = model_.layout().params();
   defer_reduction_ = pp > 1 || std::any_of(params.begin(), params.end(), [&](const ParamSpec& p) {
                        return p.parallel.partial_grad && tpl.size() > 1;
                      });
   ZeroOptimizer& zero = build_zero_stores();
   std::vector<FlatRange> duplicates;
-  for (const ParamSpec& p : model_.layout().params())
+  for (const ParamSpec& p : store_layout().params())
     if (!owns_values(p, tpl.rank()))
       duplicates.push_back({p.offset, p.offset + p.numel()});
   zero.count_norm_over(*model_parallel_group_, std::move(duplicates));
@@ -193,7 +200,8 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, DeviceMesh& m
 
 ZeroOptimizer& Trainer::build_zero_stores() {
   const ZeroOptions& z = opts_.zero;
-  const ParamLayout& layout = model_.layout();
+  split_frozen(z.precision);
+  const ParamLayout& layout = store_layout();
   if (z.precision == DType::f16) scaler_ = std::make_unique<LossScaler>(opts_.loss_scale);
   // Stage 3 gathers and frees one group at a time; stages 0-2 reduce
   // gradients in buckets of about bucket_bytes.
@@ -203,9 +211,11 @@ ZeroOptimizer& Trainer::build_zero_stores() {
   auto grads = std::make_unique<ZeroGradStore>(layout, *partition_, *dp_, z);
   auto optim = std::make_unique<ZeroOptimizer>(layout, *partition_, *dp_, z, opts_.adamw, opts_.seed, *params, *grads);
   ZeroOptimizer& zero = *optim;
+  zero_grads_ = grads.get();
   params_ = std::move(params);
   grads_ = std::move(grads);
   optim_ = std::move(optim);
+  wrap_frozen();
   return zero;
 }
 
@@ -219,12 +229,42 @@ void Trainer::build_chunk_stores() {
   // The activations are not known before the first batch: the manager
   // checks the model state and its own working set against the budgets,
   // plan_training the whole step.
-  auto manager = std::make_unique<ChunkManager>(model_.layout(), opts_.memory, z.precision, dp_, opts_.adamw,
+  split_frozen(z.precision);
+  auto manager = std::make_unique<ChunkManager>(store_layout(), opts_.memory, z.precision, dp_, opts_.adamw,
                                                 opts_.seed, 0);
   chunk_memory_ = manager.get();
   params_ = std::make_unique<ChunkParamStore>(*manager);
   grads_ = std::make_unique<ChunkGradStore>(*manager);
   optim_ = std::move(manager);
+  wrap_frozen();
+}
+
+void Trainer::split_frozen(DType dtype) {
+  const ParamLayout& layout = model_.layout();
+  // Entries are checked against the whole model: a pipeline stage need not
+  // hold what an entry names.
+  for (const std::string& e : opts_.freeze) {
+    const auto& all = state_layout().params();
+    if (std::none_of(all.begin(), all.end(), [&](const ParamSpec& p) { return names_under(p.name, e); }))
+      throw Error(str("train.freeze entry \"", e, "\" names no parameter or module of the model (e.g. \"",
+                      all.front().name, "\", or \"h.0\" for a whole block)"));
+  }
+  std::vector<bool> frozen;
+  bool any = false;
+  for (const ParamSpec& p : layout.params()) {
+    const bool f = !p.trainable || std::any_of(opts_.freeze.begin(), opts_.freeze.end(),
+                                               [&](const std::string& e) { return names_under(p.name, e); });
+    frozen.push_back(f);
+    any = any || f;
+  }
+  if (any) frozen_ = std::make_unique<FrozenParams>(layout, frozen, dtype, opts_.seed);
+}
+
+void Trainer::wrap_frozen() {
+  if (!frozen_) return;
+  params_ = std::make_unique<FrozenParamStore>(*frozen_, std::move(params_));
+  grads_ = std::make_unique<FrozenGradStore>(*frozen_, std::move(grads_));
+  optim_ = std::make_unique<FrozenOptimizer>(*frozen_, std::move(optim_));
 }
 
 Trainer::~Trainer() = default;
@@ -339,13 +379,13 @@ void all_reduce_fused(Communicator& group, ZeroGradStore& grads, const std::vect
 }  // namespace
 
 void Trainer::reduce_model_parallel_gradients() {
-  auto& grads = static_cast<ZeroGradStore&>(*grads_);
+  ZeroGradStore& grads = *zero_grads_;
   const TensorParallel& tp = model_.parallel().tp;
   // What each parameter's gradient is summed over is a property of the
-  // parameter (ParamParallel), not of its name.
+  // parameter (ParamParallel), not of its name; frozen ones have none.
   std::vector<int> over_tp, over_stages;
-  for (int id = 0; id < static_cast<int>(model_.layout().params().size()); ++id) {
-    const ParamParallel& p = model_.layout().param(id).parallel;
+  for (int id = 0; id < static_cast<int>(store_layout().params().size()); ++id) {
+    const ParamParallel& p = store_layout().param(id).parallel;
     if (p.partial_grad && tp.size() > 1) over_tp.push_back(id);
     if (p.tied_across_stages) over_stages.push_back(id);
   }

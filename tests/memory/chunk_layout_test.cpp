@@ -25,7 +25,9 @@ ParamLayout make_layout(const std::vector<std::vector<int64_t>>& groups) {
   return layout;
 }
 
-GPTConfig small_config() { return {.n_layer = 2, .n_head = 2, .n_embd = 32, .vocab_size = 37, .block_size = 12}; }
+GPTConfig small_config() {
+  return {.n_layer = 2, .n_head = 2, .n_embd = 32, .vocab_size = 37, .block_size = 12, .lora = {}};
+}
 
 // The packing invariants: consecutive chunks of whole parameters in layout
 // order, each parameter in the chunk it is mapped to, and every chunk but the

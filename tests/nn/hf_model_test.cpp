@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "hf/hf_fixtures.h"
 #include "loom/device.h"
 #include "loom/hf.h"
 #include "loom/io.h"
@@ -62,38 +63,12 @@ TEST_P(HFModelParity, LogitsLossAndEveryGradientMatchTransformers) {
     ps.param(id).copy_from(Tensor::from_host(v.data(), spec.shape, DType::f32, Tier::host));
   }
 
-  // logits[:, t] predicts ids[:, t + 1]; the last position has no target.
-  const Tensor ids = ref.load("input_ids");
-  const BatchShape bs{ids.shape()[0], ids.shape()[1]};
-  std::vector<int32_t> targets(static_cast<size_t>(bs.N()), -1);
-  for (int64_t b = 0; b < bs.B; ++b)
-    for (int64_t t = 0; t + 1 < bs.T; ++t)
-      targets[static_cast<size_t>(b * bs.T + t)] = ids.data<int32_t>()[b * bs.T + t + 1];
-
-  ForwardOptions fo;
-  fo.training = false;
-  MicroBatchState s;
-  model.forward(ps, s, ids.data<int32_t>(), targets.data(), bs, fo);
-  const double loss = s.host_loss_sum() / static_cast<double>(s.valid_targets);
-  const float want_loss = ref.load("loss").data<float>()[0];
-  EXPECT_NEAR(loss, want_loss, 1e-5 * want_loss) << GetParam().covers;
-  const Tensor want_logits = ref.load("logits");
-  const Tensor logits = s.logits.clone(Tier::host);
-  ASSERT_EQ(logits.numel(), want_logits.numel());
-  for (int64_t i = 0; i < logits.numel(); ++i)
-    ASSERT_NEAR(logits.data<float>()[i], want_logits.data<float>()[i], 1e-5) << "logits[" << i << "]";
-
-  model.backward(ps, gs, s, 1.0f / static_cast<float>(s.valid_targets));
-  ops::synchronize();
+  SCOPED_TRACE(GetParam().covers);
+  testing::forward_backward_like_reference(model, ps, gs, ref);
   for (int id = 0; id < static_cast<int>(model.layout().params().size()); ++id) {
     const ParamSpec& spec = model.layout().param(id);
     const std::vector<float> want = reference_in_loom_layout(ref, *map.by_loom(spec.name));
-    double scale = 0;
-    for (float w : want) scale = std::max(scale, std::fabs(static_cast<double>(w)));
-    const Tensor got = gs.grad(id).clone(Tier::host);
-    for (int64_t i = 0; i < spec.numel(); ++i)
-      ASSERT_NEAR(got.data<float>()[i], want[static_cast<size_t>(i)], 1e-4 * scale)
-          << "grad of " << spec.name << "[" << i << "] (" << GetParam().covers << ")";
+    testing::expect_gradient_near(gs.grad(id), want.data(), spec.numel(), 1e-4, spec.name);
   }
 }
 

@@ -52,10 +52,7 @@ TEST(HFImport, Gpt2FixtureGivesTransformersLogitsAndLoss) {
   const SafetensorsReader ref(fs::path(LOOM_SOURCE_DIR) / "tests/fixtures/hf/gpt2.reference.safetensors");
   const Tensor ids = ref.load("input_ids"), want = ref.load("logits");
   const int64_t B = ids.shape()[0], T = ids.shape()[1], V = src.model.vocab_size;
-  // transformers' labels=input_ids: position t predicts token t + 1.
-  std::vector<int32_t> targets(static_cast<size_t>(B * T), -1);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t + 1 < T; ++t) targets[static_cast<size_t>(b * T + t)] = ids.data<int32_t>()[b * T + t + 1];
+  const std::vector<int32_t> targets = testing::next_token_targets(ids);
   MicroBatchState s;
   ForwardOptions fo;
   fo.training = false;
@@ -87,6 +84,35 @@ const RunResult& imported_reference(const std::string& name) {
   static std::map<std::string, RunResult> refs;
   if (!refs.contains(name)) refs[name] = testing::run_layout(imported(testing::layout(0, 0), fixture(name)));
   return refs.at(name);
+}
+
+// A LoRA run from a checkpoint: the base holds the checkpoint's tensors and
+// the adapters, which it lacks, their fresh initialization, on one rank and
+// under ZeRO-3 (which loads only each rank's own parameters).
+TEST(HFImport, ALoRARunImportsTheBaseAndDrawsItsAdaptersFresh) {
+  const HFImport& src = fixture("llama");
+  GPT plain(src.model);
+  ParamStore base(plain.layout(), 0);
+  load_hf_weights(src, plain, base);
+  const std::vector<float> base_values = testing::to_vector(base.flat());
+  for (const DataParallelRun& layout : {testing::layout(0, 0), testing::layout(2, 3)}) {
+    DataParallelRun r = imported(layout, src);
+    r.lora = LoRAConfig{.r = 2, .alpha = 4.0f, .dropout = 0.0f, .targets = {"q", "v", "down"}};
+    const RunResult res = testing::run_layout(r);
+    const GPT model(res.model);
+    std::vector<float> fresh(static_cast<size_t>(model.layout().numel()));
+    model.layout().initialize(fresh.data(), 0, model.layout().numel(), testing::small_options(r).seed);
+    int adapters = 0;
+    for (const ParamSpec& p : model.layout().params()) {
+      const auto initial = res.initial_params.begin() + p.offset;
+      const bool in_checkpoint = src.map.by_loom(p.name) != nullptr;
+      adapters += !in_checkpoint;
+      const auto want = in_checkpoint ? base_values.begin() + plain.layout().param(plain.layout().find(p.name)).offset
+                                      : fresh.begin() + p.offset;
+      EXPECT_TRUE(std::equal(initial, initial + p.numel(), want)) << p.name << " under dp " << layout.dp;
+    }
+    EXPECT_EQ(adapters, 2 * 3 * src.model.n_layer);
+  }
 }
 
 struct ImportLayout {

@@ -120,16 +120,7 @@ class LlamaModelParallelFp32 : public ::testing::TestWithParam<LlamaLayout> {};
 
 TEST_P(LlamaModelParallelFp32, MatchesTheReferenceAndIsBitIdenticalRunToRun) {
   const int n_kv_head = GetParam().n_kv_head;
-  const auto llama = [n_kv_head](GPTConfig& c) {
-    const GPTConfig tiny = GPTConfig::preset("llama-tiny");
-    c.norm = tiny.norm;
-    c.positions = tiny.positions;
-    c.mlp = tiny.mlp;
-    c.packed_qkv = tiny.packed_qkv;
-    c.attention_bias = c.mlp_bias = c.tied_embeddings = false;
-    c.intermediate_size = 72;
-    c.n_kv_head = n_kv_head;
-  };
+  const auto llama = testing::llama_variant(n_kv_head);
   DataParallelRun ref_run = testing::layout(0, 0);
   ref_run.n_layer = kLayers;
   ref_run.n_head = kHeads;

@@ -62,6 +62,22 @@ TEST(PlanTraining, DefaultsAreTheSingleRankReference) {
   EXPECT_TRUE(p.reference());
 }
 
+TEST(PlanTraining, LoRAKeysFillTheModelsAdapters) {
+  EXPECT_FALSE(plan_training(tiny()).model.lora.enabled());
+  const TrainPlan p = plan_training(tiny({"lora.r=4", "lora.alpha=16", "lora.targets=c_attn, mlp.c_proj"}));
+  EXPECT_EQ(p.model.lora.r, 4);
+  EXPECT_EQ(p.model.lora.alpha, 16.0f);
+  EXPECT_EQ(p.model.lora.targets, (std::vector<std::string>{"c_attn", "mlp.c_proj"}));
+  try {
+    plan_training(tiny({"lora.r=4", "lora.targets=c_fc,q_proj"}));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("\"q_proj\""), std::string::npos) << m;
+    EXPECT_NE(m.find("valid: "), std::string::npos) << m;
+  }
+}
+
 TEST(PlanTraining, DataParallelZeroAndPrecisionFillTheOptions) {
   const TrainPlan p = plan_training(
       tiny({"parallel.dp=2", "zero.stage=3", "precision=bf16", "zero.bucket_mb=3", "train.batch_size=8"}));

@@ -8,17 +8,10 @@
 namespace loom {
 namespace {
 
+using testing::ten_million;
+
 using testing::random_tokens;
 
-GPTConfig ten_million() {
-  GPTConfig c;
-  c.n_layer = 4;
-  c.n_head = 4;
-  c.n_embd = 448;
-  c.vocab_size = 2048;
-  c.block_size = 32;
-  return c;
-}
 
 struct Measured {
   std::vector<double> state_bytes;  // per rank, after a step

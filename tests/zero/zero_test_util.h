@@ -47,6 +47,8 @@ struct DataParallelRun {
   // then holds the state it left.
   std::optional<GPTConfig> model;
   std::function<void(Trainer&)> init;
+  std::vector<std::string> freeze;  // TrainOptions::freeze
+  LoRAConfig lora;                  // the model's adapters
   bool uses_mesh() const { return mesh || tp > 1 || pp > 1; }
 };
 
@@ -81,6 +83,33 @@ inline GPTConfig small_gpt(float dropout, int n_layer = 2, int n_head = 2) {
   return c;
 }
 
+// DataParallelRun::model_variant turning small_gpt into a LLaMA (RMSNorm,
+// RoPE, SwiGLU of an intermediate size that is not 4C, q, k, v apart, no
+// biases, an untied head) with n_kv_head kv heads.
+inline std::function<void(GPTConfig&)> llama_variant(int n_kv_head) {
+  return [n_kv_head](GPTConfig& c) {
+    const GPTConfig tiny = GPTConfig::preset("llama-tiny");
+    c.norm = tiny.norm;
+    c.positions = tiny.positions;
+    c.mlp = tiny.mlp;
+    c.packed_qkv = tiny.packed_qkv;
+    c.attention_bias = c.mlp_bias = c.tied_embeddings = false;
+    c.intermediate_size = 72;
+    c.n_kv_head = n_kv_head;
+  };
+}
+
+// A model of about 10.6M parameters, for model-state bytes per rank.
+inline GPTConfig ten_million() {
+  GPTConfig c;
+  c.n_layer = 4;
+  c.n_head = 4;
+  c.n_embd = 448;
+  c.vocab_size = 2048;
+  c.block_size = 32;
+  return c;
+}
+
 inline TrainOptions small_options(const DataParallelRun& r) {
   TrainOptions o;
   o.schedule = {1e-3f, 1e-4f, 3, r.steps};
@@ -91,6 +120,7 @@ inline TrainOptions small_options(const DataParallelRun& r) {
   o.model_parallel = r.model_parallel;
   o.memory = r.memory;
   o.memory.micro_batches = r.accumulation;
+  o.freeze = r.freeze;
   return o;
 }
 
@@ -136,6 +166,7 @@ inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& re
   context.tier(Tier::host).set_budget(r.host_budget);
   GPTConfig cfg = r.model ? *r.model : small_gpt(r.dropout, r.n_layer, r.n_head);
   if (r.model_variant) r.model_variant(cfg);
+  if (r.lora.enabled()) cfg.lora = r.lora;
   TrainOptions opts = small_options(r);
   int step = 0;
   Trainer* trainer_of_step = nullptr;
@@ -299,7 +330,8 @@ inline ::testing::AssertionResult matches_reference(const RunResult& a, const Ru
       diff = std::max(diff, std::fabs(static_cast<double>(a.grads[k]) - ref.grads[k]));
       scale = std::max(scale, std::fabs(static_cast<double>(ref.grads[k])));
     }
-    const double d = diff / scale;
+    // A frozen parameter's gradient is zero in both.
+    const double d = diff == 0.0 ? 0.0 : diff / scale;
     if (!(d <= worst)) {
       worst = d;
       worst_name = str(p.name, " (max abs difference ", diff, ", max abs ", scale, ")");

@@ -134,6 +134,10 @@ int main(int argc, char** argv) {
   std::string export_out, export_dtype = "f32", export_shard = "5GB";
   exp->add_option("--checkpoint", ckpt, "checkpoint directory, or a run directory (uses latest)")->required();
   exp->add_option("--out", export_out, "output directory")->required();
+  bool export_peft = false;
+  exp->add_flag("--peft", export_peft,
+                "write a LoRA run's adapters in PEFT's layout (adapter_config.json + adapter_model.safetensors); "
+                "without it a LoRA model is exported with its adapters merged into the weights");
   exp->add_option("--dtype", export_dtype, "stored dtype: f32, bf16 or f16 (rounded to nearest even)")
       ->capture_default_str();
   exp->add_option("--max-shard-size", export_shard,
@@ -209,12 +213,18 @@ int main(int argc, char** argv) {
       eo.max_shard_bytes = parse_bytes(export_shard);
       if (eo.max_shard_bytes == 0) throw Error("--max-shard-size must be positive, e.g. 2GB");
       LoadedModel m(ckpt);
-      export_hf(*m.model, *m.params, export_out, eo);
-      // Beside the weights, so that importing the directory finds it.
-      fs::copy_file(m.tokenizer.path(), fs::path(export_out) / m.tokenizer.path().filename(),
-                    fs::copy_options::overwrite_existing);
-      std::printf("wrote %s (%s, %s)\n", export_out.c_str(), dtype_name(eo.dtype),
-                  m.tokenizer.path().filename().string().c_str());
+      if (export_peft) {
+        export_peft_adapter(*m.model, *m.params, export_out);
+        std::printf("wrote %s/adapter_config.json and %s/adapter_model.safetensors\n", export_out.c_str(),
+                    export_out.c_str());
+      } else {
+        export_hf(*m.model, *m.params, export_out, eo);
+        // Beside the weights, so that importing the directory finds it.
+        fs::copy_file(m.tokenizer.path(), fs::path(export_out) / m.tokenizer.path().filename(),
+                      fs::copy_options::overwrite_existing);
+        std::printf("wrote %s (%s, %s)\n", export_out.c_str(), dtype_name(eo.dtype),
+                    m.tokenizer.path().filename().string().c_str());
+      }
     }
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

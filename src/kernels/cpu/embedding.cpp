@@ -15,6 +15,7 @@ namespace {
 // sums its rows in row order whatever the number of threads.
 template <typename Row>
 void scatter_add_rows(float* dst, const float* src, int64_t N, int64_t C, Row row) {
+  if (dst == nullptr) return;  // a frozen parameter's gradient
   constexpr int64_t kAlign = 16;  // 64-byte slices, so threads never share a cache line of a row
 #pragma omp parallel if (N * C >= kMinParallelWork)
   {

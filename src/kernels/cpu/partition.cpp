@@ -3,6 +3,7 @@
 namespace loom::cpu {
 
 void add_chunk_partials(float* dst, const float* partials, int64_t chunks, int64_t C) {
+  if (dst == nullptr) return;  // a frozen parameter's gradient
   // Parallel over columns: each column's sum runs over the chunks in order on
   // one thread, whichever thread that is.
   constexpr int64_t kColumns = 256;

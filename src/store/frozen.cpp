@@ -1,0 +1,200 @@
+#include <algorithm>
+#include <vector>
+
+#include "loom/device.h"
+#include "loom/store.h"
+
+namespace loom {
+
+FrozenParams::FrozenParams(const ParamLayout& layout, const std::vector<bool>& frozen, DType dtype, uint64_t seed)
+    : layout_(layout), dtype_(dtype) {
+  const size_t n = layout.params().size();
+  LOOM_CHECK(frozen.size() == n, "frozen flags for ", frozen.size(), " of ", n, " parameters");
+  to_trainable_.assign(n, -1);
+  groups_.assign(static_cast<size_t>(layout.num_groups()), -1);
+  stored_.resize(n);
+  // Initialization draws each element on the host.
+  const HostSection host;
+  std::vector<float> values;
+  for (size_t id = 0; id < n; ++id) {
+    const ParamSpec& p = layout.params()[id];
+    if (frozen[id]) {
+      values.resize(static_cast<size_t>(p.numel()));
+      layout.initialize(values.data(), p.offset, p.numel(), seed);
+      stored_[id] = Tensor::empty(p.shape, dtype);
+      convert(values.data(), DType::f32, stored_[id].raw(), dtype, p.numel());
+      continue;
+    }
+    int& g = groups_[static_cast<size_t>(p.group)];
+    if (g < 0) g = trainable_.add_group(layout.group_name(p.group));
+    to_trainable_[id] = trainable_.add(p.name, p.global_shape, p.init, p.weight_decay, g, p.parallel);
+    to_model_.push_back(static_cast<int>(id));
+  }
+  if (to_model_.empty()) throw Error("every parameter of the model is frozen: nothing would train");
+}
+
+void FrozenParams::load(int id, const float* values) {
+  const HostSection host;
+  const Tensor& t = stored(id);
+  LOOM_CHECK(t.defined(), "parameter ", layout_.param(id).name, " is not frozen");
+  convert(values, DType::f32, t.raw(), dtype_, t.numel());
+}
+
+int64_t FrozenParams::numel() const { return layout_.numel() - trainable_.numel(); }
+
+FrozenParamStore::FrozenParamStore(const FrozenParams& frozen, std::unique_ptr<ParamStore> trainable)
+    : ParamStore(frozen.layout()), frozen_(frozen), trainable_(std::move(trainable)),
+      acquired_(static_cast<size_t>(frozen.layout().num_groups()), 0),
+      working_(frozen.layout().params().size()) {}
+
+void FrozenParamStore::acquire(int group) {
+  check_group(group);
+  if (const int g = frozen_.trainable_group(group); g >= 0) trainable_->acquire(g);
+  if (acquired_[static_cast<size_t>(group)]++ > 0 || frozen_.dtype() == DType::f32) return;
+  for (size_t id = 0; id < layout_.params().size(); ++id) {
+    const int i = static_cast<int>(id);
+    if (layout_.param(i).group != group || !frozen_.frozen(i)) continue;
+    const Tensor& s = frozen_.stored(i);
+    working_[id] = Tensor::empty(s.shape());
+    ops::convert(s.raw(), s.dtype(), working_[id].raw(), DType::f32, s.numel());
+  }
+}
+
+void FrozenParamStore::release(int group) {
+  check_group(group);
+  if (const int g = frozen_.trainable_group(group); g >= 0) trainable_->release(g);
+  int& n = acquired_[static_cast<size_t>(group)];
+  LOOM_CHECK(n > 0, "release of group ", layout_.group_name(group), " that is not acquired");
+  if (--n > 0) return;
+  for (size_t id = 0; id < layout_.params().size(); ++id)
+    if (layout_.params()[id].group == group) working_[id] = Tensor();
+}
+
+Tensor FrozenParamStore::param(int id) const {
+  if (!frozen_.frozen(id)) return trainable_->param(frozen_.trainable_id(id));
+  if (frozen_.dtype() == DType::f32) return frozen_.stored(id);
+  const Tensor& w = working_.at(static_cast<size_t>(id));
+  LOOM_CHECK(w.defined(), "frozen parameter ", layout_.param(id).name, " read outside acquire/release of its group");
+  return w;
+}
+
+FrozenGradStore::FrozenGradStore(const FrozenParams& frozen, std::unique_ptr<GradStore> trainable)
+    : GradStore(frozen.layout(), NoStorage{}), frozen_(frozen), trainable_(std::move(trainable)) {}
+
+Tensor FrozenGradStore::grad(int id) const {
+  return frozen_.frozen(id) ? Tensor() : trainable_->grad(frozen_.trainable_id(id));
+}
+
+void FrozenGradStore::group_ready(int group) {
+  check_group(group);
+  if (const int g = frozen_.trainable_group(group); g >= 0) trainable_->group_ready(g);
+}
+
+FrozenOptimizer::FrozenOptimizer(FrozenParams& frozen, std::unique_ptr<OptimizerStore> trainable)
+    : frozen_(frozen), trainable_(std::move(trainable)) {}
+
+namespace {
+
+// Calls on_trainable(model id, trainable-flat offset within the piece) for
+// each parameter of every piece the trainable store visits and
+// on_frozen(model id) for the frozen ones between them, so that the model's
+// parameters come in their flat order. With `owned_only` the trainable
+// store may skip parameters it holds nothing of (a ZeRO store loads only its
+// own); otherwise it must visit every one.
+template <typename Visit, typename OnTrainable, typename OnFrozen>
+void in_model_order(const FrozenParams& f, Visit visit_trainable, OnTrainable on_trainable, OnFrozen on_frozen,
+                    bool owned_only = false) {
+  const int n = static_cast<int>(f.layout().params().size());
+  int next = 0;
+  const auto frozen_until = [&](int end) {
+    for (; next < end; ++next) {
+      if (!f.frozen(next)) {
+        LOOM_CHECK(owned_only, "trainable parameter ", f.layout().param(next).name, " skipped by the store");
+        continue;
+      }
+      on_frozen(next);
+    }
+  };
+  visit_trainable([&](FlatRange r) {
+    const std::vector<ParamSpec>& params = f.trainable().params();
+    for (size_t t = 0; t < params.size(); ++t) {
+      const ParamSpec& p = params[t];
+      if (p.offset < r.begin || p.offset >= r.end) continue;
+      const int id = f.model_id(static_cast<int>(t));
+      frozen_until(id);
+      on_trainable(id, p.offset - r.begin);
+      next = id + 1;
+    }
+  });
+  frozen_until(n);
+}
+
+FlatRange range_of(const ParamSpec& p) { return {p.offset, p.offset + p.numel()}; }
+
+}  // namespace
+
+void FrozenOptimizer::visit_state(const StateVisitor& visit) {
+  const ParamLayout& layout = frozen_.layout();
+  const HostSection host;
+  std::vector<float> values, zeros;
+  const float *p = nullptr, *m = nullptr, *v = nullptr;
+  in_model_order(
+      frozen_,
+      [&](auto piece) {
+        trainable_->visit_state([&](FlatRange r, const float* params, const float* exp_avg, const float* exp_avg_sq) {
+          p = params, m = exp_avg, v = exp_avg_sq;
+          piece(r);
+        });
+      },
+      [&](int id, int64_t at) { visit(range_of(layout.param(id)), p + at, m + at, v + at); },
+      [&](int id) {
+        const Tensor& s = frozen_.stored(id);
+        values.resize(static_cast<size_t>(s.numel()));
+        zeros.assign(static_cast<size_t>(s.numel()), 0.0f);
+        convert(s.raw(), s.dtype(), values.data(), DType::f32, s.numel());
+        visit(range_of(layout.param(id)), values.data(), zeros.data(), zeros.data());
+      });
+}
+
+void FrozenOptimizer::load_state(const StateFiller& fill) {
+  const ParamLayout& layout = frozen_.layout();
+  std::vector<float> values, m, v;
+  float *pp = nullptr, *pm = nullptr, *pv = nullptr;
+  in_model_order(
+      frozen_,
+      [&](auto piece) {
+        trainable_->load_state([&](FlatRange r, float* params, float* exp_avg, float* exp_avg_sq) {
+          pp = params, pm = exp_avg, pv = exp_avg_sq;
+          piece(r);
+        });
+      },
+      [&](int id, int64_t at) { fill(range_of(layout.param(id)), pp + at, pm + at, pv + at); },
+      [&](int id) {
+        const int64_t n = layout.param(id).numel();
+        for (auto* b : {&values, &m, &v}) b->resize(static_cast<size_t>(n));
+        fill(range_of(layout.param(id)), values.data(), m.data(), v.data());
+        frozen_.load(id, values.data());
+      },
+      true);
+}
+
+void FrozenOptimizer::visit_gradients(const GradientVisitor& visit) {
+  const ParamLayout& layout = frozen_.layout();
+  std::vector<float> zeros;
+  const float* g = nullptr;
+  in_model_order(
+      frozen_,
+      [&](auto piece) {
+        trainable_->visit_gradients([&](FlatRange r, const float* grads) {
+          g = grads;
+          piece(r);
+        });
+      },
+      [&](int id, int64_t at) { visit(range_of(layout.param(id)), g + at); },
+      [&](int id) {
+        zeros.assign(static_cast<size_t>(layout.param(id).numel()), 0.0f);
+        visit(range_of(layout.param(id)), zeros.data());
+      });
+}
+
+}  // namespace loom
