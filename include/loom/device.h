@@ -196,9 +196,10 @@ void cross_entropy_shard_backward(float* dlogits, const float* logits, const flo
 void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, const float* sums,
                               const int32_t* targets, int64_t N);
 
-void dropout_forward(float* out, const float* inp, int64_t n, float p, uint64_t key, uint64_t first);
-void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first,
-                      GradWrite dinp_write = GradWrite::accumulate);
+void dropout_forward(float* out, const float* inp, int64_t rows, int64_t cols, int64_t stride, float p,
+                     uint64_t key, uint64_t first);
+void dropout_backward(float* dinp, const float* dout, int64_t rows, int64_t cols, int64_t stride, float p,
+                      uint64_t key, uint64_t first, GradWrite dinp_write = GradWrite::accumulate);
 
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWStep& s);
 

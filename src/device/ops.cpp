@@ -165,12 +165,13 @@ void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, c
   LOOM_LAUNCH(cross_entropy_shard_loss, losses, lse, row_max, sums, targets, N);
 }
 
-void dropout_forward(float* out, const float* inp, int64_t n, float p, uint64_t key, uint64_t first) {
-  LOOM_LAUNCH(dropout_forward, out, inp, n, p, key, first);
+void dropout_forward(float* out, const float* inp, int64_t rows, int64_t cols, int64_t stride, float p,
+                     uint64_t key, uint64_t first) {
+  LOOM_LAUNCH(dropout_forward, out, inp, rows, cols, stride, p, key, first);
 }
-void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first,
-                      GradWrite dinp_write) {
-  LOOM_LAUNCH(dropout_backward, dinp, dout, n, p, key, first, dinp_write);
+void dropout_backward(float* dinp, const float* dout, int64_t rows, int64_t cols, int64_t stride, float p,
+                      uint64_t key, uint64_t first, GradWrite dinp_write) {
+  LOOM_LAUNCH(dropout_backward, dinp, dout, rows, cols, stride, p, key, first, dinp_write);
 }
 
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWStep& s) {

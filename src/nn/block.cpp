@@ -51,7 +51,7 @@ void Block::forward_into(const ParamStore& ps, Saved& s, float* y, const BatchSh
   {
     Tensor a = attn_.forward(ps, s.attn, s.ln_1.out, bs);
     if (drop)
-      ops::dropout_forward(a.data<float>(), a.data<float>(), rows * C_, dropout_,
+      ops::dropout_forward(a.data<float>(), a.data<float>(), rows, C_, C_, dropout_,
                            stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kAttnResidual), first);
     s.resid = Tensor::empty(s.x.shape());
     ops::add(s.resid.data<float>(), x, a.data<float>(), rows * C_);
@@ -63,7 +63,7 @@ void Block::forward_into(const ParamStore& ps, Saved& s, float* y, const BatchSh
   }
   Tensor m = mlp_.forward(ps, s.mlp, s.ln_2.out);
   if (drop)
-    ops::dropout_forward(m.data<float>(), m.data<float>(), rows * C_, dropout_,
+    ops::dropout_forward(m.data<float>(), m.data<float>(), rows, C_, C_, dropout_,
                          stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kMlpResidual), first);
   ops::add(y, s.resid.data<float>(), m.data<float>(), rows * C_);
 }
@@ -83,7 +83,7 @@ void Block::backward(const Grads& g, float* dres, Saved& s, const BatchShape& bs
   Tensor dm = Tensor::borrow(dres, {rows, C_}, DType::f32, Tier::device);
   if (drop) {
     dm = Tensor::empty({rows, C_});
-    ops::dropout_backward(dm.data<float>(), dres, rows * C_, dropout_,
+    ops::dropout_backward(dm.data<float>(), dres, rows, C_, C_, dropout_,
                           stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kMlpResidual), first,
                           ops::GradWrite::overwrite);
   }
@@ -94,7 +94,7 @@ void Block::backward(const Grads& g, float* dres, Saved& s, const BatchShape& bs
   dm = Tensor::borrow(dres, {rows, C_}, DType::f32, Tier::device);
   if (drop) {
     dm = Tensor::empty({rows, C_});
-    ops::dropout_backward(dm.data<float>(), dres, rows * C_, dropout_,
+    ops::dropout_backward(dm.data<float>(), dres, rows, C_, C_, dropout_,
                           stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kAttnResidual), first,
                           ops::GradWrite::overwrite);
   }
