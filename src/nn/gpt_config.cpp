@@ -242,9 +242,9 @@ void GPTConfig::validate_lora() const {
   if (lora.r == 0) return;
   if (!(lora.alpha > 0.0f))
     throw Error(str("lora.alpha = ", lora.alpha, ": must be positive (the scale is alpha / r)"));
-  if (lora.dropout != 0.0f)
+  if (!(lora.dropout >= 0.0f && lora.dropout < 1.0f))
     throw Error(str("lora.dropout = ", lora.dropout,
-                    ": dropout on the adapters' input is not supported yet; set it to 0"));
+                    ": must be in [0, 1) (the probability of dropping an adapter input element; 0: none)"));
   // The names a target may use: each linear's last component, its full name
   // within the block and its alias.
   const std::vector<BlockLinear> linears = block_linears();
