@@ -110,7 +110,11 @@ struct GPTConfig {
   // Throws Error naming the field, the constraint and the fix (lora.*: a
   // target that names no linear layer is listed with the valid names).
   void validate() const;
-  int64_t num_params() const;
+  int64_t num_params() const;  // adapters included
+  // The LoRA adapters' parameters, the ones that train (0 without LoRA).
+  int64_t num_adapter_params() const;
+  // The parameters that train: the adapters with LoRA, else all of them.
+  int64_t num_trainable_params() const { return lora.enabled() ? num_adapter_params() : num_params(); }
   bool operator==(const GPTConfig&) const = default;
 
  private:
