@@ -41,6 +41,10 @@ Result launch_and_read(CpuKernel kernel) {
 // One line per kernel: the CPU implementation of the same name and arguments.
 #define LOOM_LAUNCH(kernel, ...) launch([=] { cpu::kernel(__VA_ARGS__); })
 
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  LOOM_LAUNCH(gemm, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                     int64_t OC) {
   LOOM_LAUNCH(linear_forward, out, inp, weight, bias, N, C, OC);

@@ -170,20 +170,6 @@ void Linear::backward(const Grads& g, float* din, const float* dout, const float
   lora_backward(g, din, dout, in, N, drop);
 }
 
-namespace {
-
-// A part's adapter B rows placed at the part's output rows of a zero
-// [out, r] matrix, so one GEMM adds the part's delta into its columns of the
-// stacked output (the other parts' columns get zero).
-Tensor padded_b(const Tensor& b_rows, int64_t first_out, int64_t out, int64_t r) {
-  if (first_out == 0 && b_rows.numel() == out * r) return b_rows;
-  Tensor padded = Tensor::zeros({out, r});
-  ops::copy(padded.data<float>() + first_out * r, b_rows.raw(), b_rows.nbytes());
-  return padded;
-}
-
-}  // namespace
-
 // The stream of a part's adapter-input mask in this micro-batch, and the
 // global index of this rank's first input element.
 uint64_t Linear::Part::mask_key(const AdapterDropout& drop) const { return stream_key(drop.key, dropout_stream, 0); }
@@ -199,23 +185,24 @@ Tensor Linear::adapter_input(const Part& p, const float* in, int64_t N, const Ad
   return x;
 }
 
+// A part's adapter works on the part's band of the stacked output's columns
+// (first_out, p.rows wide, out_ apart) in place, through GEMMs with leading
+// dimensions: no zero-padded B, no [N, out] delta to add back.
 void Linear::lora_forward(const ParamStore& ps, float* out, const float* in, int64_t N,
                           const AdapterDropout& drop) const {
   int64_t first_out = 0;
   for (const Part& p : parts_) {
     if (p.lora_a >= 0) {
-      // h = scale * drop(in) A^T (r columns, small), then out += h B^T.
+      // h = drop(in) A^T (r columns, small), then out += scale h B^T.
       Tensor h = Tensor::empty({N, p.rank});
       {
         const Tensor dropped = adapter_input(p, in, N, drop);
-        ops::linear_forward(h.data<float>(), dropped.defined() ? dropped.data<float>() : in,
-                            ps.param(p.lora_a).data<float>(), nullptr, N, in_, p.rank);
+        ops::gemm(false, true, N, p.rank, in_, 1.0f, dropped.defined() ? dropped.data<float>() : in, in_,
+                  ps.param(p.lora_a).data<float>(), in_, 0.0f, h.data<float>(), p.rank);
       }
-      ops::scale(h.data<float>(), h.numel(), p.scale);
-      const Tensor b = padded_b(row_slice(ps.param(p.lora_b), p.first_row, p.rows, p.rank), first_out, out_, p.rank);
-      Tensor delta = Tensor::empty({N, out_});
-      ops::linear_forward(delta.data<float>(), h.data<float>(), b.data<float>(), nullptr, N, p.rank, out_);
-      ops::accumulate(out, delta.data<float>(), delta.numel());
+      const Tensor b = row_slice(ps.param(p.lora_b), p.first_row, p.rows, p.rank);
+      ops::gemm(false, true, N, p.rows, p.rank, p.scale, h.data<float>(), p.rank, b.data<float>(), p.rank, 1.0f,
+                out + first_out, out_);
     }
     first_out += p.rows;
   }
@@ -230,33 +217,29 @@ void Linear::lora_backward(const Grads& g, float* din, const float* dout, const 
       // layer; so is the dropped input, drawn again from its mask.
       const Tensor dropped = adapter_input(p, in, N, drop);
       const float* x = dropped.defined() ? dropped.data<float>() : in;
-      Tensor h = Tensor::empty({N, p.rank});
-      ops::linear_forward(h.data<float>(), x, g.params.param(p.lora_a).data<float>(), nullptr, N, in_, p.rank);
-      ops::scale(h.data<float>(), h.numel(), p.scale);
-      // dB += dout^T h over the part's columns; dh = scale * dout B;
-      // dA += dh^T drop(in); din += drop's backward of dh A.
-      const Tensor b_rows = row_slice(g.params.param(p.lora_b), p.first_row, p.rows, p.rank);
-      const Tensor b = padded_b(b_rows, first_out, out_, p.rank);
-      const Tensor db_rows = row_slice(g.grads.grad(p.lora_b), p.first_row, p.rows, p.rank);
-      const bool padded = b.raw() != b_rows.raw();
-      Tensor db = padded ? Tensor::zeros({out_, p.rank}) : db_rows;
-      Tensor dh = Tensor::empty({N, p.rank});
-      ops::linear_backward(dh.data<float>(), db.data<float>(), nullptr, dout, h.data<float>(), b.data<float>(), N,
-                           p.rank, out_, ops::GradWrite::overwrite);
-      if (padded) ops::accumulate(db_rows.data<float>(), db.data<float>() + first_out * p.rank, db_rows.numel());
-      h = Tensor();
-      ops::scale(dh.data<float>(), dh.numel(), p.scale);
       const float* a = g.params.param(p.lora_a).data<float>();
-      float* da = g.grads.grad(p.lora_a).data<float>();
-      if (!dropped.defined()) {
-        ops::linear_backward(din, da, nullptr, dh.data<float>(), in, a, N, in_, p.rank, ops::GradWrite::accumulate);
-      } else {
-        Tensor dx = din ? Tensor::empty({N, in_}) : Tensor();
-        ops::linear_backward(din ? dx.data<float>() : nullptr, da, nullptr, dh.data<float>(), x, a, N, in_, p.rank,
-                             ops::GradWrite::overwrite);
-        if (din)
-          ops::dropout_backward(din, dx.data<float>(), N, in_, p.in_stride, p.dropout, p.mask_key(drop),
-                                p.mask_first(drop), ops::GradWrite::accumulate);
+      Tensor h = Tensor::empty({N, p.rank});
+      ops::gemm(false, true, N, p.rank, in_, 1.0f, x, in_, a, in_, 0.0f, h.data<float>(), p.rank);
+      // Over the part's band of dout: dB += scale dout^T h; dh = scale dout B;
+      // then dA += dh^T drop(in) and din += drop's backward of dh A.
+      const float* dband = dout + first_out;
+      const Tensor b = row_slice(g.params.param(p.lora_b), p.first_row, p.rows, p.rank);
+      const Tensor db = row_slice(g.grads.grad(p.lora_b), p.first_row, p.rows, p.rank);
+      ops::gemm(true, false, p.rows, p.rank, N, p.scale, dband, out_, h.data<float>(), p.rank, 1.0f, db.data<float>(),
+                p.rank);
+      h = Tensor();
+      Tensor dh = Tensor::empty({N, p.rank});
+      ops::gemm(false, false, N, p.rank, p.rows, p.scale, dband, out_, b.data<float>(), p.rank, 0.0f,
+                dh.data<float>(), p.rank);
+      ops::gemm(true, false, p.rank, in_, N, 1.0f, dh.data<float>(), p.rank, x, in_, 1.0f,
+                g.grads.grad(p.lora_a).data<float>(), in_);
+      if (din && !dropped.defined()) {
+        ops::gemm(false, false, N, in_, p.rank, 1.0f, dh.data<float>(), p.rank, a, in_, 1.0f, din, in_);
+      } else if (din) {
+        Tensor dx = Tensor::empty({N, in_});
+        ops::gemm(false, false, N, in_, p.rank, 1.0f, dh.data<float>(), p.rank, a, in_, 0.0f, dx.data<float>(), in_);
+        ops::dropout_backward(din, dx.data<float>(), N, in_, p.in_stride, p.dropout, p.mask_key(drop),
+                              p.mask_first(drop), ops::GradWrite::accumulate);
       }
     }
     first_out += p.rows;
