@@ -14,13 +14,16 @@
 // warm-up step. Prints tokens/s of each, loom's LoRA tokens/s as a ratio to
 // PyTorch's (target >= 1.5), and loom's LoRA step time as a fraction of its
 // full fine-tuning step, with the model-state bytes of each read from the
-// device allocator.
+// device allocator; then each side's model GFLOP/s against its own GEMM rate
+// (loom's sgemm baseline, torch.mm) and the ratio a step at loom's sgemm rate
+// would reach.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "bench_common.h"
+#include "loom/planner.h"
 #include "loom/train.h"
 
 using namespace loom;
@@ -55,8 +58,19 @@ Timing time_steps(const GPTConfig& cfg, int64_t B, int64_t T, int steps) {
   return t;
 }
 
-// Runs the PyTorch + PEFT step and returns its best seconds per step.
-double pytorch_seconds(const std::vector<std::string>& args) {
+struct TorchTiming {
+  double seconds = 0.0;      // best step
+  double gemm_gflops = 0.0;  // torch.mm, 2048^3
+};
+
+double json_number(const std::string& output, const std::string& key) {
+  const size_t at = output.find("\"" + key + "\": ");
+  if (at == std::string::npos) throw Error("bench: no " + key + " in the PyTorch side's output:\n" + output);
+  return std::strtod(output.c_str() + at + key.size() + 4, nullptr);
+}
+
+// Runs the PyTorch + PEFT step.
+TorchTiming pytorch_step(const std::vector<std::string>& args) {
   const char* env = std::getenv("LOOM_BENCH_PYTHON");
   const std::string python = env && *env ? env : "python3";
   std::string cmd = python + " '" LOOM_BENCH_SOURCE_DIR "/bench/lora_step_torch.py'";
@@ -67,13 +81,11 @@ double pytorch_seconds(const std::vector<std::string>& args) {
   std::string output;
   char buf[4096];
   while (size_t n = std::fread(buf, 1, sizeof buf, pipe)) output.append(buf, n);
-  const int status = ::pclose(pipe);
-  const size_t at = output.find("{\"seconds_per_step\": ");
-  if (status != 0 || at == std::string::npos)
+  if (::pclose(pipe) != 0)
     throw Error("bench: the PyTorch side failed (" + cmd + "):\n" + output +
                 "\nIt needs torch, transformers and peft (pip install torch transformers peft); set "
                 "LOOM_BENCH_PYTHON to a python that has them.");
-  return std::strtod(output.c_str() + at + 21, nullptr);
+  return {json_number(output, "seconds_per_step"), json_number(output, "gemm_gflops")};
 }
 
 }  // namespace
@@ -104,6 +116,7 @@ int main(int argc, char** argv) {
     lora.validate();
 
     const int threads = cpu::num_threads();
+    const double sgemm = cpu::measure_sgemm_gflops();
     std::printf("LLaMA-shaped: %lld layers, hidden %lld, %lld heads (%lld kv), intermediate %lld, vocab %lld: "
                 "%.1fM parameters; B=%lld T=%lld; %d threads\n",
                 static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_embd),
@@ -122,13 +135,23 @@ int main(int argc, char** argv) {
     const Timing loom_full = time_steps(cfg, B, T, steps);
     std::printf("loom full fine-tuning:   %8.1f ms  %8.0f tokens/s  model state %s\n", loom_full.seconds * 1e3,
                 tokens / loom_full.seconds, format_bytes(static_cast<double>(loom_full.model_state)).c_str());
-    const double torch = pytorch_seconds({arg(4, "12"), arg(5, "768"), arg(6, "12"), arg(7, "4"), arg(8, "2048"),
+    const TorchTiming torch = pytorch_step({arg(4, "12"), arg(5, "768"), arg(6, "12"), arg(7, "4"), arg(8, "2048"),
                                           arg(9, "16384"), std::to_string(B), std::to_string(T),
                                           std::to_string(steps), std::to_string(lora.lora.r),
                                           arg(11, "32"), std::to_string(threads), targets});
-    std::printf("PyTorch + PEFT LoRA step: %7.1f ms  %8.0f tokens/s\n", torch * 1e3, tokens / torch);
-    std::printf("loom LoRA tokens/s / PyTorch + PEFT: %.2f (target >= 1.5)\n", torch / loom_lora.seconds);
+    std::printf("PyTorch + PEFT LoRA step: %7.1f ms  %8.0f tokens/s\n", torch.seconds * 1e3, tokens / torch.seconds);
+    std::printf("loom LoRA tokens/s / PyTorch + PEFT: %.2f (target >= 1.5)\n", torch.seconds / loom_lora.seconds);
     std::printf("loom LoRA step time / full fine-tuning step time: %.2f\n", loom_lora.seconds / loom_full.seconds);
+    // The step's model FLOPs (frozen weights: no weight gradient) at each
+    // side's rate, against the GEMM rates: a step that is all GEMM cannot
+    // beat PyTorch by more than torch's step time over the FLOPs at loom's
+    // sgemm rate.
+    const double flops = training_flops_per_step(lora, B, T);
+    std::printf("model GFLOP/s: loom %.1f = %.2f of its sgemm (%.1f); PyTorch %.1f = %.2f of its GEMM (%.1f)\n",
+                flops / loom_lora.seconds / 1e9, flops / loom_lora.seconds / 1e9 / sgemm, sgemm,
+                flops / torch.seconds / 1e9, flops / torch.seconds / 1e9 / torch.gemm_gflops, torch.gemm_gflops);
+    std::printf("ceiling of the ratio with every FLOP at loom's sgemm rate: %.2f\n",
+                torch.seconds / (flops / (sgemm * 1e9)));
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lora_step_bench: %s\n", e.what());

@@ -1,8 +1,9 @@
 """The PyTorch + PEFT side of bench/lora_step_bench.cpp: one LoRA fine-tuning
 step of a LLaMA-shaped model (transformers' LlamaForCausalLM, PEFT's LoRA on the
 same projections, AdamW over the adapters, gradient-norm clipping as loom's
-Trainer does), timed best of `steps` after a warm-up step. Prints one JSON
-line: {"seconds_per_step": ..., "params": ..., "trainable": ...}.
+Trainer does), timed best of `steps` after a warm-up step, and PyTorch's
+fp32 GEMM rate. Prints one JSON line:
+{"seconds_per_step": ..., "params": ..., "trainable": ..., "gemm_gflops": ...}.
 
     python lora_step_torch.py LAYERS HIDDEN HEADS KV_HEADS INTERMEDIATE VOCAB B T STEPS R ALPHA THREADS TARGETS
 """
@@ -50,8 +51,18 @@ def main(argv):
         t0 = time.perf_counter()
         step()
         best = min(best, time.perf_counter() - t0)
+    # PyTorch's own fp32 GEMM on this machine (2048^3, best of 5), beside
+    # loom's sgemm baseline: what each side's dense math can reach.
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    torch.mm(a, b)
+    gemm = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        gemm = min(gemm, time.perf_counter() - t0)
     print(json.dumps({"seconds_per_step": best, "params": params,
-                      "trainable": sum(p.numel() for p in trainable)}))
+                      "trainable": sum(p.numel() for p in trainable),
+                      "gemm_gflops": 2 * 2048 ** 3 / gemm / 1e9}))
 
 
 if __name__ == "__main__":
