@@ -225,8 +225,8 @@ int main(int argc, char** argv) {
     gelu_fwd = measure("gelu forward", 0, 8.0 * n, [&] { gelu_forward(out.data(), x.data(), n); }).seconds;
     gelu_bwd =
         measure("gelu backward", 0, 16.0 * n, [&] { gelu_backward(dinp.data(), x.data(), dout.data(), n); }).seconds;
-    measure("dropout forward p=0.1", 0, 8.0 * n, [&] { dropout_forward(out.data(), x.data(), n, 0.1f, 7, 0); });
-    measure("dropout backward p=0.1", 0, 12.0 * n, [&] { dropout_backward(dinp.data(), x.data(), n, 0.1f, 7, 0); });
+    measure("dropout forward p=0.1", 0, 8.0 * n, [&] { dropout_forward(out.data(), x.data(), 1, n, n, 0.1f, 7, 0); });
+    measure("dropout backward p=0.1", 0, 12.0 * n, [&] { dropout_backward(dinp.data(), x.data(), 1, n, n, 0.1f, 7, 0); });
     measure("sum_squares", 0, 4.0 * n, [&] { static_cast<void>(sum_squares(x.data(), n)); });
   }
   {

@@ -126,6 +126,10 @@ namespace ops {
 using cpu::AdamWStep;
 using cpu::GradWrite;
 
+// C[M,N] = alpha op(A) op(B) + beta C with leading dimensions (kernels.h's
+// gemm): for products over a band of columns of a wider matrix.
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                     int64_t OC);
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
@@ -196,9 +200,10 @@ void cross_entropy_shard_backward(float* dlogits, const float* logits, const flo
 void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, const float* sums,
                               const int32_t* targets, int64_t N);
 
-void dropout_forward(float* out, const float* inp, int64_t n, float p, uint64_t key, uint64_t first);
-void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first,
-                      GradWrite dinp_write = GradWrite::accumulate);
+void dropout_forward(float* out, const float* inp, int64_t rows, int64_t cols, int64_t stride, float p,
+                     uint64_t key, uint64_t first);
+void dropout_backward(float* dinp, const float* dout, int64_t rows, int64_t cols, int64_t stride, float p,
+                      uint64_t key, uint64_t first, GradWrite dinp_write = GradWrite::accumulate);
 
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWStep& s);
 

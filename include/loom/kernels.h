@@ -280,16 +280,20 @@ void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, c
                               const int32_t* targets, int64_t N);
 
 // ---------------------------------------------------------------------------
-// Dropout with counter-based masks: element i is kept iff
-// philox_uniform(key, first + i) >= p, kept values scaled by 1/(1-p). The mask
-// is a function of (key, global index) alone, so backward regenerates it and
-// any layout draws the same mask.
+// Dropout with counter-based masks over a [rows, cols] block (contiguous)
+// of a larger tensor whose rows are `stride` elements apart (stride == cols:
+// a contiguous range; rows 1: n = cols elements): element (i, j) is kept iff
+// philox_uniform(key, first + i * stride + j) >= p, kept values scaled by
+// 1/(1-p). The mask is a function of (key, global index) alone, so backward
+// regenerates it and any layout draws the same mask, also one that splits a
+// tensor by columns (a row-parallel layer's input).
 // ---------------------------------------------------------------------------
 
-void dropout_forward(float* out, const float* inp, int64_t n, float p, uint64_t key, uint64_t first);
+void dropout_forward(float* out, const float* inp, int64_t rows, int64_t cols, int64_t stride, float p,
+                     uint64_t key, uint64_t first);
 // backward writes dinp as dinp_write says (dropped elements: 0 or unchanged).
-void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first,
-                      GradWrite dinp_write = GradWrite::accumulate);
+void dropout_backward(float* dinp, const float* dout, int64_t rows, int64_t cols, int64_t stride, float p,
+                      uint64_t key, uint64_t first, GradWrite dinp_write = GradWrite::accumulate);
 
 // ---------------------------------------------------------------------------
 // AdamW (decoupled weight decay, Loshchilov & Hutter), PyTorch semantics:

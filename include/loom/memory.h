@@ -259,6 +259,8 @@ void check_budgets(const MemoryNeeds& needs, int64_t device_activations, const T
 // the device) and the needs. The ChunkManager starts with it, and
 // plan_training calls it so that a run that cannot fit fails before anything
 // is allocated. Throws Error (check_budgets) when the budgets cannot hold it.
+// device_activations: the device bytes outside the chunks (the step's
+// activations, and frozen parameters, which FrozenParams keeps there).
 struct MemoryPlan {
   ChunkSearch search;
   ChunkPlacement placement;

@@ -27,7 +27,7 @@ namespace loom {
 struct HFModelConfig;
 
 // LoRA (Hu et al. 2021) adapters on linear layers, as PEFT adds them: a
-// targeted layer computes y = x W^T + b + (alpha / r) x A^T B^T with A
+// targeted layer computes y = x W^T + b + (alpha / r) drop(x) A^T B^T with A
 // [r, in] drawn as PEFT's kaiming_uniform(a = sqrt(5)) (uniform within
 // 1 / sqrt(in)) and B [out, r] zero, so training starts from the base model;
 // W and b are frozen (ParamSpec::trainable), A and B train; a GPT with
@@ -38,7 +38,10 @@ struct HFModelConfig;
 struct LoRAConfig {
   int64_t r = 0;  // 0: no adapters
   float alpha = 8.0f;
-  float dropout = 0.0f;  // only 0 for now
+  // PEFT's lora_dropout: in training, each adapter drops elements of its
+  // own copy of the layer's input (inverted dropout, an independent mask per
+  // adapter); the base layer sees the input whole. In [0, 1).
+  float dropout = 0.0f;
   // Block modules a target matches by suffix, as PEFT's target_modules do
   // (GPT-2: "c_attn", "c_proj" (attention's and MLP's), "mlp.c_proj", "c_fc";
   // LLaMA: "q", "k", "v", "gate", "up", "c_proj"), or by the module's alias
@@ -107,7 +110,11 @@ struct GPTConfig {
   // Throws Error naming the field, the constraint and the fix (lora.*: a
   // target that names no linear layer is listed with the valid names).
   void validate() const;
-  int64_t num_params() const;
+  int64_t num_params() const;  // adapters included
+  // The LoRA adapters' parameters, the ones that train (0 without LoRA).
+  int64_t num_adapter_params() const;
+  // The parameters that train: the adapters with LoRA, else all of them.
+  int64_t num_trainable_params() const { return lora.enabled() ? num_adapter_params() : num_params(); }
   bool operator==(const GPTConfig&) const = default;
 
  private:
@@ -121,7 +128,7 @@ cpu::RopeScalingType rope_scaling_from_name(std::string_view name);
 
 // Per-micro-batch settings of a forward pass.
 struct ForwardOptions {
-  bool training = true;                 // dropout active (when config.dropout > 0)
+  bool training = true;                 // dropout active (when config.dropout or lora.dropout > 0)
   bool checkpoint_activations = false;  // keep only block inputs; recompute in backward
   uint64_t dropout_key = 0;             // stream key of this step's dropout masks
   int64_t first_sequence = 0;           // global index of the micro-batch's first sequence
@@ -136,6 +143,18 @@ struct BatchShape {
   int64_t B = 0;
   int64_t T = 0;
   int64_t N() const { return B * T; }
+};
+
+// What a linear layer's adapters need of the micro-batch for their dropout
+// (LoRAConfig::dropout). Each adapter draws its own mask from a stream of
+// `key` and its lora_A parameter's name, indexed by the global element of the
+// layer's input (global token row, global input column), so every parallel
+// layout and activation checkpointing's recompute draw the same masks. The
+// default draws none (evaluation, inference).
+struct AdapterDropout {
+  bool training = false;
+  uint64_t key = 0;       // the block's stream: the step's dropout key and the layer
+  int64_t first_row = 0;  // global token row of the layer input's first row
 };
 
 // Gradient-carrying context for backward.
@@ -176,12 +195,15 @@ class Linear {
   Linear(ParamLayout& layout, const std::vector<LinearPart>& parts, int64_t in, int group, float init_std,
          bool has_bias);
   // bias: whether the bias is added here (a row-parallel layer adds it after
-  // the partial products are summed).
-  void forward(const ParamStore& ps, float* out, const float* in, int64_t N, bool bias = true) const;
+  // the partial products are summed). backward must be given forward's
+  // `drop` (it draws the adapters' masks again).
+  void forward(const ParamStore& ps, float* out, const float* in, int64_t N, bool bias = true,
+               const AdapterDropout& drop = {}) const;
   // din is written, not accumulated (callers pass a fresh buffer), and may be
   // null (input needs no gradient); with bias false the bias's gradient is
   // left to the caller.
-  void backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N, bool bias = true) const;
+  void backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N, bool bias = true,
+                const AdapterDropout& drop = {}) const;
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
   bool has_bias() const { return has_bias_; }
@@ -199,12 +221,24 @@ class Linear {
     int lora_a = -1, lora_b = -1;
     int64_t rank = 0;
     float scale = 0.0f;
+    // The adapter's dropout: its probability, a hash of lora_A's name (the
+    // mask stream's), and where this rank's input sits in the global one:
+    // rows `in_stride` elements apart, columns from first_col (a
+    // row-parallel layer's split input).
+    float dropout = 0.0f;
+    uint64_t dropout_stream = 0;
+    int64_t in_stride = 0, first_col = 0;
+    uint64_t mask_key(const AdapterDropout& drop) const;
+    uint64_t mask_first(const AdapterDropout& drop) const;
   };
   void add_adapter(ParamLayout& layout, const LinearPart& p, Part& part, int group);
-  // out += scale in A^T B^T over each adapted part's output columns, and
-  // its backward (accumulates dA, dB and din, which may be null).
-  void lora_forward(const ParamStore& ps, float* out, const float* in, int64_t N) const;
-  void lora_backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N) const;
+  // The part adapter's input drop(in), or undefined when it draws no mask.
+  Tensor adapter_input(const Part& p, const float* in, int64_t N, const AdapterDropout& drop) const;
+  // out += scale drop(in) A^T B^T over each adapted part's output columns,
+  // and its backward (accumulates dA, dB and din, which may be null).
+  void lora_forward(const ParamStore& ps, float* out, const float* in, int64_t N, const AdapterDropout& drop) const;
+  void lora_backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N,
+                     const AdapterDropout& drop) const;
   // Each part's rows of the weights (or biases), of the parameters or of
   // their gradients.
   std::vector<Tensor> pieces(const ParamStore& ps, bool bias) const;
@@ -232,9 +266,9 @@ class ColumnParallelLinear {
   ColumnParallelLinear(ParamLayout& layout, const std::vector<LinearPart>& parts, int64_t in, int group,
                        float init_std, const TensorParallel& tp, bool has_bias);
   // x: this rank's token rows [rows, in]. Returns [N, out / tp].
-  Tensor forward(const ParamStore& ps, const Tensor& x) const;
-  // dy: [N, out / tp]; x as given to forward. Returns the gradient of x.
-  Tensor backward(const Grads& g, const Tensor& dy, const Tensor& x) const;
+  Tensor forward(const ParamStore& ps, const Tensor& x, const AdapterDropout& drop = {}) const;
+  // dy: [N, out / tp]; x and drop as given to forward. Returns the gradient of x.
+  Tensor backward(const Grads& g, const Tensor& dy, const Tensor& x, const AdapterDropout& drop = {}) const;
   const Linear& local() const { return linear_; }
 
  private:
@@ -253,9 +287,9 @@ class RowParallelLinear {
   RowParallelLinear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group,
                     float init_std, const TensorParallel& tp, bool has_bias = true, const LoRAConfig& lora = {});
   // x: [N, in / tp]. Returns this rank's token rows [rows, out].
-  Tensor forward(const ParamStore& ps, const Tensor& x) const;
+  Tensor forward(const ParamStore& ps, const Tensor& x, const AdapterDropout& drop = {}) const;
   // dy: this rank's token rows [rows, out]. Returns the gradient of x.
-  Tensor backward(const Grads& g, const Tensor& dy, const Tensor& x) const;
+  Tensor backward(const Grads& g, const Tensor& dy, const Tensor& x, const AdapterDropout& drop = {}) const;
   const Linear& local() const { return linear_; }
 
  private:
@@ -343,9 +377,11 @@ class CausalSelfAttention {
     Tensor qkv, att, lse;  // this rank's heads, every token (q and k rotated)
   };
   // in: this rank's token rows [rows, C]; returns c_proj(attention(c_attn(in))) for them.
-  Tensor forward(const ParamStore& ps, Saved& s, const Tensor& in, const BatchShape& bs) const;
+  Tensor forward(const ParamStore& ps, Saved& s, const Tensor& in, const BatchShape& bs,
+                 const AdapterDropout& drop) const;
   // Returns the gradient of in.
-  Tensor backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s, const BatchShape& bs) const;
+  Tensor backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s, const BatchShape& bs,
+                  const AdapterDropout& drop) const;
 
   // Inference with a KV cache (no tensor parallelism): appends the keys and
   // values of the n new positions (pos0, pos0 + n) to k_cache/v_cache
@@ -378,11 +414,12 @@ class MLP {
     Tensor fc, act;  // [N, I / tp] (SwiGLU's fc: gate | up, [N, 2I / tp])
   };
   // in: this rank's token rows [rows, C]; returns theirs.
-  Tensor forward(const ParamStore& ps, Saved& s, const Tensor& in) const;
+  Tensor forward(const ParamStore& ps, Saved& s, const Tensor& in, const AdapterDropout& drop) const;
   // The forward up to and including the activation: what backward reads
   // (an activation-checkpoint recompute needs no more).
-  void forward_activation(const ParamStore& ps, Saved& s, const Tensor& in) const;
-  Tensor backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s) const;
+  void forward_activation(const ParamStore& ps, Saved& s, const Tensor& in, const AdapterDropout& drop) const;
+  Tensor backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s,
+                  const AdapterDropout& drop) const;
 
  private:
   MlpKind kind_ = MlpKind::gelu;
@@ -426,6 +463,7 @@ class Block {
  private:
   // y null: stops after the MLP's activation, which is all backward reads.
   void forward_into(const ParamStore& ps, Saved& s, float* y, const BatchShape& bs, const ForwardOptions& opts) const;
+  AdapterDropout adapter_dropout(const BatchShape& bs, const ForwardOptions& opts) const;
 
   TensorParallel tp_;
   int index_ = 0, group_ = 0;

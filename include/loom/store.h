@@ -246,6 +246,13 @@ class OptimizerStore {
 // whole layout would. FrozenParamStore, FrozenGradStore and FrozenOptimizer
 // put the two back together in the model's layout: the model and the
 // Trainer's state see every parameter where the layout puts it.
+// The parameters of `layout` that train (frozen[id] false) as a layout of
+// their own: the same names, shapes, splits and initialization, and the
+// groups that hold one of them. to_model, if given, receives each one's id in
+// `layout`. The plan sizes the stores from it before FrozenParams exists.
+ParamLayout trainable_layout(const ParamLayout& layout, const std::vector<bool>& frozen,
+                             std::vector<int>* to_model = nullptr);
+
 class FrozenParams {
  public:
   // frozen[id]: whether parameter id of `layout` is frozen (at least one
@@ -273,8 +280,9 @@ class FrozenParams {
 
  private:
   const ParamLayout& layout_;
+  std::vector<int> to_model_;  // before trainable_, whose initializer fills it
   ParamLayout trainable_;
-  std::vector<int> to_trainable_, to_model_, groups_;
+  std::vector<int> to_trainable_, groups_;
   DType dtype_;
   std::vector<Tensor> stored_;  // by model id; undefined for trainable ones
 };

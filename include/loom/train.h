@@ -57,6 +57,11 @@ struct TrainOptions {
   std::function<void(GradStore&)> on_gradients;
 };
 
+// Which parameters of `layout` a run freezes (TrainOptions::freeze): those
+// the model freezes itself (ParamSpec::trainable false) and those `freeze`
+// names, by id.
+std::vector<bool> frozen_params(const ParamLayout& layout, const std::vector<std::string>& freeze);
+
 // One micro-batch of the global batch, B sequences of T tokens.
 struct MicroBatch {
   const int32_t* tokens = nullptr;

@@ -48,7 +48,7 @@ ConfigSchema build_loom_schema() {
 
   s.add_int("lora.r", 0, "LoRA adapter rank; 0 = no adapters (the whole model trains)", 0, kMaxDim);
   s.add_float("lora.alpha", 8.0, "LoRA scale numerator: adapters add (alpha / r) x A^T B^T", 0.0);
-  s.add_float("lora.dropout", 0.0, "dropout on the adapters' input (only 0 for now)", 0.0, 1.0);
+  s.add_float("lora.dropout", 0.0, "dropout probability on each adapter's input (PEFT's lora_dropout)", 0.0, 1.0);
   s.add_string("lora.targets", "c_attn",
                "comma-separated linear layers that get adapters, matched by suffix: GPT-2's c_attn, c_proj, "
                "c_fc, attn.c_proj, mlp.c_proj; LLaMA's q, k, v, o, gate, up, down");

@@ -41,6 +41,10 @@ Result launch_and_read(CpuKernel kernel) {
 // One line per kernel: the CPU implementation of the same name and arguments.
 #define LOOM_LAUNCH(kernel, ...) launch([=] { cpu::kernel(__VA_ARGS__); })
 
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  LOOM_LAUNCH(gemm, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                     int64_t OC) {
   LOOM_LAUNCH(linear_forward, out, inp, weight, bias, N, C, OC);
@@ -165,12 +169,13 @@ void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, c
   LOOM_LAUNCH(cross_entropy_shard_loss, losses, lse, row_max, sums, targets, N);
 }
 
-void dropout_forward(float* out, const float* inp, int64_t n, float p, uint64_t key, uint64_t first) {
-  LOOM_LAUNCH(dropout_forward, out, inp, n, p, key, first);
+void dropout_forward(float* out, const float* inp, int64_t rows, int64_t cols, int64_t stride, float p,
+                     uint64_t key, uint64_t first) {
+  LOOM_LAUNCH(dropout_forward, out, inp, rows, cols, stride, p, key, first);
 }
-void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first,
-                      GradWrite dinp_write) {
-  LOOM_LAUNCH(dropout_backward, dinp, dout, n, p, key, first, dinp_write);
+void dropout_backward(float* dinp, const float* dout, int64_t rows, int64_t cols, int64_t stride, float p,
+                      uint64_t key, uint64_t first, GradWrite dinp_write) {
+  LOOM_LAUNCH(dropout_backward, dinp, dout, rows, cols, stride, p, key, first, dinp_write);
 }
 
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWStep& s) {

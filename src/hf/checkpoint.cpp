@@ -148,12 +148,12 @@ void HFCheckpoint::read_bytes_f32(std::string_view name, uint64_t byte_offset, i
     r.read_range(name, byte_offset, dst, static_cast<size_t>(numel) * elem);
     return;
   }
-  std::vector<uint8_t> staging(std::min(kStagingBytes, static_cast<size_t>(numel) * elem));
-  const int64_t per_chunk = static_cast<int64_t>(staging.size() / elem);
+  const int64_t per_chunk = std::min(static_cast<int64_t>(kStagingBytes / elem), numel);
+  const Tensor staging = Tensor::empty({per_chunk}, t.dtype, Tier::host);
   for (int64_t done = 0; done < numel; done += per_chunk) {
     const int64_t n = std::min(per_chunk, numel - done);
-    r.read_range(name, byte_offset + static_cast<uint64_t>(done) * elem, staging.data(), static_cast<size_t>(n) * elem);
-    convert(staging.data(), t.dtype, dst + done, DType::f32, n);
+    r.read_range(name, byte_offset + static_cast<uint64_t>(done) * elem, staging.raw(), static_cast<size_t>(n) * elem);
+    convert(staging.raw(), t.dtype, dst + done, DType::f32, n);
   }
 }
 
@@ -231,10 +231,11 @@ void HFCheckpoint::read_param_rows(const HFParam& p, int64_t begin, int64_t end,
   }
   // loom's rows are HF's columns: read them [in, rows], then transpose.
   const int64_t in = t.shape[0], rows = end - begin;
-  std::vector<float> cols(static_cast<size_t>(in * rows));
-  read_cols_f32(name, begin, end, cols.data());
+  const Tensor staged = Tensor::empty({in * rows}, DType::f32, Tier::host);
+  const float* cols = staged.data<float>();
+  read_cols_f32(name, begin, end, staged.data<float>());
   for (int64_t k = 0; k < in; ++k)
-    for (int64_t r = 0; r < rows; ++r) dst[r * in + k] = cols[static_cast<size_t>(k * rows + r)];
+    for (int64_t r = 0; r < rows; ++r) dst[r * in + k] = cols[k * rows + r];
 }
 
 }  // namespace loom

@@ -47,8 +47,14 @@ void write_hf_checkpoint(const fs::path& dir, const HFModelConfig& config,
 
   fs::create_directories(dir.parent_path().empty() ? fs::path(".") : dir.parent_path());
   AtomicDirWriter out(dir);
-  std::vector<float> loom_layout, hf_layout;
-  std::vector<uint8_t> stored;
+  // One tensor at a time in loom's layout, HF's and the stored dtype, on the
+  // host tier (accounted), grown to the largest tensor and reused.
+  Tensor loom_layout, hf_layout, stored;
+  const auto fit = [](Tensor& t, int64_t numel, DType dt) {
+    if (t.numel() >= numel) return;
+    t = Tensor();
+    t = Tensor::empty({numel}, dt, Tier::host);
+  };
   nlohmann::json weight_map = nlohmann::json::object();
   size_t next = 0;
   for (size_t k = 0; k < shards.size(); ++k) {
@@ -57,19 +63,21 @@ void write_hf_checkpoint(const fs::path& dir, const HFModelConfig& config,
     for (const SafetensorsSpec& spec : shards[k]) {
       const HFParam& p = params[next++];
       const int64_t n = shape_numel(p.loom_shape);
-      loom_layout.assign(static_cast<size_t>(n), 0.0f);
-      fill(p, loom_layout.data());
-      const float* src = loom_layout.data();
+      fit(loom_layout, n, DType::f32);
+      std::fill_n(loom_layout.data<float>(), n, 0.0f);
+      fill(p, loom_layout.data<float>());
+      const float* src = loom_layout.data<float>();
       if (p.transform == HFTransform::transpose) {
         const int64_t rows = p.loom_shape[0], cols = p.loom_shape[1];
-        hf_layout.resize(static_cast<size_t>(n));
+        fit(hf_layout, n, DType::f32);
+        float* t = hf_layout.data<float>();
         for (int64_t r = 0; r < rows; ++r)
-          for (int64_t c = 0; c < cols; ++c) hf_layout[static_cast<size_t>(c * rows + r)] = src[r * cols + c];
-        src = hf_layout.data();
+          for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = src[r * cols + c];
+        src = t;
       }
-      stored.resize(spec.bytes());
-      convert(src, DType::f32, stored.data(), options.dtype, n);
-      writer.write(spec.name, stored.data());
+      fit(stored, n, options.dtype);
+      convert(src, DType::f32, stored.raw(), options.dtype, n);
+      writer.write(spec.name, stored.raw());
       weight_map[spec.name] = file;
     }
     writer.finish();

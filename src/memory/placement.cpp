@@ -30,7 +30,7 @@ int64_t chunks_per_group(const ChunkLayout& chunks) {
 std::string need_line(const char* tier, int64_t state, int64_t working, int64_t activations, int64_t budget) {
   std::string line = str(tier, " needs ", format_bytes(double(state + working + activations)), " (model state ",
                          format_bytes(double(state)), ", working buffers ", format_bytes(double(working)));
-  if (activations > 0) line += str(", activations ", format_bytes(double(activations)));
+  if (activations > 0) line += str(", activations and frozen weights ", format_bytes(double(activations)));
   return line + str(") but its budget is ", format_bytes(double(budget)));
 }
 

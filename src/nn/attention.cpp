@@ -69,28 +69,29 @@ void CausalSelfAttention::rotate(float* qkv, int64_t B, int64_t T, int64_t pos0,
   }
 }
 
-Tensor CausalSelfAttention::forward(const ParamStore& ps, Saved& s, const Tensor& in, const BatchShape& bs) const {
+Tensor CausalSelfAttention::forward(const ParamStore& ps, Saved& s, const Tensor& in, const BatchShape& bs,
+                                    const AdapterDropout& drop) const {
   const int64_t local_C = hs_ * local_heads_;
-  s.qkv = c_attn_.forward(ps, in);
+  s.qkv = c_attn_.forward(ps, in, drop);
   rotate(s.qkv.data<float>(), bs.B, bs.T, 0, /*inverse=*/false);
   s.att = Tensor::empty({bs.N(), local_C});
   s.lse = Tensor::empty({bs.B, local_heads_, bs.T});
   ops::attention_forward(s.att.data<float>(), s.lse.data<float>(), s.qkv.data<float>(), bs.B, bs.T, local_C,
                          local_heads_, local_kv_heads_);
-  return c_proj_.forward(ps, s.att);
+  return c_proj_.forward(ps, s.att, drop);
 }
 
 Tensor CausalSelfAttention::backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s,
-                                     const BatchShape& bs) const {
+                                     const BatchShape& bs, const AdapterDropout& drop) const {
   const int64_t local_C = hs_ * local_heads_;
-  Tensor datt = c_proj_.backward(g, dout, s.att);
+  Tensor datt = c_proj_.backward(g, dout, s.att, drop);
   Tensor dqkv = Tensor::empty(s.qkv.shape());
   ops::attention_backward(dqkv.data<float>(), datt.data<float>(), s.att.data<float>(), s.lse.data<float>(),
                           s.qkv.data<float>(), bs.B, bs.T, local_C, local_heads_, local_kv_heads_,
                           ops::GradWrite::overwrite);
   datt = Tensor();
   rotate(dqkv.data<float>(), bs.B, bs.T, 0, /*inverse=*/true);
-  return c_attn_.backward(g, dqkv, in);
+  return c_attn_.backward(g, dqkv, in, drop);
 }
 
 }  // namespace loom

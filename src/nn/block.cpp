@@ -8,7 +8,7 @@ namespace loom {
 namespace {
 // Dropout sites of a block; with the layer index and the step's key they name
 // a mask stream that does not depend on the parallel layout.
-enum DropoutSite : uint64_t { kAttnResidual = 0, kMlpResidual = 1 };
+enum DropoutSite : uint64_t { kAttnResidual = 0, kMlpResidual = 1, kAdapterInputs = 2 };
 }  // namespace
 
 Block::Block(ParamLayout& layout, int index, const GPTConfig& cfg, int group, const TensorParallel& tp)
@@ -38,6 +38,13 @@ Tensor Block::forward(const ParamStore& ps, Saved& s, const Tensor& x, const Bat
   return y;
 }
 
+AdapterDropout Block::adapter_dropout(const BatchShape& bs, const ForwardOptions& opts) const {
+  // The linear layers' inputs hold every token row of the micro-batch (a
+  // column-parallel layer gathers them under sequence parallelism).
+  return {opts.training, stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kAdapterInputs),
+          opts.first_sequence * bs.T};
+}
+
 void Block::forward_into(const ParamStore& ps, Saved& s, float* y, const BatchShape& bs,
                          const ForwardOptions& opts) const {
   const int64_t rows = tp_.local_rows(bs.N());
@@ -49,21 +56,21 @@ void Block::forward_into(const ParamStore& ps, Saved& s, float* y, const BatchSh
 
   ln_1_.forward(ps, s.ln_1, x, rows);
   {
-    Tensor a = attn_.forward(ps, s.attn, s.ln_1.out, bs);
+    Tensor a = attn_.forward(ps, s.attn, s.ln_1.out, bs, adapter_dropout(bs, opts));
     if (drop)
-      ops::dropout_forward(a.data<float>(), a.data<float>(), rows * C_, dropout_,
+      ops::dropout_forward(a.data<float>(), a.data<float>(), rows, C_, C_, dropout_,
                            stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kAttnResidual), first);
     s.resid = Tensor::empty(s.x.shape());
     ops::add(s.resid.data<float>(), x, a.data<float>(), rows * C_);
   }
   ln_2_.forward(ps, s.ln_2, s.resid.data<float>(), rows);
   if (!y) {
-    mlp_.forward_activation(ps, s.mlp, s.ln_2.out);
+    mlp_.forward_activation(ps, s.mlp, s.ln_2.out, adapter_dropout(bs, opts));
     return;
   }
-  Tensor m = mlp_.forward(ps, s.mlp, s.ln_2.out);
+  Tensor m = mlp_.forward(ps, s.mlp, s.ln_2.out, adapter_dropout(bs, opts));
   if (drop)
-    ops::dropout_forward(m.data<float>(), m.data<float>(), rows * C_, dropout_,
+    ops::dropout_forward(m.data<float>(), m.data<float>(), rows, C_, C_, dropout_,
                          stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kMlpResidual), first);
   ops::add(y, s.resid.data<float>(), m.data<float>(), rows * C_);
 }
@@ -83,22 +90,22 @@ void Block::backward(const Grads& g, float* dres, Saved& s, const BatchShape& bs
   Tensor dm = Tensor::borrow(dres, {rows, C_}, DType::f32, Tier::device);
   if (drop) {
     dm = Tensor::empty({rows, C_});
-    ops::dropout_backward(dm.data<float>(), dres, rows * C_, dropout_,
+    ops::dropout_backward(dm.data<float>(), dres, rows, C_, C_, dropout_,
                           stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kMlpResidual), first,
                           ops::GradWrite::overwrite);
   }
-  Tensor dln = mlp_.backward(g, dm, s.ln_2.out, s.mlp);
+  Tensor dln = mlp_.backward(g, dm, s.ln_2.out, s.mlp, adapter_dropout(bs, opts));
   ln_2_.backward(g, dres, dln.data<float>(), s.resid.data<float>(), s.ln_2, rows, /*accumulate=*/true);
 
   // r = x + drop(attn(ln_1(x))); dres now holds dL/dr.
   dm = Tensor::borrow(dres, {rows, C_}, DType::f32, Tier::device);
   if (drop) {
     dm = Tensor::empty({rows, C_});
-    ops::dropout_backward(dm.data<float>(), dres, rows * C_, dropout_,
+    ops::dropout_backward(dm.data<float>(), dres, rows, C_, C_, dropout_,
                           stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kAttnResidual), first,
                           ops::GradWrite::overwrite);
   }
-  dln = attn_.backward(g, dm, s.ln_1.out, s.attn, bs);
+  dln = attn_.backward(g, dm, s.ln_1.out, s.attn, bs, adapter_dropout(bs, opts));
   dm = Tensor();
   ln_1_.backward(g, dres, dln.data<float>(), s.x.data<float>(), s.ln_1, rows, /*accumulate=*/true);
   s = Saved{};

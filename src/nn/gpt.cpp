@@ -109,7 +109,7 @@ Tensor GPT::forward_chunk(ParamStore& ps, MicroBatchState& s, int chunk, const T
     x = embedding_.forward(ps, s.tokens, s.bs);
     ps.release(embedding_group_);
     if (s.opts.training && cfg_.dropout > 0.0f)
-      ops::dropout_forward(x.data<float>(), x.data<float>(), x.numel(), cfg_.dropout,
+      ops::dropout_forward(x.data<float>(), x.data<float>(), mp_.tp.local_rows(N), C, C, cfg_.dropout,
                            stream_key(s.opts.dropout_key, kEmbeddingDropoutLayer, 0),
                            static_cast<uint64_t>((s.opts.first_sequence * s.bs.T + mp_.tp.first_row(N)) * C));
   }
@@ -205,7 +205,7 @@ Tensor GPT::backward_chunk(ParamStore& ps, GradStore& gs, MicroBatchState& s, in
   Tensor demb = dres;
   if (s.opts.training && cfg_.dropout > 0.0f) {
     demb = Tensor::empty(dres.shape());
-    ops::dropout_backward(demb.data<float>(), dres.data<float>(), dres.numel(), cfg_.dropout,
+    ops::dropout_backward(demb.data<float>(), dres.data<float>(), mp_.tp.local_rows(N), C, C, cfg_.dropout,
                           stream_key(s.opts.dropout_key, kEmbeddingDropoutLayer, 0),
                           static_cast<uint64_t>((s.opts.first_sequence * s.bs.T + mp_.tp.first_row(N)) * C),
                           ops::GradWrite::overwrite);

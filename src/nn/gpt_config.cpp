@@ -242,9 +242,9 @@ void GPTConfig::validate_lora() const {
   if (lora.r == 0) return;
   if (!(lora.alpha > 0.0f))
     throw Error(str("lora.alpha = ", lora.alpha, ": must be positive (the scale is alpha / r)"));
-  if (lora.dropout != 0.0f)
+  if (!(lora.dropout >= 0.0f && lora.dropout < 1.0f))
     throw Error(str("lora.dropout = ", lora.dropout,
-                    ": dropout on the adapters' input is not supported yet; set it to 0"));
+                    ": must be in [0, 1) (the probability of dropping an adapter input element; 0: none)"));
   // The names a target may use: each linear's last component, its full name
   // within the block and its alias.
   const std::vector<BlockLinear> linears = block_linears();
@@ -269,12 +269,17 @@ int64_t GPTConfig::num_params() const {
   const int64_t attn = (C + 2 * kv) * C + C * C + (attention_bias ? 2 * C + 2 * kv : 0);
   const int64_t in_rows = mlp == MlpKind::swiglu ? 2 * I : I;  // gate and up, or c_fc
   const int64_t mlp_params = in_rows * C + C * I + (mlp_bias ? in_rows + C : 0);
-  int64_t per_block = 2 * norm_params + attn + mlp_params;
-  // LoRA adds r (in + out) per adapted linear.
+  const int64_t per_block = 2 * norm_params + attn + mlp_params;
+  return vocab_size * C * (tied_embeddings ? 1 : 2) + (positions == PositionKind::learned ? block_size * C : 0) +
+         n_layer * per_block + norm_params + num_adapter_params();
+}
+
+int64_t GPTConfig::num_adapter_params() const {
+  // LoRA adds r (in + out) per adapted linear of every block.
+  int64_t per_block = 0;
   for (const BlockLinear& l : block_linears())
     if (adapter(l.name).enabled()) per_block += lora.r * (l.in + l.out);
-  return vocab_size * C * (tied_embeddings ? 1 : 2) + (positions == PositionKind::learned ? block_size * C : 0) +
-         n_layer * per_block + norm_params;
+  return n_layer * per_block;
 }
 
 }  // namespace loom

@@ -34,7 +34,7 @@ void Block::forward_cached(const ParamStore& ps, float* x, float* k_cache, float
   ops::accumulate(x, tmp.data<float>(), N * C_);
   ln_2_.forward(ps, ln, x, N);
   MLP::Saved mlp;
-  tmp = mlp_.forward(ps, mlp, ln.out);
+  tmp = mlp_.forward(ps, mlp, ln.out, AdapterDropout{});
   ops::accumulate(x, tmp.data<float>(), N * C_);
 }
 

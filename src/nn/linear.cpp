@@ -60,6 +60,15 @@ void Linear::add_adapter(ParamLayout& layout, const LinearPart& p, Part& part, i
   part.lora_b = layout.add(p.name + ".lora_B.weight", {p.out, p.lora.r}, ParamInit::constant(0.0f), true, group, b);
   layout.set_trainable(part.lora_a, true);
   layout.set_trainable(part.lora_b, true);
+  // The mask is indexed by the global input element, whatever this rank
+  // holds of it: a row-parallel rank's columns are one contiguous range of
+  // each row.
+  LOOM_CHECK(p.weight.split.dim == 0 || p.weight.split.blocks == 1, p.name,
+             "'s input columns are split in blocks: no one column range per rank for its adapter's dropout");
+  part.dropout = p.lora.dropout;
+  part.dropout_stream = stream_key(0, layout.param(part.lora_a).name);
+  part.in_stride = in;
+  part.first_col = p.weight.split.dim == 1 ? p.weight.split.index * layout.param(part.weight).shape[1] : 0;
 }
 
 int Linear::weight_id() const {
@@ -136,14 +145,16 @@ std::vector<Tensor> Linear::grad_pieces(const GradStore& gs, bool bias) const {
   return out;
 }
 
-void Linear::forward(const ParamStore& ps, float* out, const float* in, int64_t N, bool bias) const {
+void Linear::forward(const ParamStore& ps, float* out, const float* in, int64_t N, bool bias,
+                     const AdapterDropout& drop) const {
   const Tensor w = stack(pieces(ps, false), out_, in_);
   const Tensor b = bias && has_bias_ ? stack(pieces(ps, true), out_, 1) : Tensor();
   ops::linear_forward(out, in, w.data<float>(), b.defined() ? b.data<float>() : nullptr, N, in_, out_);
-  lora_forward(ps, out, in, N);
+  lora_forward(ps, out, in, N, drop);
 }
 
-void Linear::backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N, bool bias) const {
+void Linear::backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N, bool bias,
+                      const AdapterDropout& drop) const {
   const Tensor w = stack(pieces(g.params, false), out_, in_);
   const bool with_bias = bias && has_bias_;
   // Several parts' gradients are stacked, accumulated into by one GEMM and
@@ -156,63 +167,80 @@ void Linear::backward(const Grads& g, float* din, const float* dout, const float
                        dout, in, w.data<float>(), N, in_, out_, ops::GradWrite::overwrite);
   if (dw.defined()) unstack(dw, dws);
   if (db.defined()) unstack(db, dbs);
-  lora_backward(g, din, dout, in, N);
+  lora_backward(g, din, dout, in, N, drop);
 }
 
-namespace {
+// The stream of a part's adapter-input mask in this micro-batch, and the
+// global index of this rank's first input element.
+uint64_t Linear::Part::mask_key(const AdapterDropout& drop) const { return stream_key(drop.key, dropout_stream, 0); }
 
-// A part's adapter B rows placed at the part's output rows of a zero
-// [out, r] matrix, so one GEMM adds the part's delta into its columns of the
-// stacked output (the other parts' columns get zero).
-Tensor padded_b(const Tensor& b_rows, int64_t first_out, int64_t out, int64_t r) {
-  if (first_out == 0 && b_rows.numel() == out * r) return b_rows;
-  Tensor padded = Tensor::zeros({out, r});
-  ops::copy(padded.data<float>() + first_out * r, b_rows.raw(), b_rows.nbytes());
-  return padded;
+uint64_t Linear::Part::mask_first(const AdapterDropout& drop) const {
+  return static_cast<uint64_t>(drop.first_row * in_stride + first_col);
 }
 
-}  // namespace
+Tensor Linear::adapter_input(const Part& p, const float* in, int64_t N, const AdapterDropout& drop) const {
+  if (!drop.training || p.dropout == 0.0f) return Tensor();
+  Tensor x = Tensor::empty({N, in_});
+  ops::dropout_forward(x.data<float>(), in, N, in_, p.in_stride, p.dropout, p.mask_key(drop), p.mask_first(drop));
+  return x;
+}
 
-void Linear::lora_forward(const ParamStore& ps, float* out, const float* in, int64_t N) const {
+// A part's adapter works on the part's band of the stacked output's columns
+// (first_out, p.rows wide, out_ apart) in place, through GEMMs with leading
+// dimensions: no zero-padded B, no [N, out] delta to add back.
+void Linear::lora_forward(const ParamStore& ps, float* out, const float* in, int64_t N,
+                          const AdapterDropout& drop) const {
   int64_t first_out = 0;
   for (const Part& p : parts_) {
     if (p.lora_a >= 0) {
-      // h = scale * in A^T (r columns, small), then out += h B^T.
+      // h = drop(in) A^T (r columns, small), then out += scale h B^T.
       Tensor h = Tensor::empty({N, p.rank});
-      ops::linear_forward(h.data<float>(), in, ps.param(p.lora_a).data<float>(), nullptr, N, in_, p.rank);
-      ops::scale(h.data<float>(), h.numel(), p.scale);
-      const Tensor b = padded_b(row_slice(ps.param(p.lora_b), p.first_row, p.rows, p.rank), first_out, out_, p.rank);
-      Tensor delta = Tensor::empty({N, out_});
-      ops::linear_forward(delta.data<float>(), h.data<float>(), b.data<float>(), nullptr, N, p.rank, out_);
-      ops::accumulate(out, delta.data<float>(), delta.numel());
+      {
+        const Tensor dropped = adapter_input(p, in, N, drop);
+        ops::gemm(false, true, N, p.rank, in_, 1.0f, dropped.defined() ? dropped.data<float>() : in, in_,
+                  ps.param(p.lora_a).data<float>(), in_, 0.0f, h.data<float>(), p.rank);
+      }
+      const Tensor b = row_slice(ps.param(p.lora_b), p.first_row, p.rows, p.rank);
+      ops::gemm(false, true, N, p.rows, p.rank, p.scale, h.data<float>(), p.rank, b.data<float>(), p.rank, 1.0f,
+                out + first_out, out_);
     }
     first_out += p.rows;
   }
 }
 
-void Linear::lora_backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N) const {
+void Linear::lora_backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N,
+                           const AdapterDropout& drop) const {
   int64_t first_out = 0;
   for (const Part& p : parts_) {
     if (p.lora_a >= 0) {
-      // h is recomputed rather than kept: N x r, a small fraction of the layer.
+      // h is recomputed rather than kept: N x r, a small fraction of the
+      // layer; so is the dropped input, drawn again from its mask.
+      const Tensor dropped = adapter_input(p, in, N, drop);
+      const float* x = dropped.defined() ? dropped.data<float>() : in;
+      const float* a = g.params.param(p.lora_a).data<float>();
       Tensor h = Tensor::empty({N, p.rank});
-      ops::linear_forward(h.data<float>(), in, g.params.param(p.lora_a).data<float>(), nullptr, N, in_, p.rank);
-      ops::scale(h.data<float>(), h.numel(), p.scale);
-      // dB += dout^T h over the part's columns; dh = scale * dout B;
-      // dA += dh^T in; din += dh A.
-      const Tensor b_rows = row_slice(g.params.param(p.lora_b), p.first_row, p.rows, p.rank);
-      const Tensor b = padded_b(b_rows, first_out, out_, p.rank);
-      const Tensor db_rows = row_slice(g.grads.grad(p.lora_b), p.first_row, p.rows, p.rank);
-      const bool padded = b.raw() != b_rows.raw();
-      Tensor db = padded ? Tensor::zeros({out_, p.rank}) : db_rows;
-      Tensor dh = Tensor::empty({N, p.rank});
-      ops::linear_backward(dh.data<float>(), db.data<float>(), nullptr, dout, h.data<float>(), b.data<float>(), N,
-                           p.rank, out_, ops::GradWrite::overwrite);
-      if (padded) ops::accumulate(db_rows.data<float>(), db.data<float>() + first_out * p.rank, db_rows.numel());
+      ops::gemm(false, true, N, p.rank, in_, 1.0f, x, in_, a, in_, 0.0f, h.data<float>(), p.rank);
+      // Over the part's band of dout: dB += scale dout^T h; dh = scale dout B;
+      // then dA += dh^T drop(in) and din += drop's backward of dh A.
+      const float* dband = dout + first_out;
+      const Tensor b = row_slice(g.params.param(p.lora_b), p.first_row, p.rows, p.rank);
+      const Tensor db = row_slice(g.grads.grad(p.lora_b), p.first_row, p.rows, p.rank);
+      ops::gemm(true, false, p.rows, p.rank, N, p.scale, dband, out_, h.data<float>(), p.rank, 1.0f, db.data<float>(),
+                p.rank);
       h = Tensor();
-      ops::scale(dh.data<float>(), dh.numel(), p.scale);
-      ops::linear_backward(din, g.grads.grad(p.lora_a).data<float>(), nullptr, dh.data<float>(), in,
-                           g.params.param(p.lora_a).data<float>(), N, in_, p.rank, ops::GradWrite::accumulate);
+      Tensor dh = Tensor::empty({N, p.rank});
+      ops::gemm(false, false, N, p.rank, p.rows, p.scale, dband, out_, b.data<float>(), p.rank, 0.0f,
+                dh.data<float>(), p.rank);
+      ops::gemm(true, false, p.rank, in_, N, 1.0f, dh.data<float>(), p.rank, x, in_, 1.0f,
+                g.grads.grad(p.lora_a).data<float>(), in_);
+      if (din && !dropped.defined()) {
+        ops::gemm(false, false, N, in_, p.rank, 1.0f, dh.data<float>(), p.rank, a, in_, 1.0f, din, in_);
+      } else if (din) {
+        Tensor dx = Tensor::empty({N, in_});
+        ops::gemm(false, false, N, in_, p.rank, 1.0f, dh.data<float>(), p.rank, a, in_, 0.0f, dx.data<float>(), in_);
+        ops::dropout_backward(din, dx.data<float>(), N, in_, p.in_stride, p.dropout, p.mask_key(drop),
+                              p.mask_first(drop), ops::GradWrite::accumulate);
+      }
     }
     first_out += p.rows;
   }
@@ -231,21 +259,22 @@ ColumnParallelLinear::ColumnParallelLinear(ParamLayout& layout, const std::vecto
                                            int group, float init_std, const TensorParallel& tp, bool has_bias)
     : tp_(tp), linear_(layout, parts, in, group, init_std, has_bias) {}
 
-Tensor ColumnParallelLinear::forward(const ParamStore& ps, const Tensor& x) const {
+Tensor ColumnParallelLinear::forward(const ParamStore& ps, const Tensor& x, const AdapterDropout& drop) const {
   const Tensor full = TensorParallelRegion::enter_forward(tp_, x);
   const int64_t N = full.numel() / linear_.in_features();
   Tensor y = Tensor::empty({N, linear_.out_features()});
-  linear_.forward(ps, y.data<float>(), full.data<float>(), N);
+  linear_.forward(ps, y.data<float>(), full.data<float>(), N, true, drop);
   return y;
 }
 
-Tensor ColumnParallelLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x) const {
+Tensor ColumnParallelLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x,
+                                      const AdapterDropout& drop) const {
   // Under sequence parallelism the gathered input was not kept: gather it
   // again (Korthikanti et al.), trading an all-gather for [N, in] of memory.
   const Tensor full = TensorParallelRegion::enter_forward(tp_, x);
   const int64_t N = full.numel() / linear_.in_features();
   Tensor dx = Tensor::empty({N, linear_.in_features()});
-  linear_.backward(g, dx.data<float>(), dy.data<float>(), full.data<float>(), N);
+  linear_.backward(g, dx.data<float>(), dy.data<float>(), full.data<float>(), N, true, drop);
   return TensorParallelRegion::enter_backward(tp_, dx);
 }
 
@@ -259,13 +288,13 @@ RowParallelLinear::RowParallelLinear(ParamLayout& layout, const std::string& nam
   linear_ = Linear(layout, name, in, out, group, init_std, weight, bias, has_bias, lora);
 }
 
-Tensor RowParallelLinear::forward(const ParamStore& ps, const Tensor& x) const {
+Tensor RowParallelLinear::forward(const ParamStore& ps, const Tensor& x, const AdapterDropout& drop) const {
   const int64_t N = x.numel() / linear_.in_features();
   const bool split = tp_.size() > 1;
   Tensor partial = Tensor::empty({N, linear_.out_features()});
   // Without tensor parallelism this is a plain linear layer, bias included,
   // which keeps the single-rank path the reference's exact arithmetic.
-  linear_.forward(ps, partial.data<float>(), x.data<float>(), N, !split);
+  linear_.forward(ps, partial.data<float>(), x.data<float>(), N, !split, drop);
   if (!split) return partial;
   Tensor y = TensorParallelRegion::leave_forward(tp_, partial);
   partial = Tensor();
@@ -275,7 +304,8 @@ Tensor RowParallelLinear::forward(const ParamStore& ps, const Tensor& x) const {
   return y;
 }
 
-Tensor RowParallelLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x) const {
+Tensor RowParallelLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x,
+                                   const AdapterDropout& drop) const {
   const int64_t N = x.numel() / linear_.in_features();
   const bool split = tp_.size() > 1;
   if (split && linear_.has_bias())
@@ -283,7 +313,7 @@ Tensor RowParallelLinear::backward(const Grads& g, const Tensor& dy, const Tenso
                          nullptr, dy.numel() / linear_.out_features(), linear_.in_features(), linear_.out_features());
   const Tensor full = TensorParallelRegion::leave_backward(tp_, dy);
   Tensor dx = Tensor::empty({N, linear_.in_features()});
-  linear_.backward(g, dx.data<float>(), full.data<float>(), x.data<float>(), N, !split);
+  linear_.backward(g, dx.data<float>(), full.data<float>(), x.data<float>(), N, !split, drop);
   return dx;
 }
 

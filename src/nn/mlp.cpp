@@ -21,13 +21,13 @@ MLP::MLP(ParamLayout& layout, const std::string& prefix, const GPTConfig& cfg, i
                               cfg.adapter("mlp.c_proj"));
 }
 
-Tensor MLP::forward(const ParamStore& ps, Saved& s, const Tensor& in) const {
-  forward_activation(ps, s, in);
-  return c_proj_.forward(ps, s.act);
+Tensor MLP::forward(const ParamStore& ps, Saved& s, const Tensor& in, const AdapterDropout& drop) const {
+  forward_activation(ps, s, in, drop);
+  return c_proj_.forward(ps, s.act, drop);
 }
 
-void MLP::forward_activation(const ParamStore& ps, Saved& s, const Tensor& in) const {
-  s.fc = c_fc_.forward(ps, in);
+void MLP::forward_activation(const ParamStore& ps, Saved& s, const Tensor& in, const AdapterDropout& drop) const {
+  s.fc = c_fc_.forward(ps, in, drop);
   const int64_t N = s.fc.numel() / (kind_ == MlpKind::swiglu ? 2 * local_I_ : local_I_);
   s.act = Tensor::empty({N, local_I_});
   const float* fc = s.fc.data<float>();
@@ -37,10 +37,11 @@ void MLP::forward_activation(const ParamStore& ps, Saved& s, const Tensor& in) c
     ops::gelu_forward(s.act.data<float>(), fc, s.fc.numel());
 }
 
-Tensor MLP::backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s) const {
+Tensor MLP::backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s,
+                     const AdapterDropout& drop) const {
   // dact is freed as soon as the activation's backward has consumed it, so
   // at most two intermediate-sized gradient buffers exist at once.
-  Tensor dact = c_proj_.backward(g, dout, s.act);
+  Tensor dact = c_proj_.backward(g, dout, s.act, drop);
   Tensor dfc = Tensor::empty(s.fc.shape());
   const float* fc = s.fc.data<float>();
   if (kind_ == MlpKind::swiglu)
@@ -49,7 +50,7 @@ Tensor MLP::backward(const Grads& g, const Tensor& dout, const Tensor& in, const
   else
     ops::gelu_backward(dfc.data<float>(), fc, dact.data<float>(), s.fc.numel(), ops::GradWrite::overwrite);
   dact = Tensor();
-  return c_fc_.backward(g, dfc, in);
+  return c_fc_.backward(g, dfc, in, drop);
 }
 
 }  // namespace loom

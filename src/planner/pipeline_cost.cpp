@@ -33,10 +33,8 @@ std::vector<int> balanced_stage_layers(const GPTConfig& cfg, int64_t seq_len, in
 // is left out against the head's O(V h), as Megatron leaves it out.
 std::vector<double> pipeline_layer_costs(const GPTConfig& cfg, int64_t seq_len) {
   LOOM_CHECK(cfg.n_layer >= 1 && seq_len >= 1, "layer costs of ", cfg.n_layer, " layers at seq_len ", seq_len);
-  const double s = static_cast<double>(seq_len), h = static_cast<double>(cfg.n_embd);
-  const double V = static_cast<double>(cfg.vocab_size);
-  std::vector<double> costs(static_cast<size_t>(cfg.n_layer), 6.0 * s * layer_matmul_weights(cfg) + 12.0 * s * s * h);
-  costs.back() += 6.0 * s * h * V;
+  std::vector<double> costs(static_cast<size_t>(cfg.n_layer), block_training_flops(cfg, seq_len));
+  costs.back() += head_training_flops(cfg, seq_len);
   return costs;
 }
 

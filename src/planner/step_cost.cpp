@@ -8,10 +8,27 @@ double layer_matmul_weights(const GPTConfig& cfg) {
   return 2.0 * h * h + 2.0 * h * kv + (cfg.mlp == MlpKind::swiglu ? 3.0 : 2.0) * h * I;
 }
 
+namespace {
+// Per token, a weight costs 2 FLOPs in forward, 2 in its input's gradient and
+// 2 in its own gradient, which a frozen weight (LoRA's base) skips.
+double weight_passes(const GPTConfig& cfg) { return cfg.lora.enabled() ? 4.0 : 6.0; }
+}  // namespace
+
+double block_training_flops(const GPTConfig& cfg, int64_t seq_len) {
+  const double s = static_cast<double>(seq_len), h = static_cast<double>(cfg.n_embd);
+  // The adapters' own weights train.
+  const double adapters = static_cast<double>(cfg.num_adapter_params()) / static_cast<double>(cfg.n_layer);
+  return s * (weight_passes(cfg) * layer_matmul_weights(cfg) + 12.0 * s * h + 6.0 * adapters);
+}
+
+double head_training_flops(const GPTConfig& cfg, int64_t seq_len) {
+  return weight_passes(cfg) * static_cast<double>(seq_len) * static_cast<double>(cfg.n_embd) *
+         static_cast<double>(cfg.vocab_size);
+}
+
 double training_flops_per_step(const GPTConfig& cfg, int64_t B, int64_t T) {
-  const double s = static_cast<double>(T), h = static_cast<double>(cfg.n_embd);
-  const double L = static_cast<double>(cfg.n_layer), V = static_cast<double>(cfg.vocab_size);
-  return 6.0 * static_cast<double>(B) * s * (L * layer_matmul_weights(cfg) + 2.0 * s * L * h + h * V);
+  return static_cast<double>(B) *
+         (static_cast<double>(cfg.n_layer) * block_training_flops(cfg, T) + head_training_flops(cfg, T));
 }
 
 double StepMemoryEstimate::total() const {
@@ -45,8 +62,9 @@ StepMemoryEstimate estimate_step_memory(const GPTConfig& cfg, int64_t B, int64_t
   const double N = static_cast<double>(B * T), C = static_cast<double>(cfg.n_embd);
   const double L = static_cast<double>(cfg.n_layer), V = static_cast<double>(cfg.vocab_size);
   const double P = static_cast<double>(cfg.num_params());
+  const double trained = static_cast<double>(cfg.num_trainable_params());
   std::vector<MemoryTerm> state = {
-      {"parameters", f * P}, {"gradients", f * P}, {"adamw moments", 2.0 * f * P}};
+      {"parameters", f * P}, {"gradients", f * trained}, {"adamw moments", 2.0 * f * trained}};
   // Elements (not bytes) one block keeps, in full and under checkpointing.
   const double full_block = activation_bytes_per_layer(cfg, B, T, 1, false, false) / f;
   const double kept_block = activation_bytes_per_layer(cfg, B, T, 1, false, checkpoint_activations) / f;

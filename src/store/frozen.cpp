@@ -6,31 +6,45 @@
 
 namespace loom {
 
-FrozenParams::FrozenParams(const ParamLayout& layout, const std::vector<bool>& frozen, DType dtype, uint64_t seed)
-    : layout_(layout), dtype_(dtype) {
+ParamLayout trainable_layout(const ParamLayout& layout, const std::vector<bool>& frozen, std::vector<int>* to_model) {
   const size_t n = layout.params().size();
   LOOM_CHECK(frozen.size() == n, "frozen flags for ", frozen.size(), " of ", n, " parameters");
+  ParamLayout trainable;
+  std::vector<int> groups(static_cast<size_t>(layout.num_groups()), -1);
+  for (size_t id = 0; id < n; ++id) {
+    if (frozen[id]) continue;
+    const ParamSpec& p = layout.params()[id];
+    int& g = groups[static_cast<size_t>(p.group)];
+    if (g < 0) g = trainable.add_group(layout.group_name(p.group));
+    trainable.add(p.name, p.global_shape, p.init, p.weight_decay, g, p.parallel);
+    if (to_model) to_model->push_back(static_cast<int>(id));
+  }
+  if (trainable.params().empty()) throw Error("every parameter of the model is frozen: nothing would train");
+  return trainable;
+}
+
+FrozenParams::FrozenParams(const ParamLayout& layout, const std::vector<bool>& frozen, DType dtype, uint64_t seed)
+    : layout_(layout), to_model_(), trainable_(trainable_layout(layout, frozen, &to_model_)), dtype_(dtype) {
+  const size_t n = layout.params().size();
   to_trainable_.assign(n, -1);
   groups_.assign(static_cast<size_t>(layout.num_groups()), -1);
+  for (size_t t = 0; t < to_model_.size(); ++t) {
+    const int id = to_model_[t];
+    to_trainable_[static_cast<size_t>(id)] = static_cast<int>(t);
+    groups_[static_cast<size_t>(layout.param(id).group)] = trainable_.param(static_cast<int>(t)).group;
+  }
   stored_.resize(n);
   // Initialization draws each element on the host.
   const HostSection host;
   std::vector<float> values;
   for (size_t id = 0; id < n; ++id) {
+    if (!frozen[id]) continue;
     const ParamSpec& p = layout.params()[id];
-    if (frozen[id]) {
-      values.resize(static_cast<size_t>(p.numel()));
-      layout.initialize(values.data(), p.offset, p.numel(), seed);
-      stored_[id] = Tensor::empty(p.shape, dtype);
-      convert(values.data(), DType::f32, stored_[id].raw(), dtype, p.numel());
-      continue;
-    }
-    int& g = groups_[static_cast<size_t>(p.group)];
-    if (g < 0) g = trainable_.add_group(layout.group_name(p.group));
-    to_trainable_[id] = trainable_.add(p.name, p.global_shape, p.init, p.weight_decay, g, p.parallel);
-    to_model_.push_back(static_cast<int>(id));
+    values.resize(static_cast<size_t>(p.numel()));
+    layout.initialize(values.data(), p.offset, p.numel(), seed);
+    stored_[id] = Tensor::empty(p.shape, dtype);
+    convert(values.data(), DType::f32, stored_[id].raw(), dtype, p.numel());
   }
-  if (to_model_.empty()) throw Error("every parameter of the model is frozen: nothing would train");
 }
 
 void FrozenParams::load(int id, const float* values) {

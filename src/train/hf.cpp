@@ -98,7 +98,9 @@ void HFImport::fill(const ParamLayout& layout, FlatRange range, float* params, u
   // parameters may have trainable ones the checkpoint lacks.
   const bool adapters = std::any_of(layout.params().begin(), layout.params().end(),
                                     [](const ParamSpec& p) { return !p.trainable; });
-  std::vector<float> rows;
+  // The rows read from the files, on the host tier: accounted like every
+  // other buffer, grown to the largest span and reused.
+  Tensor rows;
   for (const ParamSpec& p : layout.params()) {
     if (p.offset < range.begin || p.offset >= range.end) continue;
     float* dst = params + (p.offset - range.begin);
@@ -138,9 +140,14 @@ void HFImport::fill(const ParamLayout& layout, FlatRange range, float* params, u
         last = std::max(last, (runs[end].global + runs[end].n - 1) / row_len);
         ++end;
       }
-      rows.resize(static_cast<size_t>((last + 1 - first) * row_len));
-      checkpoint.read_param_rows(*hp, first, last + 1, rows.data());
-      for (; k < end; ++k) std::copy_n(rows.data() + (runs[k].global - first * row_len), runs[k].n, dst + runs[k].local);
+      const int64_t span = (last + 1 - first) * row_len;
+      if (rows.numel() < span) {
+        rows = Tensor();
+        rows = Tensor::empty({span}, DType::f32, Tier::host);
+      }
+      checkpoint.read_param_rows(*hp, first, last + 1, rows.data<float>());
+      for (; k < end; ++k)
+        std::copy_n(rows.data<float>() + (runs[k].global - first * row_len), runs[k].n, dst + runs[k].local);
     }
   }
 }

@@ -419,6 +419,23 @@ void check_memory_fits(const Config& cfg, const TrainPlan& p) {
   for (const MemoryTerm& term : step.terms)
     if (term.name == "parameters" || term.name == "gradients" || term.name == "adamw moments")
       activations -= term.bytes;
+  // Frozen parameters (LoRA's base, train.freeze) stay out of the chunks:
+  // they live on the device in the working precision, and below fp32 two
+  // groups of them at a time also in fp32 while acquired (FrozenParamStore).
+  const std::vector<bool> frozen = frozen_params(whole.layout(), p.options.freeze);
+  const int64_t precision_bytes = static_cast<int64_t>(dtype_size(p.options.zero.precision));
+  std::vector<int64_t> frozen_per_group(static_cast<size_t>(whole.layout().num_groups()), 0);
+  int64_t frozen_bytes = 0;
+  for (size_t id = 0; id < frozen.size(); ++id)
+    if (frozen[id]) {
+      const ParamSpec& param = whole.layout().params()[id];
+      frozen_bytes += param.numel() * precision_bytes;
+      frozen_per_group[static_cast<size_t>(param.group)] += param.numel();
+    }
+  if (p.options.zero.precision != DType::f32) {
+    std::sort(frozen_per_group.rbegin(), frozen_per_group.rend());
+    for (size_t g = 0; g < std::min<size_t>(2, frozen_per_group.size()); ++g) frozen_bytes += 4 * frozen_per_group[g];
+  }
   auto budget = [&](std::string_view key) {
     return static_cast<int64_t>(std::min(cfg.get_bytes(key), static_cast<size_t>(std::numeric_limits<int64_t>::max())));
   };
@@ -426,8 +443,10 @@ void check_memory_fits(const Config& cfg, const TrainPlan& p) {
   budgets[Tier::device] = budget("memory.device_budget");
   budgets[Tier::host] = budget("memory.host_budget");
   budgets[Tier::nvme] = std::numeric_limits<int64_t>::max();
-  plan_memory(whole.layout(), p.options.memory, p.options.zero.precision, static_cast<int>(p.dp),
-              static_cast<int64_t>(std::ceil(activations)), budgets);
+  const bool any_frozen = frozen_bytes > 0;
+  plan_memory(any_frozen ? trainable_layout(whole.layout(), frozen) : whole.layout(), p.options.memory,
+              p.options.zero.precision, static_cast<int>(p.dp),
+              static_cast<int64_t>(std::ceil(activations)) + frozen_bytes, budgets);
 }
 
 }  // namespace

@@ -140,6 +140,15 @@ class MicroBatchWork final : public PipelineStageWork {
 
 }  // namespace
 
+std::vector<bool> frozen_params(const ParamLayout& layout, const std::vector<std::string>& freeze) {
+  std::vector<bool> frozen;
+  for (const ParamSpec& p : layout.params())
+    frozen.push_back(!p.trainable || std::any_of(freeze.begin(), freeze.end(), [&](const std::string& e) {
+                       return names_under(p.name, e);
+                     }));
+  return frozen;
+}
+
 Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, Communicator* dp)
     : opts_(opts), dp_(dp), model_(model) {
   validate(opts_.zero);
@@ -249,15 +258,9 @@ void Trainer::split_frozen(DType dtype) {
       throw Error(str("train.freeze entry \"", e, "\" names no parameter or module of the model (e.g. \"",
                       all.front().name, "\", or \"h.0\" for a whole block)"));
   }
-  std::vector<bool> frozen;
-  bool any = false;
-  for (const ParamSpec& p : layout.params()) {
-    const bool f = !p.trainable || std::any_of(opts_.freeze.begin(), opts_.freeze.end(),
-                                               [&](const std::string& e) { return names_under(p.name, e); });
-    frozen.push_back(f);
-    any = any || f;
-  }
-  if (any) frozen_ = std::make_unique<FrozenParams>(layout, frozen, dtype, opts_.seed);
+  const std::vector<bool> frozen = frozen_params(layout, opts_.freeze);
+  if (std::find(frozen.begin(), frozen.end(), true) != frozen.end())
+    frozen_ = std::make_unique<FrozenParams>(layout, frozen, dtype, opts_.seed);
 }
 
 void Trainer::wrap_frozen() {

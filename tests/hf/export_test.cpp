@@ -148,5 +148,29 @@ TEST(HFExport, ReplacesAtomicallyAndLeavesNothingOnFailure) {
   EXPECT_EQ(entries, 1u);  // no temporary directory left behind
 }
 
+// The export's staging (a tensor in loom's layout, HF's and the stored dtype)
+// is the host tier's: the allocator's peak holds it, and a host budget below
+// it refuses the export, leaving nothing behind.
+TEST(HFExport, StagingIsAccountedOnTheHostTier) {
+  const HFModelConfig config = read_hf_config(hf_fixture("gpt2"));
+  const auto params = loom_params(hf_fixture("gpt2"));
+  int64_t largest = 0;
+  const HFParamMap map(config);
+  for (const HFParam& p : map.params()) largest = std::max(largest, shape_numel(p.loom_shape));
+  TempDir dir;
+  MemoryContext context;
+  MemoryContext::Install install(context);
+  Allocator& host = context.tier(Tier::host);
+  HFExportOptions bf16;
+  bf16.dtype = DType::bf16;
+  export_params(dir / "out", config, params, bf16);
+  EXPECT_GE(host.peak(), static_cast<size_t>(largest) * (4 + 2));
+  EXPECT_EQ(host.used(), 0u);
+  host.set_budget(static_cast<size_t>(largest) * 4 - 1);
+  const std::string e = error_of([&] { export_params(dir / "small", config, params, bf16); });
+  EXPECT_CONTAINS(e, "out of host memory");
+  EXPECT_FALSE(fs::exists(dir / "small"));
+}
+
 }  // namespace
 }  // namespace loom

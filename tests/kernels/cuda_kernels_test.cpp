@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -254,33 +255,37 @@ TEST(CudaPhilox, UniformIsTheCpusBitForBit) {
   EXPECT_EQ(checked, 9000);
 }
 
+// A contiguous range and a strided [rows, cols] block (rows 137 apart).
 TEST_F(CudaKernels, DropoutMasksAreTheCpusBitForBit) {
-  const int64_t n = 50001;
   const uint64_t key = 0x1234abcd5678ef01ull, first = (uint64_t(1) << 33) + 17;  // a counter above 32 bits
   const float p = 0.3f;
-  const auto inp = random_vector(n, 1, 0.5f, 1.5f), dout = random_vector(n, 2, 0.5f, 1.5f);
-  const auto dinp0 = random_vector(n, 3);
-  std::vector<float> out(n), dinp = dinp0;
-  cpu::dropout_forward(out.data(), inp.data(), n, p, key, first);
-  cpu::dropout_backward(dinp.data(), dout.data(), n, p, key, first);
-  const auto got = run_twice("dropout", [&] {
-    DeviceVector<float> i(inp), g(dout), o(zeros(n)), di(dinp0);
-    dropout_forward(o.get(), i.get(), n, p, key, first, stream_);
-    dropout_backward(di.get(), g.get(), n, p, key, first, stream_);
-    const auto ho = o.host(), hdi = di.host();
-    return concat({&ho, &hdi});
-  });
-  const std::vector<float> got_out(got.begin(), got.begin() + n), got_dinp(got.begin() + n, got.end());
-  // Inputs are never zero, so zeros in out are exactly the dropped elements.
-  expect_identical("dropout forward", got_out, out);
-  int64_t dropped = 0, mismatched = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    dropped += out[i] == 0.0f;
-    mismatched += (out[i] == 0.0f) != (got_dinp[i] == dinp0[i]);
+  for (const auto [rows, cols, stride] : {std::array<int64_t, 3>{1, 50001, 50001}, {500, 100, 137}}) {
+    SCOPED_TRACE(str(rows, " x ", cols, " stride ", stride));
+    const int64_t n = rows * cols;
+    const auto inp = random_vector(n, 1, 0.5f, 1.5f), dout = random_vector(n, 2, 0.5f, 1.5f);
+    const auto dinp0 = random_vector(n, 3);
+    std::vector<float> out(n), dinp = dinp0;
+    cpu::dropout_forward(out.data(), inp.data(), rows, cols, stride, p, key, first);
+    cpu::dropout_backward(dinp.data(), dout.data(), rows, cols, stride, p, key, first);
+    const auto got = run_twice("dropout", [&] {
+      DeviceVector<float> i(inp), g(dout), o(zeros(n)), di(dinp0);
+      dropout_forward(o.get(), i.get(), rows, cols, stride, p, key, first, stream_);
+      dropout_backward(di.get(), g.get(), rows, cols, stride, p, key, first, stream_);
+      const auto ho = o.host(), hdi = di.host();
+      return concat({&ho, &hdi});
+    });
+    const std::vector<float> got_out(got.begin(), got.begin() + n), got_dinp(got.begin() + n, got.end());
+    // Inputs are never zero, so zeros in out are exactly the dropped elements.
+    expect_identical("dropout forward", got_out, out);
+    int64_t dropped = 0, mismatched = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      dropped += out[i] == 0.0f;
+      mismatched += (out[i] == 0.0f) != (got_dinp[i] == dinp0[i]);
+    }
+    EXPECT_EQ(mismatched, 0) << "backward drops other elements than forward";
+    EXPECT_NEAR(static_cast<double>(dropped) / n, p, 0.01);
+    expect_close("dropout backward", got_dinp, dinp, kElementwiseTol);
   }
-  EXPECT_EQ(mismatched, 0) << "backward drops other elements than forward";
-  EXPECT_NEAR(static_cast<double>(dropped) / n, p, 0.01);
-  expect_close("dropout backward", got_dinp, dinp, kElementwiseTol);
 }
 
 TEST_F(CudaKernels, EmbeddingForwardAndBackwardAreTheCpusBitForBit) {

@@ -66,7 +66,7 @@ TEST(InputGradWrite, DropoutBackward) {
   const auto dout = random_vector(n, 2);
   for (float p : {0.0f, 0.3f})
     expect_overwrite_matches_zeros(
-        n, [&](float* dinp, GradWrite mode) { dropout_backward(dinp, dout.data(), n, p, 7, 11, mode); });
+        n, [&](float* dinp, GradWrite mode) { dropout_backward(dinp, dout.data(), 1, n, n, p, 7, 11, mode); });
 }
 
 TEST(InputGradWrite, RmsnormBackward) {

@@ -1,11 +1,13 @@
 // LoRA adapters on linear layers (LoRAConfig): the adapter's gradients
-// against finite differences, PEFT's initialization, a zero B leaving the
-// base model's output unchanged, target validation, and LLaMA's adapters
-// against PEFT's (tests/fixtures/hf/llama_lora).
+// against finite differences (with and without dropout on its input),
+// PEFT's initialization and dropout, a zero B leaving the base model's
+// output unchanged, target validation, and LLaMA's adapters against PEFT's
+// (tests/fixtures/hf/llama_lora).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <random>
 
@@ -23,29 +25,37 @@ namespace {
 
 using testing::random_tokens;
 
-LoRAConfig lora(std::vector<std::string> targets, int64_t r = 2, float alpha = 6.0f) {
+LoRAConfig lora(std::vector<std::string> targets, int64_t r = 2, float alpha = 6.0f, float dropout = 0.0f) {
   LoRAConfig c;
   c.r = r;
   c.alpha = alpha;
+  c.dropout = dropout;
   c.targets = std::move(targets);
   return c;
 }
 
+// A training micro-batch's adapter dropout, its tokens from global row 40.
+AdapterDropout training_dropout() { return {true, stream_key(17, 3, 2), 40}; }
+
 // sum(w * linear(x)) in double, for finite differences.
 double objective(const Linear& lin, const ParamStore& ps, const std::vector<float>& x, const std::vector<float>& w,
-                 int64_t N) {
+                 int64_t N, const AdapterDropout& drop) {
   std::vector<float> y(static_cast<size_t>(N * lin.out_features()));
-  lin.forward(ps, y.data(), x.data(), N);
+  lin.forward(ps, y.data(), x.data(), N, true, drop);
   double sum = 0.0;
   for (size_t i = 0; i < y.size(); ++i) sum += static_cast<double>(w[i]) * y[i];
   return sum;
 }
 
-TEST(LoRA, GradientsMatchFiniteDifferences) {
+// dA, dB and din of an adapted Linear against finite differences of its
+// forward; with dropout the masks are fixed by the micro-batch's key, so the
+// objective is a smooth function of the parameters and the input.
+void expect_gradients_match_finite_differences(float dropout) {
   constexpr int64_t N = 6, in = 5, out = 4;
   ParamLayout layout;
   const int group = layout.add_group("g");
-  const Linear lin(layout, "blk.fc", in, out, group, 0.3f, {}, {}, true, lora({"fc"}));
+  const Linear lin(layout, "blk.fc", in, out, group, 0.3f, {}, {}, true, lora({"fc"}, 2, 6.0f, dropout));
+  const AdapterDropout drop = training_dropout();
   ASSERT_GE(lin.lora_a_id(), 0);
   EXPECT_FALSE(layout.param(lin.weight_id()).trainable);
   EXPECT_FALSE(layout.param(lin.bias_id()).trainable);
@@ -62,16 +72,16 @@ TEST(LoRA, GradientsMatchFiniteDifferences) {
   std::vector<float> x(N * in), w(N * out), dx(N * in);
   for (float& v : x) v = normal(rng);
   for (float& v : w) v = normal(rng);
-  lin.backward({ps, gs}, dx.data(), w.data(), x.data(), N);
+  lin.backward({ps, gs}, dx.data(), w.data(), x.data(), N, true, drop);
 
   const auto check = [&](float* values, const float* analytic, int64_t n, const char* what) {
     for (int64_t i = 0; i < n; ++i) {
       const float keep = values[i];
       const float h = 1e-2f;
       values[i] = keep + h;
-      const double up = objective(lin, ps, x, w, N);
+      const double up = objective(lin, ps, x, w, N, drop);
       values[i] = keep - h;
-      const double down = objective(lin, ps, x, w, N);
+      const double down = objective(lin, ps, x, w, N, drop);
       values[i] = keep;
       const double numeric = (up - down) / (2.0 * h);
       EXPECT_NEAR(analytic[i], numeric, 2e-3 * std::max(1.0, std::fabs(numeric))) << what << " " << i;
@@ -80,6 +90,99 @@ TEST(LoRA, GradientsMatchFiniteDifferences) {
   check(ps.param(lin.lora_a_id()).data<float>(), gs.grad(lin.lora_a_id()).data<float>(), 2 * in, "dA");
   check(B, gs.grad(lin.lora_b_id()).data<float>(), out * 2, "dB");
   check(x.data(), dx.data(), N * in, "dx");
+}
+
+TEST(LoRA, GradientsMatchFiniteDifferences) { expect_gradients_match_finite_differences(0.0f); }
+
+TEST(LoRA, GradientsWithDropoutMatchFiniteDifferences) { expect_gradients_match_finite_differences(0.3f); }
+
+// A Linear whose base weight is zero and whose adapter is the identity
+// (r = in = out, alpha = r, A = B = I): its output is the adapter's input,
+// dropped.
+struct IdentityAdapter {
+  static constexpr int64_t N = 100, C = 64;
+  explicit IdentityAdapter(float dropout)
+      : lin(layout, "blk.fc", C, C, layout.add_group("g"), 0.0f, {}, {}, false,
+            lora({"fc"}, C, static_cast<float>(C), dropout)),
+        ps(layout, 1) {
+    const HostSection host;
+    for (int id : {lin.lora_a_id(), lin.lora_b_id()}) {
+      float* m = ps.param(id).data<float>();
+      for (int64_t i = 0; i < C; ++i)
+        for (int64_t j = 0; j < C; ++j) m[i * C + j] = i == j ? 1.0f : 0.0f;
+    }
+    std::mt19937 rng(3);
+    std::uniform_real_distribution<float> uniform(0.5f, 1.5f);  // never zero
+    for (float& v : x) v = uniform(rng);
+  }
+  std::vector<float> forward(const AdapterDropout& drop) const {
+    const HostSection host;
+    std::vector<float> y(N * C);
+    lin.forward(ps, y.data(), x.data(), N, true, drop);
+    return y;
+  }
+  ParamLayout layout;
+  Linear lin;
+  ParamStore ps;
+  std::vector<float> x = std::vector<float>(N * C);
+};
+
+TEST(LoRA, DropoutDropsAboutPOfTheAdapterInputAndScalesTheRest) {
+  const float p = 0.3f;
+  const IdentityAdapter id(p);
+  const std::vector<float> y = id.forward(training_dropout());
+  int64_t dropped = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    if (y[i] == 0.0f) {
+      ++dropped;
+      continue;
+    }
+    EXPECT_FLOAT_EQ(y[i], id.x[i] / (1.0f - p)) << i;
+  }
+  EXPECT_NEAR(static_cast<double>(dropped) / static_cast<double>(y.size()), p, 0.02);
+  // Another micro-batch (other rows of the global batch) draws another mask.
+  AdapterDropout later = training_dropout();
+  later.first_row += IdentityAdapter::N;
+  EXPECT_NE(id.forward(later), y);
+}
+
+TEST(LoRA, DropoutDrawsNoMaskOutsideTraining) {
+  const IdentityAdapter id(0.5f);
+  AdapterDropout eval = training_dropout();
+  eval.training = false;
+  for (const std::vector<float>& y : {id.forward(eval), id.forward({})})
+    for (size_t i = 0; i < y.size(); ++i) ASSERT_FLOAT_EQ(y[i], id.x[i]) << i;
+}
+
+// p = 0 in training: no mask, the same bits forward and backward as a layer
+// given no dropout context at all.
+TEST(LoRA, ZeroDropoutIsTheNoDropoutPathBitForBit) {
+  constexpr int64_t N = 9, in = 12, out = 7;
+  ParamLayout layout;
+  const Linear lin(layout, "blk.fc", in, out, layout.add_group("g"), 0.3f, {}, {}, true, lora({"fc"}));
+  ParamStore ps(layout, 5);
+  const HostSection host;
+  std::mt19937 rng(2);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t i = 0; i < out * 2; ++i) ps.param(lin.lora_b_id()).data<float>()[i] = normal(rng);
+  std::vector<float> x(N * in), dy(N * out);
+  for (float& v : x) v = normal(rng);
+  for (float& v : dy) v = normal(rng);
+  const auto run = [&](const AdapterDropout& drop) {
+    GradStore gs(layout);
+    std::vector<float> y(N * out), dx(N * in);
+    lin.forward(ps, y.data(), x.data(), N, true, drop);
+    lin.backward({ps, gs}, dx.data(), dy.data(), x.data(), N, true, drop);
+    for (int id : {lin.lora_a_id(), lin.lora_b_id()}) {
+      const Tensor g = gs.grad(id);
+      y.insert(y.end(), g.data<float>(), g.data<float>() + g.numel());
+    }
+    y.insert(y.end(), dx.begin(), dx.end());
+    return y;
+  };
+  const std::vector<float> with = run(training_dropout()), without = run({});
+  ASSERT_EQ(with.size(), without.size());
+  EXPECT_EQ(std::memcmp(with.data(), without.data(), with.size() * sizeof(float)), 0);
 }
 
 TEST(LoRA, AInitializedAsPeftDoesAndBZero) {
@@ -146,9 +249,15 @@ TEST(LoRA, TargetsMatchBySuffixAndUnknownOnesAreErrorsListingTheValidNames) {
     EXPECT_NE(m.find("did you mean \"c_attn\""), std::string::npos) << m;
     EXPECT_NE(m.find("mlp.c_proj"), std::string::npos) << m;
   }
-  LoRAConfig dropout = lora({"c_attn"});
-  dropout.dropout = 0.1f;
-  EXPECT_THROW(GPT{small(dropout)}, Error);
+  for (float p : {-0.1f, 1.0f}) {
+    try {
+      GPT bad(small(lora({"c_attn"}, 2, 6.0f, p)));
+      FAIL() << "no error for lora.dropout = " << p;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("lora.dropout"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_NO_THROW(GPT{small(lora({"c_attn"}, 2, 6.0f, 0.1f))});
 }
 
 

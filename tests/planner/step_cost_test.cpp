@@ -25,8 +25,29 @@ TEST(StepCost, MegatronFlopsAreAboutSixTimesParamsTimesTokens) {
               1.0, 1e-12);
 }
 
+// LoRA: the frozen weights skip their weight gradient (4 FLOPs per weight
+// and token instead of 6), the adapters train; the pipeline's per-layer costs
+// still sum to the step's.
+TEST(StepCost, LoRASkipsTheFrozenWeightsGradients) {
+  const GPTConfig full = GPTConfig::preset("llama2-7b");
+  GPTConfig lora = full;
+  lora.lora.r = 16;
+  lora.lora.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+  const double s = 256, adapters = static_cast<double>(lora.num_adapter_params());
+  const double attention = 12.0 * s * s * static_cast<double>(full.n_layer * full.n_embd);
+  // Take away the full step's attention; 2/3 of the rest, and the adapters.
+  const double expect = (training_flops_per_step(full, 1, 256) - attention) * 4.0 / 6.0 + attention + 6.0 * s * adapters;
+  EXPECT_NEAR(training_flops_per_step(lora, 1, 256) / expect, 1.0, 1e-12);
+  double layers = 0.0;
+  for (double c : pipeline_layer_costs(lora, 256)) layers += c;
+  EXPECT_NEAR(layers / training_flops_per_step(lora, 1, 256), 1.0, 1e-12);
+  EXPECT_EQ(lora.num_trainable_params(), lora.num_adapter_params());
+  EXPECT_EQ(full.num_trainable_params(), full.num_params());
+  EXPECT_EQ(lora.num_params(), full.num_params() + lora.num_adapter_params());
+}
+
 TEST(StepCost, EstimatedPeakMatchesTheAllocatorsHighWaterMark) {
-  for (bool ckpt : {false, true}) for (bool llama : {false, true}) {
+  for (bool ckpt : {false, true}) for (bool llama : {false, true}) for (bool lora : {false, true}) {
     GPTConfig cfg;
     cfg.n_layer = 3;
     cfg.n_head = 4;
@@ -43,6 +64,10 @@ TEST(StepCost, EstimatedPeakMatchesTheAllocatorsHighWaterMark) {
       cfg.packed_qkv = tiny.packed_qkv;
       cfg.attention_bias = cfg.mlp_bias = cfg.tied_embeddings = false;
     }
+    if (lora) {
+      cfg.lora.r = 4;
+      cfg.lora.targets = llama ? std::vector<std::string>{"q", "v", "down"} : std::vector<std::string>{"c_attn", "c_fc"};
+    }
     const int64_t B = 4, T = 32;
     MemoryContext ctx;
     MemoryContext::Install install(ctx);
@@ -54,7 +79,7 @@ TEST(StepCost, EstimatedPeakMatchesTheAllocatorsHighWaterMark) {
     trainer.step({&mb, 1});
     const double measured = static_cast<double>(ctx.tier(Tier::device).peak());
     const double estimate = estimate_step_memory(cfg, B, T, ckpt).total();
-    EXPECT_NEAR(measured / estimate, 1.0, 0.10) << "llama " << llama << ", checkpointing " << ckpt << ": measured " << measured
+    EXPECT_NEAR(measured / estimate, 1.0, 0.10)  << "llama " << llama << ", LoRA " << lora << ", checkpointing " << ckpt << ": measured " << measured
                                                 << " estimate " << estimate;
   }
 }

@@ -36,6 +36,7 @@ TEST(PeftExport, AdaptersLandUnderPeftsNamesWithTheirValues) {
   GPTConfig cfg = GPTConfig::preset("tiny");
   cfg.lora.r = 4;
   cfg.lora.alpha = 16.0f;
+  cfg.lora.dropout = 0.05f;
   cfg.lora.targets = {"c_attn", "mlp.c_proj"};
   const GPT model(cfg);
   ParamStore ps(model.layout(), 3);
@@ -69,6 +70,7 @@ TEST(PeftExport, AdaptersLandUnderPeftsNamesWithTheirValues) {
   EXPECT_EQ(ours["peft_type"], peft["peft_type"]);
   EXPECT_EQ(ours["r"], 4);
   EXPECT_EQ(ours["lora_alpha"], 16.0);
+  EXPECT_EQ(ours["lora_dropout"].get<float>(), 0.05f);
   // Whole module paths: "c_proj" alone would name the attention's too.
   nlohmann::json modules = nlohmann::json::array();
   for (int i = 0; i < cfg.n_layer; ++i)

@@ -245,6 +245,28 @@ TEST(PlanTraining, ModelStateThatCannotFitTheBudgetsFailsBeforeAllocating) {
   plan_training(tiny({"memory.device_budget=64KiB", "memory.host_budget=64KiB"}));
 }
 
+// LoRA's frozen base stays out of the chunks (FrozenParams keeps it on the
+// device, in the working precision): host budgets too small for full
+// fine-tuning's chunked state hold the adapters', and the device budget must
+// hold the frozen weights.
+TEST(PlanTraining, LoRAPlansTheAdaptersStateAndTheFrozenWeightsOnTheDevice) {
+  const char* host = "memory.host_budget=256KiB";
+  std::string e = error_of([&] { plan_training(tiny({"memory.policy=auto", host})); });
+  EXPECT_CONTAINS(e, "(memory.host_budget)");
+  const auto lora = [&](const char* device_budget) {
+    return tiny({"memory.policy=auto", host, device_budget, "lora.r=4", "lora.targets=c_attn"});
+  };
+  EXPECT_NO_THROW(plan_training(lora("memory.device_budget=unlimited")));
+  // The frozen weights alone: ~40K fp32 parameters.
+  const GPT whole(plan_training(lora("memory.device_budget=unlimited")).model);
+  int64_t frozen = 0;
+  for (const ParamSpec& p : whole.layout().params()) frozen += p.trainable ? 0 : p.numel() * 4;
+  ASSERT_GT(frozen, 100 << 10);
+  e = error_of([&] { plan_training(lora("memory.device_budget=100KiB")); });
+  EXPECT_CONTAINS(e, "(memory.device_budget)");
+  EXPECT_CONTAINS(e, "activations and frozen weights");
+}
+
 TEST(PlanTraining, NprocMustMatchTheLayout) {
   EXPECT_EQ(plan_training(tiny({"parallel.dp=2", "parallel.nproc=2"})).nproc, 2);
   std::string e = error_of([] { plan_training(tiny({"parallel.dp=2", "parallel.nproc=3"})); });

@@ -1,7 +1,10 @@
 // Training with LoRA adapters (LoRAConfig): only the adapters change, data
-// parallel layouts match the single-rank reference, and a model whose full
-// fine-tuning does not fit a device budget fine-tunes with LoRA.
+// and model parallel layouts match the single-rank reference (with dropout
+// on the adapters' inputs too), and a model whose full fine-tuning does not
+// fit a device budget fine-tunes with LoRA.
 #include <gtest/gtest.h>
+
+#include <cstring>
 
 #include "zero_test_util.h"
 
@@ -92,6 +95,70 @@ TEST(LoRATraining, LlamaTensorParallelWithOneKvHeadMatchesTheReference) {
     tp.lora = ref.lora;
     EXPECT_TRUE(testing::matches_reference(testing::run_layout(tp), reference, 1e-5)) << (sp ? "tp2 sp" : "tp2");
   }
+}
+
+// The losses, gradient norms and final parameters of a run, bits compared.
+bool bit_identical(const testing::RunResult& a, const testing::RunResult& b) {
+  if (a.stats.size() != b.stats.size() || a.params.size() != b.params.size()) return false;
+  for (size_t s = 0; s < a.stats.size(); ++s)
+    if (std::memcmp(&a.stats[s].loss, &b.stats[s].loss, sizeof(float)) != 0 ||
+        std::memcmp(&a.stats[s].grad_norm, &b.stats[s].grad_norm, sizeof(a.stats[s].grad_norm)) != 0)
+      return false;
+  return std::memcmp(a.params.data(), b.params.data(), a.params.size() * sizeof(float)) == 0;
+}
+
+// Adapters with dropout (0.1) on column- and row-parallel layers: each
+// adapter's mask is drawn by global element of its layer's input, so tensor
+// parallelism (a row-parallel rank holds a column range of the input),
+// sequence parallelism, data parallelism with ZeRO and gradient
+// accumulation, a pipeline and activation checkpointing's recompute all draw
+// the reference's masks and match it; the run repeats bit for bit, and
+// dropout does change it.
+void expect_adapter_dropout_layouts_match(const std::function<void(GPTConfig&)>& variant,
+                                          const std::vector<std::string>& targets) {
+  DataParallelRun ref = testing::layout(0, 0);
+  ref.model_variant = variant;
+  ref.lora = adapters(targets);
+  ref.lora.dropout = 0.1f;
+  const testing::RunResult reference = testing::run_layout(ref);
+  EXPECT_TRUE(bit_identical(testing::run_layout(ref), reference)) << "the same run twice";
+  DataParallelRun plain = ref;
+  plain.lora.dropout = 0.0f;
+  const testing::RunResult without = testing::run_layout(plain);
+  EXPECT_GT(testing::max_loss_rel_diff(without, reference), 1e-5) << "dropout changes the losses too little";
+  EXPECT_FALSE(testing::matches_reference(without, reference, 1e-5)) << "dropout changes nothing";
+
+  std::vector<std::pair<std::string, DataParallelRun>> layouts;
+  DataParallelRun tp = testing::layout(1, 0);
+  tp.tp = 2;
+  layouts.push_back({"tp2", tp});
+  tp.model_parallel.sequence_parallel = true;
+  layouts.push_back({"tp2 sp", tp});
+  layouts.push_back({"dp2 zero2", testing::layout(2, 2)});
+  layouts.push_back({"dp2 zero1 accumulation 2", testing::layout(2, 1, DType::f32, 2)});
+  DataParallelRun pp = testing::layout(1, 0);
+  pp.pp = 2;
+  layouts.push_back({"pp2", pp});
+  DataParallelRun checkpointed = testing::layout(0, 0);
+  checkpointed.checkpoint_activations = true;
+  layouts.push_back({"activation checkpointing", checkpointed});
+  tp.checkpoint_activations = true;
+  layouts.push_back({"tp2 sp activation checkpointing", tp});
+  for (auto& [name, r] : layouts) {
+    r.model_variant = variant;
+    r.lora = ref.lora;
+    EXPECT_TRUE(testing::matches_reference(testing::run_layout(r), reference, 1e-5)) << name;
+  }
+}
+
+TEST(LoRATraining, AdapterDropoutLayoutsMatchTheReference) {
+  expect_adapter_dropout_layouts_match({}, {"c_attn", "c_proj", "c_fc"});
+}
+
+// LLaMA's q, k, v (one kv head: k and v replicated over tp) and gate, up are
+// parts of one stacked layer each, every part with its own mask.
+TEST(LoRATraining, LlamaAdapterDropoutLayoutsMatchTheReference) {
+  expect_adapter_dropout_layouts_match(testing::llama_variant(1), {"q", "k", "v", "o", "gate", "up", "down"});
 }
 
 // Under a device budget between the two runs' needs, full fine-tuning fails

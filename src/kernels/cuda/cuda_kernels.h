@@ -61,10 +61,10 @@ void cross_entropy_forward(float* losses, float* lse, const float* logits, const
 void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
                             const float* dloss, int64_t N, int64_t V, cudaStream_t stream);
 
-void dropout_forward(float* out, const float* inp, int64_t n, float p, uint64_t key, uint64_t first,
-                     cudaStream_t stream);
-void dropout_backward(float* dinp, const float* dout, int64_t n, float p, uint64_t key, uint64_t first,
-                      cudaStream_t stream);
+void dropout_forward(float* out, const float* inp, int64_t rows, int64_t cols, int64_t stride, float p,
+                     uint64_t key, uint64_t first, cudaStream_t stream);
+void dropout_backward(float* dinp, const float* dout, int64_t rows, int64_t cols, int64_t stride, float p,
+                      uint64_t key, uint64_t first, cudaStream_t stream);
 
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWStep& s,
                   cudaStream_t stream);
