@@ -36,6 +36,9 @@ std::string str(const Args&... args) {
   return os.str();
 }
 
+// "a, b, c": names listed in a message.
+std::string joined(const std::vector<std::string>& items, std::string_view separator = ", ");
+
 // The rank of the calling thread, for messages. Ranks are threads under the
 // local backend, so this is thread-local; -1 until a communicator sets it.
 int current_rank();

@@ -9,6 +9,12 @@ namespace {
 thread_local int t_rank = -1;
 }
 
+std::string joined(const std::vector<std::string>& items, std::string_view separator) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) (out += i ? separator : "") += items[i];
+  return out;
+}
+
 int current_rank() { return t_rank; }
 void set_current_rank(int rank) { t_rank = rank; }
 

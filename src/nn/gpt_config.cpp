@@ -220,12 +220,6 @@ bool names(const std::string& t, const BlockLinear& l) {
   return l.name == t || suffix || (!l.alias.empty() && l.alias == t);
 }
 
-std::string joined(const std::vector<std::string>& names) {
-  std::string out;
-  for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
-  return out;
-}
-
 }  // namespace
 
 LoRAConfig GPTConfig::adapter(std::string_view name) const {

@@ -186,6 +186,11 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   say(str("model: ", plan.model.n_layer, " layers, width ", plan.model.n_embd, ", ", plan.model.n_head,
           " heads, vocab ", plan.model.vocab_size, ", context ", plan.model.block_size, " = ",
           static_cast<double>(plan.model.num_params()) / 1e6, "M parameters"));
+  if (const LoRAConfig& lora = plan.model.lora; lora.enabled()) {
+    say(str("LoRA: r ", lora.r, ", alpha ", lora.alpha, ", dropout ", lora.dropout, " on ", joined(lora.targets, ","), ": ",
+            static_cast<double>(plan.model.num_adapter_params()) / 1e6,
+            "M trainable parameters; the rest are frozen"));
+  }
   say(str("data: ", data.train.tokens, " train / ", data.val.tokens, " val tokens (", data.val.chars_per_token(),
           " chars/token); ", plan.global_batch, " x ", plan.seq_len, " tokens per step in ", plan.accumulation,
           " micro-batches", mesh ? " per replica" : world ? " per rank" : "", "; ", plan.steps, " steps; threads ",
