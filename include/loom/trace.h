@@ -16,6 +16,7 @@
 // the time a rank waits for them (Work::wait), which is what delays the step.
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -24,7 +25,7 @@ namespace loom {
 
 class Communicator;
 
-enum class TraceCategory { step, compute, communication, transfer, optimizer, idle };
+enum class TraceCategory { step, compute, communication, transfer, optimizer, data, idle };
 const char* trace_category_name(TraceCategory category);
 
 struct TraceSpan {
@@ -39,8 +40,8 @@ struct TraceSpan {
 struct TraceSteps {
   int64_t first = 2;
   int64_t last = 4;
-  // Throws Error naming trace.steps and the expected form.
-  static TraceSteps parse(std::string_view text);
+  // Nothing when `text` is neither form.
+  static std::optional<TraceSteps> parse(std::string_view text);
   bool contains(int64_t step) const { return step >= first && step <= last; }
 };
 

@@ -29,12 +29,13 @@ const char* trace_category_name(TraceCategory category) {
     case TraceCategory::communication: return "communication";
     case TraceCategory::transfer: return "transfer";
     case TraceCategory::optimizer: return "optimizer";
+    case TraceCategory::data: return "data";
     case TraceCategory::idle: return "idle";
   }
   return "?";
 }
 
-TraceSteps TraceSteps::parse(std::string_view text) {
+std::optional<TraceSteps> TraceSteps::parse(std::string_view text) {
   auto number = [&](std::string_view s, int64_t& out) {
     const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
     return ec == std::errc() && end == s.data() + s.size() && out >= 1;
@@ -45,9 +46,7 @@ TraceSteps TraceSteps::parse(std::string_view text) {
                       ? number(text, steps.first) && ((steps.last = steps.first), true)
                       : number(text.substr(0, dash), steps.first) && number(text.substr(dash + 1), steps.last) &&
                             steps.first <= steps.last;
-  if (!ok)
-    throw Error(str("trace.steps = \"", text, "\" is not a step or a range of steps: write one step number ",
-                    "(\"3\") or an inclusive range \"FIRST-LAST\" with 1 <= FIRST <= LAST (\"2-4\")"));
+  if (!ok) return std::nullopt;
   return steps;
 }
 

@@ -105,23 +105,17 @@ TEST(Trace, ChromeJsonTilesEachStepWithIdle) {
 }
 
 TEST(Trace, StepsParse) {
-  const TraceSteps range = TraceSteps::parse("2-4");
+  const TraceSteps range = TraceSteps::parse("2-4").value();
   EXPECT_EQ(range.first, 2);
   EXPECT_EQ(range.last, 4);
   EXPECT_FALSE(range.contains(1));
   EXPECT_TRUE(range.contains(4));
   EXPECT_FALSE(range.contains(5));
-  const TraceSteps one = TraceSteps::parse("3");
+  const TraceSteps one = TraceSteps::parse("3").value();
   EXPECT_TRUE(one.contains(3));
   EXPECT_FALSE(one.contains(4));
-  for (const char* bad : {"", "x", "0", "4-2", "2-", "-3", "2-4-6", "1.5"}) {
-    try {
-      TraceSteps::parse(bad);
-      ADD_FAILURE() << bad;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("trace.steps"), std::string::npos) << e.what();
-    }
-  }
+  for (const char* bad : {"", "x", "0", "4-2", "2-", "-3", "2-4-6", "1.5"})
+    EXPECT_FALSE(TraceSteps::parse(bad).has_value()) << bad;
 }
 
 }  // namespace
