@@ -254,10 +254,6 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   const std::unique_ptr<TraceRecorder> recorder =
       plan.trace_path.empty() ? nullptr : std::make_unique<TraceRecorder>();
   const int64_t last_traced = std::min(plan.trace_steps.last, plan.steps);
-  auto write_timeline = [&] {
-    write_trace(plan.trace_path, *recorder, world);
-    say(str("trace of steps ", plan.trace_steps.first, "-", last_traced, " written to ", plan.trace_path.string()));
-  };
 
   std::vector<int32_t> inputs(static_cast<size_t>(plan.accumulation * plan.micro_batch * plan.seq_len)),
       targets(inputs.size());
@@ -266,6 +262,13 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   const double t_start = seconds_now();
   double t_window = t_start;
   int64_t window_steps = 0;
+  // Writing the trace is not step time.
+  auto write_timeline = [&] {
+    const double t = seconds_now();
+    write_trace(plan.trace_path, *recorder, world);
+    say(str("trace of steps ", plan.trace_steps.first, "-", last_traced, " written to ", plan.trace_path.string()));
+    t_window += seconds_now() - t;
+  };
   for (int64_t step = first_step; step < plan.steps; ++step) {
     const int64_t done = step + 1;
     const bool traced = recorder && plan.trace_steps.contains(done);
