@@ -519,6 +519,10 @@ void plan_trace(const Config& cfg, TrainPlan& p) {
   if (fs::exists(p.trace_path, ec))
     throw ConfigError(cfg, "trace.path", str("'", p.trace_path.string(), "' already exists"),
                       "remove it, or set trace.path to a new file");
+  const fs::path dir = p.trace_path.parent_path();
+  if (!dir.empty() && !fs::is_directory(dir, ec))
+    throw ConfigError(cfg, "trace.path", str("its directory '", dir.string(), "' does not exist"),
+                      "create it, or set trace.path to a file in an existing directory");
 }
 
 }  // namespace

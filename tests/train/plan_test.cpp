@@ -561,6 +561,9 @@ TEST(PlanTraining, TraceKeysAreCheckedBeforeTheRun) {
   e = error_of([&] { plan_training(tiny({taken.c_str()})); });
   EXPECT_NE(e.find("already exists"), std::string::npos) << e;
   EXPECT_NE(e.find("trace.path"), std::string::npos) << e;
+  const std::string nowhere = "trace.path=" + (dir / "missing" / "trace.json").string();
+  e = error_of([&] { plan_training(tiny({nowhere.c_str()})); });
+  EXPECT_NE(e.find("does not exist"), std::string::npos) << e;
 }
 
 }  // namespace
