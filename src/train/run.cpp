@@ -266,6 +266,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   auto write_timeline = [&] {
     const double t = seconds_now();
     write_trace(plan.trace_path, *recorder, world);
+    if (tty) std::printf("\n");
     say(str("trace of steps ", plan.trace_steps.first, "-", last_traced, " written to ", plan.trace_path.string()));
     t_window += seconds_now() - t;
   };
