@@ -98,6 +98,8 @@ class [[nodiscard]] Work {
  public:
   Work() = default;
   explicit Work(std::shared_ptr<detail::PendingOp> op);
+  // `name` (static storage) and the group's size label the wait in a trace.
+  Work(std::shared_ptr<detail::PendingOp> op, const char* name, int group_size);
   Work(Work&&) noexcept = default;
   Work& operator=(Work&& other) noexcept;
   ~Work();
@@ -108,6 +110,8 @@ class [[nodiscard]] Work {
 
  private:
   std::shared_ptr<detail::PendingOp> op_;
+  const char* name_ = "wait";
+  int group_size_ = 0;
 };
 
 // A group of ranks that communicate. Buffers hold `count` elements of `dtype`;
@@ -186,6 +190,9 @@ class Communicator {
   // Validates a collective, numbers it and counts its volume.
   detail::CollectiveCall issue(detail::CollectiveKind kind, const void* send, void* recv, int64_t count, DType dtype,
                                ReduceOp op, int root);
+  // Runs a validated collective on the calling thread, or queues it.
+  void run_blocking(detail::CollectiveCall call);
+  Work run_async(detail::CollectiveCall call);
   // Validates a send or recv, counts its bytes and returns its call number.
   uint64_t issue_point_to_point(const char* what, CommVolume CommStats::*volume, const void* buf, size_t bytes,
                                 int peer, int tag);

@@ -17,6 +17,7 @@
 #include "loom/optim.h"
 #include "loom/parallel.h"
 #include "loom/store.h"
+#include "loom/trace.h"
 #include "loom/zero.h"
 
 namespace loom {
@@ -253,6 +254,9 @@ struct TrainPlan {
   int64_t pp = 1;                 // pipeline stages
   std::string backend = "local";  // parallel.backend
   int nproc = 1;                  // ranks to launch: dp * tp * pp
+  // trace.path (empty: no trace) and the steps it records, within train.steps.
+  std::filesystem::path trace_path;
+  TraceSteps trace_steps;
   // Whether the run is the single-rank fp32 reference (a Trainer without a
   // communicator); anything else runs every rank with one.
   bool reference() const {

@@ -4,6 +4,7 @@
 #include "comm/backend.h"
 #include "comm/collective_queue.h"
 #include "loom/device.h"
+#include "loom/trace.h"
 
 namespace loom {
 
@@ -112,10 +113,15 @@ std::string current_exception_message() {
 
 Work::Work(std::shared_ptr<detail::PendingOp> op) : op_(std::move(op)) {}
 
+Work::Work(std::shared_ptr<detail::PendingOp> op, const char* name, int group_size)
+    : op_(std::move(op)), name_(name), group_size_(group_size) {}
+
 Work& Work::operator=(Work&& other) noexcept {
   if (this != &other) {
     if (op_ && !op_->test()) op_->abandon();
     op_ = std::move(other.op_);
+    name_ = other.name_;
+    group_size_ = other.group_size_;
   }
   return *this;
 }
@@ -147,6 +153,8 @@ double blocked_seconds() { return t_blocked_seconds; }
 void Work::wait() {
   if (!op_) return;
   std::shared_ptr<detail::PendingOp> op = std::move(op_);
+  // An asynchronous operation shows in a trace as the time its rank waits.
+  TraceScope trace(TraceCategory::communication, name_, group_size_);
   BlockedTimer timer;
   op->wait();
 }
@@ -228,54 +236,55 @@ CollectiveCall Communicator::issue(CollectiveKind kind, const void* send, void* 
   return call;
 }
 
-void Communicator::all_reduce(void* buf, int64_t count, DType dtype, ReduceOp op) {
-  CollectiveCall call = issue(CollectiveKind::all_reduce, buf, buf, count, dtype, op, 0);
+void Communicator::run_blocking(CollectiveCall call) {
+  TraceScope trace(TraceCategory::communication, detail::collective_name(call.kind), size_);
   BlockedTimer timer;
   queue_->run_now(std::move(call));
+}
+
+Work Communicator::run_async(CollectiveCall call) {
+  const char* name = detail::collective_name(call.kind);
+  return Work(queue_->enqueue(std::move(call)), name, size_);
+}
+
+void Communicator::all_reduce(void* buf, int64_t count, DType dtype, ReduceOp op) {
+  run_blocking(issue(CollectiveKind::all_reduce, buf, buf, count, dtype, op, 0));
 }
 
 void Communicator::reduce_scatter(const void* send, void* recv, int64_t recv_count, DType dtype, ReduceOp op) {
-  CollectiveCall call = issue(CollectiveKind::reduce_scatter, send, recv, recv_count, dtype, op, 0);
-  BlockedTimer timer;
-  queue_->run_now(std::move(call));
+  run_blocking(issue(CollectiveKind::reduce_scatter, send, recv, recv_count, dtype, op, 0));
 }
 
 void Communicator::all_gather(const void* send, void* recv, int64_t send_count, DType dtype) {
-  CollectiveCall call = issue(CollectiveKind::all_gather, send, recv, send_count, dtype, ReduceOp::sum, 0);
-  BlockedTimer timer;
-  queue_->run_now(std::move(call));
+  run_blocking(issue(CollectiveKind::all_gather, send, recv, send_count, dtype, ReduceOp::sum, 0));
 }
 
 void Communicator::broadcast(void* buf, int64_t count, DType dtype, int root) {
-  CollectiveCall call = issue(CollectiveKind::broadcast, buf, buf, count, dtype, ReduceOp::sum, root);
-  BlockedTimer timer;
-  queue_->run_now(std::move(call));
+  run_blocking(issue(CollectiveKind::broadcast, buf, buf, count, dtype, ReduceOp::sum, root));
 }
 
 void Communicator::barrier() {
-  CollectiveCall call = issue(CollectiveKind::barrier, nullptr, nullptr, 0, DType::u8, ReduceOp::sum, 0);
-  BlockedTimer timer;
-  queue_->run_now(std::move(call));
+  run_blocking(issue(CollectiveKind::barrier, nullptr, nullptr, 0, DType::u8, ReduceOp::sum, 0));
 }
 
 Work Communicator::all_reduce_async(void* buf, int64_t count, DType dtype, ReduceOp op) {
-  return Work(queue_->enqueue(issue(CollectiveKind::all_reduce, buf, buf, count, dtype, op, 0)));
+  return run_async(issue(CollectiveKind::all_reduce, buf, buf, count, dtype, op, 0));
 }
 
 Work Communicator::reduce_scatter_async(const void* send, void* recv, int64_t recv_count, DType dtype, ReduceOp op) {
-  return Work(queue_->enqueue(issue(CollectiveKind::reduce_scatter, send, recv, recv_count, dtype, op, 0)));
+  return run_async(issue(CollectiveKind::reduce_scatter, send, recv, recv_count, dtype, op, 0));
 }
 
 Work Communicator::all_gather_async(const void* send, void* recv, int64_t send_count, DType dtype) {
-  return Work(queue_->enqueue(issue(CollectiveKind::all_gather, send, recv, send_count, dtype, ReduceOp::sum, 0)));
+  return run_async(issue(CollectiveKind::all_gather, send, recv, send_count, dtype, ReduceOp::sum, 0));
 }
 
 Work Communicator::broadcast_async(void* buf, int64_t count, DType dtype, int root) {
-  return Work(queue_->enqueue(issue(CollectiveKind::broadcast, buf, buf, count, dtype, ReduceOp::sum, root)));
+  return run_async(issue(CollectiveKind::broadcast, buf, buf, count, dtype, ReduceOp::sum, root));
 }
 
 Work Communicator::barrier_async() {
-  return Work(queue_->enqueue(issue(CollectiveKind::barrier, nullptr, nullptr, 0, DType::u8, ReduceOp::sum, 0)));
+  return run_async(issue(CollectiveKind::barrier, nullptr, nullptr, 0, DType::u8, ReduceOp::sum, 0));
 }
 
 uint64_t Communicator::issue_point_to_point(const char* what, CommVolume CommStats::*volume, const void* buf,
@@ -293,12 +302,12 @@ uint64_t Communicator::issue_point_to_point(const char* what, CommVolume CommSta
 
 Work Communicator::send_async(const void* buf, size_t bytes, int dst, int tag) {
   const uint64_t number = issue_point_to_point("send", &CommStats::send, buf, bytes, dst, tag);
-  return Work(backend_->post_send(buf, bytes, dst, tag, number, options_.timeout));
+  return Work(backend_->post_send(buf, bytes, dst, tag, number, options_.timeout), "send", size_);
 }
 
 Work Communicator::recv_async(void* buf, size_t bytes, int src, int tag) {
   const uint64_t number = issue_point_to_point("recv", &CommStats::recv, buf, bytes, src, tag);
-  return Work(backend_->post_recv(buf, bytes, src, tag, number, options_.timeout));
+  return Work(backend_->post_recv(buf, bytes, src, tag, number, options_.timeout), "recv", size_);
 }
 
 void Communicator::send(const void* buf, size_t bytes, int dst, int tag) { send_async(buf, bytes, dst, tag).wait(); }

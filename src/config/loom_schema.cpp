@@ -75,6 +75,10 @@ ConfigSchema build_loom_schema() {
   s.add_bool("train.activation_checkpointing", false, "recompute block activations in backward to save memory");
   s.add_int("train.sample_tokens", 200, "tokens generated from train.sample_prompt after training; 0 = none", 0);
   s.add_string("train.sample_prompt", "ROMEO:", "prompt for the sample after training");
+  s.add_string("trace.path", "",
+               "Chrome trace / Perfetto JSON timeline of the traced steps, every rank; empty = off; "
+               "an existing file is an error");
+  s.add_string("trace.steps", "2-4", "steps traced: \"N\" or \"FIRST-LAST\" (step 1 warms caches)");
 
   s.add_string("data.dir", "runs/data/shakespeare", "prepared dataset: tokenizer and token shards");
   s.add_string("data.text", "data/tinyshakespeare.txt", "raw text prepared into data.dir when it has no shards");

@@ -2,6 +2,7 @@
 #include <climits>
 
 #include "loom/device.h"
+#include "loom/trace.h"
 #include "memory/chunk_manager_impl.h"
 #include "zero/working_precision.h"
 
@@ -118,6 +119,7 @@ void ChunkManager::Impl::count(Tier from, Tier to, int64_t bytes) {
 }
 
 Event ChunkManager::Impl::move_async(void* dst, const void* src, size_t bytes) {
+  TraceScope trace(TraceCategory::transfer, "chunk move");
   const Stream copy = copy_stream();
   Event::record(current_stream()).wait(copy);
   const StreamGuard on_copy(copy);
@@ -133,6 +135,7 @@ IoBuffer ChunkManager::Impl::read_now(const Payload& p) {
   LOOM_CHECK(p.slot.has_value(), "a payload on NVMe without a slot");
   wait_writes(p.slot);
   IoBuffer b(static_cast<size_t>(p.bytes));
+  TraceScope trace(TraceCategory::transfer, "nvme read");
   nvme->wait(nvme->read(b.data(), b.bytes(), *p.slot));
   count(Tier::nvme, Tier::host, p.bytes);
   return b;

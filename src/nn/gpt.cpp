@@ -3,6 +3,7 @@
 
 #include "loom/device.h"
 #include "loom/nn.h"
+#include "loom/trace.h"
 
 namespace loom {
 
@@ -10,6 +11,8 @@ namespace {
 // The embedding's dropout site sits outside every block; any index past the
 // last block names it.
 constexpr uint64_t kEmbeddingDropoutLayer = ~0ull;
+// The trace's name for the final norm, the logits and the loss together.
+constexpr std::string_view kHeadModule = "head";
 }  // namespace
 
 GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp) : cfg_(cfg), mp_(mp) {
@@ -105,6 +108,7 @@ Tensor GPT::forward_chunk(ParamStore& ps, MicroBatchState& s, int chunk, const T
   const int64_t N = s.bs.N(), C = cfg_.n_embd;
   Tensor x = input;
   if (chunk == 0 && mp_.first_stage) {
+    TraceScope trace(TraceCategory::compute, layout_.group_name(embedding_group_), " forward");
     ps.acquire(embedding_group_);
     x = embedding_.forward(ps, s.tokens, s.bs);
     ps.release(embedding_group_);
@@ -117,6 +121,7 @@ Tensor GPT::forward_chunk(ParamStore& ps, MicroBatchState& s, int chunk, const T
   for (int b = chunk_first_block_[static_cast<size_t>(chunk)]; b < chunk_first_block_[static_cast<size_t>(chunk) + 1];
        ++b) {
     const Block& block = blocks_[static_cast<size_t>(b)];
+    TraceScope trace(TraceCategory::compute, layout_.group_name(block.group()), " forward");
     ps.acquire(block.group());
     x = block.forward(ps, s.blocks[static_cast<size_t>(b)], x, s.bs, s.opts);
     ps.release(block.group());
@@ -131,6 +136,7 @@ Tensor GPT::forward_chunk(ParamStore& ps, MicroBatchState& s, int chunk, const T
 void GPT::head_forward(ParamStore& ps, MicroBatchState& s, const Tensor& x) const {
   const TensorParallel& tp = mp_.tp;
   const int64_t N = s.bs.N(), C = cfg_.n_embd, V = cfg_.vocab_size, Vl = local_vocab_;
+  TraceScope trace(TraceCategory::compute, kHeadModule, " forward");
   s.x_final = x;
   ps.acquire(lnf_group_);
   ln_f_.forward(ps, s.ln_f, x.data<float>(), tp.local_rows(N));
@@ -150,6 +156,7 @@ void GPT::head_forward(ParamStore& ps, MicroBatchState& s, const Tensor& x) cons
 
 Tensor GPT::head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, float dloss) const {
   LOOM_CHECK(s.logits.defined(), "head backward without a preceding forward");
+  TraceScope trace(TraceCategory::compute, kHeadModule, " backward");
   const TensorParallel& tp = mp_.tp;
   const int64_t N = s.bs.N(), C = cfg_.n_embd, Vl = local_vocab_;
   const Grads g{ps, gs};
@@ -192,6 +199,7 @@ Tensor GPT::backward_chunk(ParamStore& ps, GradStore& gs, MicroBatchState& s, in
              " needs the gradient of its output");
   for (int b = chunk_first_block_[static_cast<size_t>(chunk) + 1]; b-- > chunk_first_block_[static_cast<size_t>(chunk)];) {
     const Block& block = blocks_[static_cast<size_t>(b)];
+    TraceScope trace(TraceCategory::compute, layout_.group_name(block.group()), " backward");
     ps.acquire(block.group());
     block.backward(g, dres.data<float>(), s.blocks[static_cast<size_t>(b)], s.bs, s.opts);
     ps.release(block.group());
@@ -202,6 +210,7 @@ Tensor GPT::backward_chunk(ParamStore& ps, GradStore& gs, MicroBatchState& s, in
   // The lookup's backward scatters into the gradients without reading the
   // table, so the embedding is not acquired again (under ZeRO-3 that saves
   // a third all-gather of the largest group).
+  TraceScope trace(TraceCategory::compute, layout_.group_name(embedding_group_), " backward");
   Tensor demb = dres;
   if (s.opts.training && cfg_.dropout > 0.0f) {
     demb = Tensor::empty(dres.shape());

@@ -498,6 +498,35 @@ GPTConfig model_config_from(const Config& cfg) {
   return m;
 }
 
+namespace {
+
+// trace.path and trace.steps: a well-formed range inside the run, and a path
+// that holds nothing yet (the trace never replaces a file silently).
+void plan_trace(const Config& cfg, TrainPlan& p) {
+  const std::string steps = cfg.get<std::string>("trace.steps");
+  const std::optional<TraceSteps> parsed = TraceSteps::parse(steps);
+  if (!parsed)
+    throw ConfigError(cfg, "trace.steps", str("must be one step \"N\" or an inclusive range \"FIRST-LAST\" with ",
+                                              "1 <= FIRST <= LAST, not \"", steps, "\""),
+                      "write e.g. trace.steps = \"2-4\" (step 1 warms caches) or \"3\"");
+  p.trace_steps = *parsed;
+  p.trace_path = cfg.get<std::string>("trace.path");
+  if (p.trace_path.empty()) return;
+  if (p.trace_steps.first > p.steps)
+    throw ConfigError(cfg, "trace.steps", str("starts after the run's last step (train.steps = ", p.steps, ")"),
+                      str("trace steps up to ", p.steps, ", e.g. trace.steps = \"", p.steps, "\""));
+  std::error_code ec;
+  if (fs::exists(p.trace_path, ec))
+    throw ConfigError(cfg, "trace.path", str("'", p.trace_path.string(), "' already exists"),
+                      "remove it, or set trace.path to a new file");
+  const fs::path dir = p.trace_path.parent_path();
+  if (!dir.empty() && !fs::is_directory(dir, ec))
+    throw ConfigError(cfg, "trace.path", str("its directory '", dir.string(), "' does not exist"),
+                      "create it, or set trace.path to a file in an existing directory");
+}
+
+}  // namespace
+
 TrainPlan plan_training(const Config& cfg) {
   TrainPlan p;
   p.model = model_config_from(cfg);
@@ -596,6 +625,7 @@ TrainPlan plan_training(const Config& cfg) {
     throw ConfigError(cfg, "loss_scale.min", str("may not exceed loss_scale.initial = ", o.loss_scale.initial_scale),
                       str("set loss_scale.min <= ", o.loss_scale.initial_scale, " or raise loss_scale.initial"));
   if (o.memory.policy != MemoryPolicy::none) check_memory_fits(cfg, p);
+  plan_trace(cfg, p);
   return p;
 }
 

@@ -15,6 +15,7 @@
 #include "loom/io.h"
 #include "loom/device.h"
 #include "loom/planner.h"
+#include "loom/trace.h"
 #include "loom/train.h"
 
 namespace loom {
@@ -248,6 +249,12 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
     say(str("checkpoint ", dir.string()));
   };
 
+  // Each rank records its own timeline; every rank writes it (a collective)
+  // after the last traced step, or when the run stops inside the range.
+  const std::unique_ptr<TraceRecorder> recorder =
+      plan.trace_path.empty() ? nullptr : std::make_unique<TraceRecorder>();
+  const int64_t last_traced = std::min(plan.trace_steps.last, plan.steps);
+
   std::vector<int32_t> inputs(static_cast<size_t>(plan.accumulation * plan.micro_batch * plan.seq_len)),
       targets(inputs.size());
   std::vector<MicroBatch> micro(static_cast<size_t>(plan.accumulation));
@@ -255,21 +262,52 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   const double t_start = seconds_now();
   double t_window = t_start;
   int64_t window_steps = 0;
+  // Writing the trace is not step time.
+  auto write_timeline = [&] {
+    const double t = seconds_now();
+    write_trace(plan.trace_path, *recorder, world);
+    if (tty) std::printf("\n");
+    say(str("trace of steps ", plan.trace_steps.first, "-", last_traced, " written to ", plan.trace_path.string()));
+    t_window += seconds_now() - t;
+  };
   for (int64_t step = first_step; step < plan.steps; ++step) {
-    for (int64_t m = 0; m < plan.accumulation; ++m) {
-      const size_t off = static_cast<size_t>(m * plan.micro_batch * plan.seq_len);
-      const std::span<int32_t> in(inputs.data() + off, static_cast<size_t>(plan.micro_batch * plan.seq_len));
-      const std::span<int32_t> tg(targets.data() + off, in.size());
-      const int64_t first_sequence = loader.next(in, tg);  // within the global batch, so dropout is layout-free
-      micro[static_cast<size_t>(m)] = {in.data(), tg.data(), {plan.micro_batch, plan.seq_len}, first_sequence};
-    }
     const int64_t done = step + 1;
+    const bool traced = recorder && plan.trace_steps.contains(done);
     const bool logged = root && (done % log_interval == 0 || done == plan.steps || done == first_step + 1);
     // The bytes a logged step moves between tiers: the difference of the
     // manager's cumulative traffic across it.
     TierTraffic before;
     if (logged && placed) before = trainer.memory_report().traffic;
-    const StepStats st = trainer.step(micro);
+    StepStats st;
+    {
+      // A traced step starts and ends on every rank together, so that it is
+      // one interval of every rank's timeline (the ranks would otherwise
+      // begin it as they finish the last one, pipeline stages apart); the
+      // wait at its end shows which ranks waited for the others. The wait to
+      // start is tracing's own, not step time.
+      if (traced && world) {
+        const double t = seconds_now();
+        world->barrier();
+        t_window += seconds_now() - t;
+      }
+      const TraceStep trace_step(traced ? recorder.get() : nullptr, done);
+      {
+        const TraceScope load(TraceCategory::data, "load batch");
+        for (int64_t m = 0; m < plan.accumulation; ++m) {
+          const size_t off = static_cast<size_t>(m * plan.micro_batch * plan.seq_len);
+          const std::span<int32_t> in(inputs.data() + off, static_cast<size_t>(plan.micro_batch * plan.seq_len));
+          const std::span<int32_t> tg(targets.data() + off, in.size());
+          const int64_t first_sequence = loader.next(in, tg);  // within the global batch, so dropout is layout-free
+          micro[static_cast<size_t>(m)] = {in.data(), tg.data(), {plan.micro_batch, plan.seq_len}, first_sequence};
+        }
+      }
+      st = trainer.step(micro);
+      if (traced && world) world->barrier();
+    }
+    // Under asynchronous streams a step's last kernels run into the next
+    // step's logged time; a traced step holds only its own work, so the step
+    // before it waits for its kernels.
+    if (recorder && plan.trace_steps.contains(done + 1)) ops::synchronize();
     ++window_steps;
 
     if (logged) {
@@ -322,6 +360,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
       t_window = now;
       window_steps = 0;
     }
+    if (recorder && done == last_traced) write_timeline();
     if (eval_interval > 0 && done % eval_interval == 0 && done != plan.steps) {
       const EvalResult ev = validate(eval_batches);
       if (root)
@@ -336,6 +375,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
     if (run.stop_after > 0 && done >= run.stop_after && done < plan.steps) {
       if (tty) std::printf("\n");
       if (ckpt_interval == 0 || done % ckpt_interval != 0) checkpoint();
+      if (recorder && done >= plan.trace_steps.first && done < last_traced) write_timeline();
       say(str("stopped after step ", done, " (--stop-after)"));
       return {};
     }

@@ -4,6 +4,7 @@
 
 #include "loom/device.h"
 #include "loom/planner.h"
+#include "loom/trace.h"
 #include "loom/train.h"
 
 namespace loom {
@@ -420,7 +421,10 @@ StepStats Trainer::apply_update(StepStats stats) {
     return Error(str("the gradient norm is ", stats.grad_norm, " at step ", steps_ + 1,
                      ": training diverged; lower train.lr or enable train.grad_clip"));
   };
-  const GradientCheck check = optim_->check_gradients();
+  const GradientCheck check = [&] {
+    TraceScope trace(TraceCategory::optimizer, "gradient check");
+    return optim_->check_gradients();
+  }();
   stats.grad_norm = std::sqrt(check.sum_squares) / static_cast<double>(stats.loss_scale);
   const bool overflow = check.non_finite > 0 || !std::isfinite(stats.grad_norm);
   if (overflow && !scaler_) throw diverged();
@@ -433,6 +437,7 @@ StepStats Trainer::apply_update(StepStats stats) {
     optim_->after_skip();
     return stats;
   }
+  TraceScope trace(TraceCategory::optimizer, "clip and update");
   optim_->step(stats.lr, clip_scale(stats.grad_norm, opts_.grad_clip) / stats.loss_scale);
   return stats;
 }

@@ -540,5 +540,31 @@ TEST(PlanTraining, ZeroStagesAboveOneNeedNoModelParallelism) {
   EXPECT_EQ(plan_training(tiny({"parallel.tp=2", "parallel.pp=2", "zero.stage=1"})).options.zero.stage, 1);
 }
 
+TEST(PlanTraining, TraceKeysAreCheckedBeforeTheRun) {
+  const TrainPlan off = plan_training(tiny());
+  EXPECT_TRUE(off.trace_path.empty());
+  EXPECT_EQ(off.trace_steps.first, 2);
+  EXPECT_EQ(off.trace_steps.last, 4);
+  for (const char* bad : {"trace.steps=two", "trace.steps=4-2", "trace.steps=0"}) {
+    const std::string e = error_of([&] { plan_training(tiny({bad})); });
+    EXPECT_NE(e.find("trace.steps"), std::string::npos) << e;
+    EXPECT_NE(e.find("FIRST-LAST"), std::string::npos) << e;
+  }
+  testing::TempDir dir;
+  const std::string fresh = "trace.path=" + (dir / "trace.json").string();
+  const TrainPlan on = plan_training(tiny({fresh.c_str(), "trace.steps=3-5"}));
+  EXPECT_EQ(on.trace_path, dir / "trace.json");
+  EXPECT_EQ(on.trace_steps.first, 3);
+  std::string e = error_of([&] { plan_training(tiny({fresh.c_str(), "trace.steps=11-12"})); });
+  EXPECT_NE(e.find("train.steps = 10"), std::string::npos) << e;
+  const std::string taken = "trace.path=" + dir.write("taken.json", "{}").string();
+  e = error_of([&] { plan_training(tiny({taken.c_str()})); });
+  EXPECT_NE(e.find("already exists"), std::string::npos) << e;
+  EXPECT_NE(e.find("trace.path"), std::string::npos) << e;
+  const std::string nowhere = "trace.path=" + (dir / "missing" / "trace.json").string();
+  e = error_of([&] { plan_training(tiny({nowhere.c_str()})); });
+  EXPECT_NE(e.find("does not exist"), std::string::npos) << e;
+}
+
 }  // namespace
 }  // namespace loom

@@ -7,7 +7,9 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "test_util.h"
 #include "loom/config.h"
@@ -589,6 +591,71 @@ TEST(Sampler, GreedyTopKAndTopP) {
   p.temperature = 1.0f;
   p.top_p = 0.3f;  // the top token alone has about half the mass
   for (uint64_t d = 0; d < 200; ++d) EXPECT_EQ(sample_token(logits, 5, p, d), 1);
+}
+
+// A traced run's timeline on every layout: each rank has a step span per
+// traced step, the step's direct children (idle included) tile it, and the
+// step span measures the step time the run logs itself.
+TEST_F(MainJob, TraceTimelineTilesEveryRanksStepsAndMatchesTheLoggedStepTime) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> layouts = {
+      {"trace_single", {}},
+      {"trace_dp2", {"parallel.dp=2"}},
+      {"trace_pp2", {"parallel.pp=2"}},
+      {"trace_tp2", {"parallel.tp=2"}}};
+  for (const auto& [out, layout] : layouts) {
+    SCOPED_TRACE(out);
+    const fs::path path = *dir_ / (out + ".json");
+    Config c = config(out);
+    // Steps of tens of milliseconds, so that a loaded machine's scheduling
+    // delays stay well inside 5%, and no checkpoint or validation between
+    // the traced steps.
+    for (const std::string& o : {std::string("model.n_embd=256"), std::string("model.n_head=4"),
+                                 std::string("train.batch_size=16"), std::string("train.steps=5"),
+                                 std::string("train.checkpoint_interval=0"), "trace.path=" + path.string(),
+                                 std::string("trace.steps=2-4")})
+      c.set_override(o);
+    for (const std::string& o : layout) c.set_override(o);
+    run_training(c, quiet());
+    const int ranks = layout.empty() ? 1 : 2;
+
+    // The run's own step time: tokens per step over its logged throughput.
+    const double tokens = static_cast<double>(c.get<int64_t>("train.batch_size") * c.get<int64_t>("train.seq_len"));
+    std::map<int64_t, double> logged_us;
+    for (const nlohmann::json& r : step_records(*dir_ / out / "metrics.jsonl"))
+      logged_us[r.at("step").get<int64_t>()] = tokens / r.at("tokens_per_s").get<double>() * 1e6;
+
+    const nlohmann::json trace = nlohmann::json::parse(read_file(path));
+    std::map<int, std::map<std::string, std::pair<double, double>>> steps;  // rank -> name -> (ts, dur)
+    std::map<int, std::map<std::string, double>> children;                   // rank -> step -> summed dur
+    std::set<std::string> categories;
+    for (const nlohmann::json& e : trace.at("traceEvents"))
+      if (e.at("ph") == "X" && e.at("cat") == "step")
+        steps[e.at("pid").get<int>()][e.at("name").get<std::string>()] = {e.at("ts").get<double>(),
+                                                                          e.at("dur").get<double>()};
+    for (const nlohmann::json& e : trace.at("traceEvents")) {
+      if (e.at("ph") != "X" || e.at("args").at("depth") != 1) continue;
+      categories.insert(e.at("cat").get<std::string>());
+      const double ts = e.at("ts").get<double>();
+      for (const auto& [name, span] : steps[e.at("pid").get<int>()])
+        if (ts >= span.first && ts < span.first + span.second)
+          children[e.at("pid").get<int>()][name] += e.at("dur").get<double>();
+    }
+    ASSERT_EQ(static_cast<int>(steps.size()), ranks);
+    for (const char* cat : {"compute", "optimizer", "data"}) EXPECT_TRUE(categories.count(cat)) << cat;
+    if (ranks > 1) {
+      EXPECT_TRUE(categories.count("communication"));
+    }
+    for (int r = 0; r < ranks; ++r) {
+      ASSERT_EQ(steps[r].size(), 3u) << "rank " << r;
+      for (int64_t n = 2; n <= 4; ++n) {
+        const std::string name = str("step ", n);
+        ASSERT_TRUE(steps[r].count(name)) << "rank " << r << " " << name;
+        const double dur = steps[r][name].second;
+        EXPECT_NEAR(children[r][name], dur, 0.05 * dur) << "rank " << r << " " << name;
+        EXPECT_NEAR(dur, logged_us.at(n), 0.05 * logged_us.at(n)) << "rank " << r << " " << name;
+      }
+    }
+  }
 }
 
 }  // namespace
