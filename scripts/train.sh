@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job: installs dependencies, builds loom, trains the default model
 # on the embedded tinyshakespeare corpus and prints a generated sample.
-# Extra arguments go to `loom train` (e.g. --set train.steps=200).
+# Extra arguments go to `loom train` (e.g. --set train.steps=200; to run again
+# into runs/shakespeare, --resume continues that run and --overwrite replaces it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

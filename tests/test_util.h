@@ -10,6 +10,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -82,6 +84,18 @@ class TempDir {
   std::filesystem::path path_;
 };
 
+// Every file under `dir` by its relative path, with its bytes: equal before
+// and after an operation that must leave the directory as it was.
+inline std::map<std::string, std::string> tree_contents(const std::filesystem::path& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
+    if (!e.is_regular_file()) continue;
+    std::ifstream in(e.path(), std::ios::binary);
+    out[std::filesystem::relative(e.path(), dir).string()] =
+        std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  return out;
+}
 
 // Deterministic token ids in [0, vocab).
 inline std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {

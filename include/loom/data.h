@@ -237,6 +237,10 @@ enum class DatasetMode { text, sft };
 struct DatasetInfo {
   std::filesystem::path dir;
   std::vector<std::string> sources;  // the input files, in order
+  // The SHA-256 of each source's bytes, so that a run naming other text is
+  // refused (loom train, data.text); empty for a dataset prepared before
+  // they were recorded.
+  std::vector<std::string> sources_sha256;
   double val_fraction = 0.0;
   int vocab_size = 0;
   std::filesystem::path tokenizer;  // absolute once read

@@ -386,6 +386,9 @@ EvalResult evaluate(Trainer& trainer, const std::vector<std::filesystem::path>& 
 
 struct RunOptions {
   bool resume = false;
+  // A fresh run refuses a train.out_dir that holds a run's checkpoints; with
+  // overwrite it deletes them (and the run's metrics) and starts afresh.
+  bool overwrite = false;
   int64_t stop_after = 0;  // stop after this step as if interrupted (tests); 0 = run to the end
   bool quiet = false;
 };

@@ -56,6 +56,9 @@ DatasetInfo DatasetInfo::read(const std::filesystem::path& dir_or_file) {
       throw Error(
           str(file, " is not a ", kFormat, " version ", kFormatVersion, " description; run `loom prepare` again"));
     info.sources = j.at("sources").get<std::vector<std::string>>();
+    // Descriptions from before the hashes were recorded have none: such a
+    // dataset is used as it is.
+    info.sources_sha256 = j.value("sources_sha256", std::vector<std::string>{});
     info.val_fraction = j.at("val_fraction").get<double>();
     info.vocab_size = j.at("vocab_size").get<int>();
     info.tokenizer = info.dir / j.at("tokenizer").at("file").get<std::string>();
@@ -84,6 +87,7 @@ void DatasetInfo::write() const {
   nlohmann::json j = {{"format", kFormat},
                       {"format_version", kFormatVersion},
                       {"sources", sources},
+                      {"sources_sha256", sources_sha256},
                       {"val_fraction", val_fraction},
                       {"vocab_size", vocab_size},
                       {"tokenizer", {{"file", tokenizer.filename().string()}, {"sha256", tokenizer_sha256}}},

@@ -15,6 +15,7 @@ namespace {
 struct Corpus {
   std::string text;
   std::vector<std::pair<size_t, std::filesystem::path>> starts;
+  std::vector<std::string> sha256;  // of each input's bytes
 
   std::string locate(size_t offset) const {
     auto it =
@@ -48,6 +49,7 @@ Corpus read_inputs(const std::vector<std::filesystem::path>& inputs) {
     // A file without a final newline would run its last line into the next file's first.
     if (!corpus.text.empty() && corpus.text.back() != '\n') corpus.text += '\n';
     corpus.starts.emplace_back(corpus.text.size(), std::filesystem::absolute(path));
+    corpus.sha256.push_back(sha256_hex(text));
     corpus.text += text;
   }
   if (corpus.text.empty()) throw Error(str("prepare: the input files hold no text"));
@@ -154,7 +156,10 @@ DatasetInfo prepare_sft(const PrepareOptions& opts) {
 
   DatasetInfo info = begin_output(opts, reused.hf_json);
   copy_reused(reused, info);
-  for (const auto& path : opts.inputs) info.sources.push_back(std::filesystem::absolute(path).string());
+  for (const auto& path : opts.inputs) {
+    info.sources.push_back(std::filesystem::absolute(path).string());
+    info.sources_sha256.push_back(sha256_file(path));
+  }
   info.mode = DatasetMode::sft;
   info.seq_len = opts.seq_len;
   info.val_fraction = opts.val_fraction;
@@ -219,6 +224,7 @@ DatasetInfo prepare_dataset(const PrepareOptions& opts) {
 
   copy_reused(reused, info);
   for (const auto& [start, path] : corpus.starts) info.sources.push_back(path.string());
+  info.sources_sha256 = corpus.sha256;
   info.val_fraction = opts.val_fraction;
   info.vocab_size = tok.vocab_size();
   info.tokenizer_sha256 = sha256_file(info.tokenizer);

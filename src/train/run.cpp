@@ -39,6 +39,22 @@ std::string format_duration(double s) {
   return buf;
 }
 
+// data.text must be the text a prepared data.dir was made from: another file
+// would otherwise be silently ignored. Compared by content, so the same text
+// under another path is accepted. Not compared: a dataset prepared before the
+// hashes were recorded (none to compare with: used as it is), fine-tuning data
+// (made from examples by `loom prepare --sft`, never from data.text), and a
+// data.text that no longer exists (the prepared data is all there is).
+void check_prepared_from(const DatasetInfo& info, const fs::path& text) {
+  std::error_code ec;
+  if (text.empty() || info.mode != DatasetMode::text || info.sources_sha256.empty() || !fs::exists(text, ec)) return;
+  if (info.sources_sha256.size() == 1 && info.sources_sha256[0] == sha256_file(text)) return;
+  throw Error(str("data.text '", text.string(), "' is not the text the dataset in '", info.dir.string(),
+                  "' was prepared from (", joined(info.sources, ", "), "): point data.dir at a new directory to "
+                  "prepare data.text there, delete '", info.dir.string(), "' to prepare it again, or set "
+                  "data.text = \"\" to train on the prepared data as it is"));
+}
+
 // The dataset a config names: data.dir if it holds a prepared dataset, else
 // data.text prepared into data.dir, with `tokenizer` when given (one beside
 // an imported checkpoint) or a tokenizer trained for it.
@@ -47,6 +63,7 @@ DatasetInfo ensure_dataset(const Config& cfg, int64_t seq_len, const std::option
   std::error_code ec;
   if (fs::exists(dir / "dataset.json", ec)) {
     DatasetInfo info = DatasetInfo::read(dir);
+    check_prepared_from(info, cfg.get<std::string>("data.text"));
     if (tokenizer) {
       if (info.tokenizer_sha256 != sha256_file(*tokenizer))
         throw Error(str("the dataset in '", dir.string(), "' was tokenized with ", info.tokenizer.string(),
@@ -76,6 +93,41 @@ DatasetInfo ensure_dataset(const Config& cfg, int64_t seq_len, const std::option
   po.val_fraction = cfg.get<double>("data.val_fraction");
   po.seq_len = static_cast<int>(seq_len);
   return prepare_dataset(po);
+}
+
+constexpr const char* kMetricsFile = "metrics.jsonl";
+
+// A fresh run into a directory holding another run's checkpoints would move
+// `latest` to its own steps and shadow that run (and retention would then
+// delete its checkpoints): refused, before anything is built, unless the user
+// says which they mean.
+void check_out_dir(const fs::path& out_dir, const RunOptions& run) {
+  if (run.resume && run.overwrite)
+    throw Error("--resume continues the run in train.out_dir and --overwrite deletes it: give only one of them");
+  if (run.resume || run.overwrite) return;
+  const std::vector<CheckpointEntry> steps = list_checkpoints(out_dir);
+  std::error_code ec;
+  if (steps.empty() && !fs::exists(out_dir / kLatestFile, ec)) return;
+  const std::string holds = steps.empty() ? str("a '", kLatestFile, "' pointer")
+                                          : str(steps.size(), " checkpoint(s), the newest at step ", steps.back().step);
+  throw Error(str("train.out_dir '", out_dir.string(), "' already holds a run (", holds,
+                  "): pass --resume to continue it, set train.out_dir to another directory, or pass --overwrite "
+                  "to delete its checkpoints and start afresh"));
+}
+
+// --overwrite: `latest` goes first, so that at every moment it names a
+// complete checkpoint or nothing (never a half-removed one); then the old
+// steps and metrics. The new run's checkpoints are then committed atomically
+// as any run's are.
+void remove_run(const fs::path& out_dir) {
+  auto remove = [](const fs::path& p) {
+    std::error_code ec;
+    fs::remove_all(p, ec);
+    if (ec) throw Error(str("--overwrite: cannot remove '", p.string(), "': ", ec.message()));
+  };
+  remove(out_dir / kLatestFile);
+  for (const CheckpointEntry& c : list_checkpoints(out_dir)) remove(c.path);
+  remove(out_dir / kMetricsFile);
 }
 
 class MetricsLog {
@@ -158,6 +210,8 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   const std::unique_ptr<Trainer> trainer_on_rank = mesh ? std::make_unique<Trainer>(plan.model, plan.options, *mesh)
                                                         : std::make_unique<Trainer>(plan.model, plan.options, world);
   Trainer& trainer = *trainer_on_rank;
+  // The old run goes only once the new one has passed every check and is built.
+  if (root && run.overwrite) remove_run(plan.out_dir);
   if (root) fs::create_directories(plan.out_dir);
   if (run.resume) {
     auto latest = read_latest(plan.out_dir);
@@ -224,7 +278,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   say_memory();
 
   std::optional<MetricsLog> metrics;
-  if (root) metrics.emplace(plan.out_dir / "metrics.jsonl");
+  if (root) metrics.emplace(plan.out_dir / kMetricsFile);
   nlohmann::json checkpoint_fields = {{"config", cfg.to_json()},
                                       {"tokenizer", data.tokenizer.string()},
                                       {"tokenizer_sha256", data.tokenizer_sha256},
@@ -428,6 +482,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
 
 EvalResult run_training(const Config& cfg, const RunOptions& run) {
   const TrainPlan plan = plan_training(cfg);
+  check_out_dir(plan.out_dir, run);
   // The reference run stays on this thread, exactly as without parallelism,
   // with allocators of its own as every launched rank has: the run's budgets
   // and high-water marks are its own, not the process's.

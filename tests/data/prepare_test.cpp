@@ -61,6 +61,8 @@ TEST(Prepare, WritesShardsTokenizerAndDescription) {
   EXPECT_EQ(read.val.chars, info.val.chars);
   EXPECT_EQ(read.val_fraction, 0.1);
   EXPECT_EQ(read.sources, info.sources);
+  EXPECT_EQ(info.sources_sha256, std::vector<std::string>{sha256_hex(text)});
+  EXPECT_EQ(read.sources_sha256, info.sources_sha256);
   auto j = nlohmann::json::parse(read_bytes(dir / "out/dataset.json"));
   EXPECT_EQ(j["val"]["file"], "val.bin");
   EXPECT_DOUBLE_EQ(j["val"]["chars_per_token"].get<double>(), info.val.chars_per_token());
@@ -116,6 +118,8 @@ TEST(Prepare, ConcatenatesInputsAtLineBoundaries) {
   DatasetInfo info = prepare_dataset(
       {.inputs = {dir / "a.txt", dir / "b.txt"}, .out_dir = dir / "out", .vocab_size = 400, .seq_len = 32});
   EXPECT_EQ(info.sources.size(), 2u);
+  // Each input's own bytes, not the joined corpus's.
+  EXPECT_EQ(info.sources_sha256, (std::vector<std::string>{sha256_hex(a.substr(0, a.size() - 1)), sha256_hex(b)}));
   Tokenizer tok = Tokenizer::load(info.tokenizer);
   EXPECT_EQ(tok.decode(read_all(info.train.file)) + tok.decode(read_all(info.val.file)), a + b);
 }

@@ -7,6 +7,7 @@
 
 #include "data/data_test_util.h"
 #include "loom/data.h"
+#include "loom/io.h"
 
 namespace loom {
 namespace {
@@ -130,6 +131,7 @@ TEST(SftPrepare, LoaderTargetsAreTheResponsesAndEveryOtherTargetIsMinusOne) {
   EXPECT_EQ(info.train.targets, std::count(want.target.begin(), want.target.end(), true));
   const DatasetInfo read = DatasetInfo::read(dir / "out");
   EXPECT_EQ(read.mode, DatasetMode::sft);
+  EXPECT_EQ(read.sources_sha256, std::vector<std::string>{sha256_file(dir / "sft.jsonl")});
   EXPECT_EQ(read.train.mask, info.train.mask);
   EXPECT_EQ(read.val.targets, info.val.targets);
   EXPECT_EQ(read.seq_len, kT);

@@ -60,6 +60,7 @@ class MainJob : public ::testing::Test {
     Config c(loom_schema());
     c.load_toml(LOOM_SOURCE_DIR "/configs/tiny-test.toml");
     c.set_override("data.dir=" + (*dir_ / "data").string());
+    c.set_override("data.text=" + (*dir_ / "corpus.txt").string());
     c.set_override("train.out_dir=" + (*dir_ / out).string());
     c.set_override("train.steps=20");
     c.set_override("train.checkpoint_interval=5");
@@ -428,6 +429,99 @@ TEST_F(MainJob, ResumeWithoutACheckpointOrWithAnotherModelIsAnError) {
   Config rms = config("other");
   rms.set_override("model.norm=rmsnorm");
   EXPECT_CONTAINS(error_of([&] { run_training(rms, resume); }), "the config asks for");
+}
+
+TEST_F(MainJob, FreshRunRefusesAnOutDirHoldingARunUnlessOverwritten) {
+  Config first = config("taken");
+  first.set_override("train.steps=10");
+  run_training(first, quiet());
+  const fs::path out = *dir_ / "taken";
+  const auto before = testing::tree_contents(out);
+  const std::vector<double> first_losses = losses(out / "metrics.jsonl");
+  ASSERT_EQ(first_losses.size(), 10u);
+  Config again = config("taken");
+  again.set_override("train.steps=10");
+  const std::string message = error_of([&] { run_training(again, quiet()); });
+  for (const std::string& part : {out.string(), std::string("step 10"), std::string("--resume"),
+                                  std::string("train.out_dir"), std::string("--overwrite")})
+    EXPECT_CONTAINS(message, part);
+  EXPECT_EQ(testing::tree_contents(out), before) << "a refused run changed the old run's files";
+
+  RunOptions both = quiet();
+  both.resume = both.overwrite = true;
+  EXPECT_CONTAINS(error_of([&] { run_training(again, both); }), "only one");
+
+  // --overwrite: the old run's checkpoints and metrics go, the new run's alone remain.
+  RunOptions overwrite = quiet();
+  overwrite.overwrite = true;
+  overwrite.stop_after = 5;
+  run_training(again, overwrite);
+  const std::vector<CheckpointEntry> steps = list_checkpoints(out);
+  ASSERT_EQ(steps.size(), 1u);
+  EXPECT_EQ(steps[0].step, 5);
+  EXPECT_EQ(read_latest(out), steps[0].path);
+  // A fresh start from the same seed: the first run's first five steps, not appended to its ten.
+  EXPECT_EQ(losses(out / "metrics.jsonl"), std::vector<double>(first_losses.begin(), first_losses.begin() + 5));
+}
+
+TEST_F(MainJob, OutDirWithUnrelatedFilesOrOnlyALatestPointer) {
+  const fs::path out = *dir_ / "notes";
+  fs::create_directories(out);
+  std::ofstream(out / "notes.txt") << "mine";
+  Config c = config("notes");
+  c.set_override("train.steps=5");
+  run_training(c, quiet());
+  EXPECT_EQ(read_latest(out), out / checkpoint_dir_name(5));
+  fs::remove_all(out / checkpoint_dir_name(5));
+  EXPECT_CONTAINS(error_of([&] { run_training(c, quiet()); }), "'latest' pointer");
+}
+
+TEST_F(MainJob, DataTextOtherThanThePreparedDatasetsIsRefused) {
+  const fs::path data = *dir_ / "data";
+  const auto before = testing::tree_contents(data);
+  const fs::path other = dir_->write("other.txt", "Some other text, not the corpus.\n");
+  Config c = config("other-text");
+  c.set_override("data.text=" + other.string());
+  const std::string message = error_of([&] { run_training(c, quiet()); });
+  for (const fs::path& part : {other, *dir_ / "corpus.txt", data}) EXPECT_CONTAINS(message, part.string());
+  EXPECT_CONTAINS(message, "new directory");
+  EXPECT_CONTAINS(message, "delete");
+  EXPECT_EQ(testing::tree_contents(data), before) << "a refused run changed the prepared dataset";
+  EXPECT_FALSE(fs::exists(*dir_ / "other-text")) << "a refused run created train.out_dir";
+
+  // --overwrite deletes an old run only once the new one has passed its checks.
+  Config keep = config("kept");
+  keep.set_override("train.steps=5");
+  run_training(keep, quiet());
+  const auto kept = testing::tree_contents(*dir_ / "kept");
+  keep.set_override("data.text=" + other.string());
+  RunOptions overwrite = quiet();
+  overwrite.overwrite = true;
+  EXPECT_CONTAINS(error_of([&] { run_training(keep, overwrite); }), other.string());
+  EXPECT_EQ(testing::tree_contents(*dir_ / "kept"), kept) << "a refused --overwrite deleted the old run";
+}
+
+TEST_F(MainJob, SameTextElsewhereOrADatasetWithoutSourceHashesIsAccepted) {
+  const fs::path copy = *dir_ / "copy" / "corpus-again.txt";
+  fs::create_directories(copy.parent_path());
+  fs::copy_file(*dir_ / "corpus.txt", copy);
+  Config same = config("same-text");
+  same.set_override("train.steps=2");
+  same.set_override("data.text=" + copy.string());
+  EXPECT_GT(run_training(same, quiet()).tokens, 0);
+
+  // A dataset prepared before the hashes were recorded is used as it is.
+  const fs::path legacy = *dir_ / "legacy-data";
+  fs::copy(*dir_ / "data", legacy, fs::copy_options::recursive);
+  nlohmann::json j = nlohmann::json::parse(read_file(legacy / "dataset.json"));
+  ASSERT_TRUE(j.contains("sources_sha256"));
+  j.erase("sources_sha256");
+  write_file_atomic(legacy / "dataset.json", j.dump(2));
+  Config old = config("legacy-data-run");
+  old.set_override("train.steps=2");
+  old.set_override("data.dir=" + legacy.string());
+  old.set_override("data.text=" + dir_->write("unrelated.txt", "Not the corpus.\n").string());
+  EXPECT_GT(run_training(old, quiet()).tokens, 0);
 }
 
 TEST_F(MainJob, LlamaRunRecordsItsVariantsAndResumes) {

@@ -93,12 +93,15 @@ int main(int argc, char** argv) {
       "train", "train a model from a TOML config (data parallel, ZeRO and precision: docs/training.md)");
   std::string config_path = "configs/shakespeare.toml";
   std::vector<std::string> overrides;
-  bool resume = false;
+  bool resume = false, overwrite = false;
   int64_t stop_after = 0;
   train->add_option("--config", config_path, "TOML config")->capture_default_str();
   train->add_option("--set", overrides,
                     "override keys: --set model.n_layer=6 parallel.dp=2 zero.stage=1 precision=bf16 (repeatable)");
   train->add_flag("--resume", resume, "continue from the latest checkpoint in train.out_dir");
+  train->add_flag("--overwrite", overwrite,
+                  "delete the checkpoints of a run already in train.out_dir and start afresh (without it such a "
+                  "directory is refused)");
   train->add_option("--stop-after", stop_after, "stop after this step as if interrupted (checkpoints first)");
 
   // generate
@@ -171,6 +174,7 @@ int main(int argc, char** argv) {
     } else if (train->parsed()) {
       RunOptions run;
       run.resume = resume;
+      run.overwrite = overwrite;
       run.stop_after = stop_after;
       run_training(load_config(config_path, overrides), run);
     } else if (gen->parsed()) {
