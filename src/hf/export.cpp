@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "hf/staging.h"
 #include "loom/hf.h"
 #include "loom/io.h"
 
@@ -50,11 +51,6 @@ void write_hf_checkpoint(const fs::path& dir, const HFModelConfig& config,
   // One tensor at a time in loom's layout, HF's and the stored dtype, on the
   // host tier (accounted), grown to the largest tensor and reused.
   Tensor loom_layout, hf_layout, stored;
-  const auto fit = [](Tensor& t, int64_t numel, DType dt) {
-    if (t.numel() >= numel) return;
-    t = Tensor();
-    t = Tensor::empty({numel}, dt, Tier::host);
-  };
   nlohmann::json weight_map = nlohmann::json::object();
   size_t next = 0;
   for (size_t k = 0; k < shards.size(); ++k) {
@@ -63,19 +59,19 @@ void write_hf_checkpoint(const fs::path& dir, const HFModelConfig& config,
     for (const SafetensorsSpec& spec : shards[k]) {
       const HFParam& p = params[next++];
       const int64_t n = shape_numel(p.loom_shape);
-      fit(loom_layout, n, DType::f32);
+      grow_scratch(loom_layout, n, DType::f32, Tier::host);
       std::fill_n(loom_layout.data<float>(), n, 0.0f);
       fill(p, loom_layout.data<float>());
       const float* src = loom_layout.data<float>();
       if (p.transform == HFTransform::transpose) {
         const int64_t rows = p.loom_shape[0], cols = p.loom_shape[1];
-        fit(hf_layout, n, DType::f32);
+        grow_scratch(hf_layout, n, DType::f32, Tier::host);
         float* t = hf_layout.data<float>();
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = src[r * cols + c];
         src = t;
       }
-      fit(stored, n, options.dtype);
+      grow_scratch(stored, n, options.dtype, Tier::host);
       convert(src, DType::f32, stored.raw(), options.dtype, n);
       writer.write(spec.name, stored.raw());
       weight_map[spec.name] = file;

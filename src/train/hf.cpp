@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "hf/staging.h"
 #include "loom/device.h"
 #include "loom/io.h"
 #include "loom/train.h"
@@ -141,10 +142,7 @@ void HFImport::fill(const ParamLayout& layout, FlatRange range, float* params, u
         ++end;
       }
       const int64_t span = (last + 1 - first) * row_len;
-      if (rows.numel() < span) {
-        rows = Tensor();
-        rows = Tensor::empty({span}, DType::f32, Tier::host);
-      }
+      grow_scratch(rows, span, DType::f32, Tier::host);
       checkpoint.read_param_rows(*hp, first, last + 1, rows.data<float>());
       for (; k < end; ++k)
         std::copy_n(rows.data<float>() + (runs[k].global - first * row_len), runs[k].n, dst + runs[k].local);

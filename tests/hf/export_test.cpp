@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "hf/staging.h"
 #include "hf_fixtures.h"
 #include "loom/hf.h"
 #include "loom/io.h"
@@ -170,6 +171,31 @@ TEST(HFExport, StagingIsAccountedOnTheHostTier) {
   const std::string e = error_of([&] { export_params(dir / "small", config, params, bf16); });
   EXPECT_CONTAINS(e, "out of host memory");
   EXPECT_FALSE(fs::exists(dir / "small"));
+}
+
+// A scratch buffer grows to the largest request, is reused for smaller ones,
+// and never holds the old and the new allocation at once.
+TEST(HFStaging, GrowScratchReusesAndFreesBeforeGrowing) {
+  MemoryContext ctx;
+  MemoryContext::Install install(ctx);
+  Allocator& host = ctx.tier(Tier::host);
+  Tensor scratch;
+  grow_scratch(scratch, 1, DType::f32, Tier::host);
+  ASSERT_TRUE(scratch.defined());
+  EXPECT_EQ(scratch.numel(), 1);
+  grow_scratch(scratch, 1000, DType::f32, Tier::host);
+  const void* grown = scratch.raw();
+  EXPECT_EQ(scratch.numel(), 1000);
+  grow_scratch(scratch, 10, DType::f32, Tier::host);
+  EXPECT_EQ(scratch.raw(), grown);
+  EXPECT_EQ(scratch.numel(), 1000);
+  host.reset_peak();
+  grow_scratch(scratch, 2000, DType::f32, Tier::host);
+  EXPECT_EQ(host.used(), 2000 * sizeof(float));
+  EXPECT_LT(host.peak(), (1000 + 2000) * sizeof(float));
+  grow_scratch(scratch, 10, DType::bf16, Tier::host);  // another dtype: a buffer of its own
+  EXPECT_EQ(scratch.dtype(), DType::bf16);
+  EXPECT_EQ(scratch.numel(), 10);
 }
 
 }  // namespace
