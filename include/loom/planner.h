@@ -5,10 +5,14 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "loom/memory.h"
 #include "loom/nn.h"
+#include "loom/parallel.h"
 
 namespace loom {
 
@@ -82,5 +86,70 @@ std::vector<double> pipeline_layer_costs(const GPTConfig& cfg, int64_t seq_len);
 // virtual stages than layers.
 std::vector<int> pipeline_stage_layers(const GPTConfig& cfg, int64_t seq_len, int virtual_stages,
                                        const std::vector<int>& override_layers);
+
+// ---------------------------------------------------------------------------
+// Layout validity, as data
+// ---------------------------------------------------------------------------
+
+// How a run spreads over ranks and memory: the choices a layout search
+// varies, each the value of one config key.
+struct Layout {
+  int64_t dp = 1, tp = 1, pp = 1;              // parallel.dp, .tp, .pp
+  bool sequence_parallel = false;              // parallel.sequence_parallel
+  PipelineSchedule schedule = PipelineSchedule::one_f_one_b;  // parallel.schedule
+  int64_t virtual_stages = 1;                  // parallel.virtual_stages
+  int64_t micro_batch = 1;                     // train.micro_batch_size
+  int zero_stage = 0;                          // zero.stage
+  bool recompute = false;                      // train.activation_checkpointing
+  MemoryPolicy memory_policy = MemoryPolicy::none;  // memory.policy
+};
+
+// What a layout is held against: the model, the batch, and what else the
+// user fixed.
+struct LayoutProblem {
+  GPTConfig model;
+  int64_t global_batch = 1;  // train.batch_size
+  int64_t seq_len = 1;       // train.seq_len
+  // parallel.stage_layers is set: an interleaved pipeline's layers need not
+  // split evenly.
+  bool stage_layers_given = false;
+  // model.preset = "custom": a fix may name model.* keys.
+  bool model_shape_settable = false;
+};
+
+// Why a layout breaks a rule, in ConfigError's terms: the key to change,
+// what is wrong with its value, and values that would work.
+struct LayoutViolation {
+  std::string key, problem, fix;
+  std::string rule = {};  // the LayoutRule's name
+};
+
+// One rule a layout must satisfy: a predicate returning its violation.
+struct LayoutRule {
+  const char* name;
+  std::optional<LayoutViolation> (*check)(const LayoutProblem&, const Layout&);
+};
+
+// Every layout rule, in the order they are checked (a rule may assume the
+// ones before it hold). plan_training throws the first violation as a
+// ConfigError; the layout search reports it as the reason a candidate was
+// rejected, so the two never disagree.
+std::span<const LayoutRule> layout_rules();
+// The first rule `layout` breaks, or nullopt when it is valid.
+std::optional<LayoutViolation> check_layout(const LayoutProblem& problem, const Layout& layout);
+
+// Every layout of `world` ranks (dp * tp * pp = world) the search considers,
+// valid or not: each sequence-parallel setting, schedule, virtual-stage
+// count up to one past a layer per stage, micro-batch size dividing the
+// batch, ZeRO stage, recompute setting and memory policy.
+std::vector<Layout> layout_candidates(const LayoutProblem& problem, int64_t world);
+
+// The settings that select `layout`, as `loom train --set` takes them
+// ("parallel.tp=2", ...), one per Layout field.
+std::vector<std::string> layout_settings(const Layout& layout);
+
+// "3,3,2": n_layer layers over `parts` virtual stages as evenly as they go,
+// in parallel.stage_layers' syntax.
+std::string even_stage_layers(int64_t n_layer, int64_t parts);
 
 }  // namespace loom

@@ -36,47 +36,6 @@ std::optional<fs::path> init_hf_dir(const Config& cfg) {
                     str("write init.from = \"hf:", from, "\"; to continue a loom run, use `loom train --resume`"));
 }
 
-// The valid values nearest to `x` in [lo, hi], one below and one above where
-// they exist, for the "fix:" part of a message.
-template <typename Valid>
-std::vector<int64_t> nearest_valid(int64_t x, int64_t lo, int64_t hi, Valid valid) {
-  std::vector<int64_t> found;
-  for (int64_t v = std::min(x - 1, hi); v >= lo; --v)
-    if (valid(v)) {
-      found.push_back(v);
-      break;
-    }
-  for (int64_t v = std::max(x + 1, lo); v <= hi; ++v)
-    if (valid(v)) {
-      found.push_back(v);
-      break;
-    }
-  return found;
-}
-
-// "<key> = a or b", or nothing when no value was found.
-std::string assign_one_of(std::string_view key, const std::vector<int64_t>& values) {
-  if (values.empty()) return "";
-  std::string text = str(key, " = ", values[0]);
-  for (size_t i = 1; i < values.size(); ++i) text += str(" or ", values[i]);
-  return text;
-}
-
-// "set a, or b, or c" of the alternatives that are not empty.
-std::string set_one_of(std::initializer_list<std::string> alternatives) {
-  std::string text;
-  for (const std::string& a : alternatives)
-    if (!a.empty()) text += str(text.empty() ? "set " : ", or ", a);
-  return text;
-}
-
-// "3,3,2": n_layer layers over `parts` virtual stages as evenly as they go.
-std::string even_stage_layers(int64_t n_layer, int64_t parts) {
-  std::string text;
-  for (int64_t i = 0; i < parts; ++i) text += str(i ? "," : "", n_layer / parts + (i < n_layer % parts ? 1 : 0));
-  return text;
-}
-
 // The launcher parallel.backend names must be able to start `ranks` ranks from
 // how this process was started.
 void check_launcher(const Config& cfg, const std::string& backend, int64_t ranks, int64_t model_ranks) {
@@ -158,152 +117,23 @@ std::vector<int> parse_stage_layers(const Config& cfg, int64_t n_layer, int64_t 
   return layers;
 }
 
-// The tensor-, sequence- and pipeline-parallel rules. `p` holds the model,
-// the batch and the dp x tp x pp layout.
-ModelParallelOptions plan_model_parallel(const Config& cfg, const TrainPlan& p) {
-  const GPTConfig& m = p.model;
-  // model.* only take effect for a custom model; a preset fixes them.
-  const bool custom = cfg.get<std::string>("model.preset") == "custom";
+// The tensor-, sequence- and pipeline-parallel options of a layout that
+// check_layout accepted, with parallel.stage_layers parsed.
+ModelParallelOptions plan_model_parallel(const Config& cfg, const TrainPlan& p, const Layout& layout) {
   ModelParallelOptions mp;
-
-  // Attention splits by head, the MLP's 4C columns and the embedding's C by
-  // the same factor; heads suffice since validate() holds n_embd % n_head == 0.
-  if (m.n_head % p.tp != 0)
-    throw ConfigError(
-        cfg, "parallel.tp",
-        str("must divide model.n_head = ", m.n_head,
-            ", since each tensor-parallel rank computes whole attention heads"),
-        set_one_of({assign_one_of("parallel.tp",
-                                  nearest_valid(p.tp, 1, m.n_head, [&](int64_t t) { return m.n_head % t == 0; })),
-                    custom ? assign_one_of("model.n_head",
-                                           nearest_valid(m.n_head, 1, 1024,
-                                                         [&](int64_t h) { return h % p.tp == 0 && m.n_embd % h == 0; }))
-                           : std::string()}));
-  // kv heads split like the query heads, or, fewer than the ranks, are
-  // shared by an equal number of them.
-  const int64_t nkv = m.kv_heads();
-  if (nkv % p.tp != 0 && p.tp % nkv != 0)
-    throw ConfigError(cfg, "parallel.tp",
-                      str("must divide or be a multiple of model.n_kv_head = ", nkv,
-                          ", since each tensor-parallel rank computes whole kv heads or shares one"),
-                      assign_one_of("parallel.tp", nearest_valid(p.tp, 1, m.n_head, [&](int64_t t) {
-                                      return m.n_head % t == 0 && (nkv % t == 0 || t % nkv == 0);
-                                    })));
-  if (m.intermediate() % p.tp != 0)
-    throw ConfigError(cfg, "parallel.tp", str("must divide the MLP's model.intermediate_size = ", m.intermediate()),
-                      custom ? str("set model.intermediate_size to a multiple of ", p.tp)
-                             : str("choose parallel.tp dividing ", m.intermediate()));
-  // The vocabulary is padded to a multiple of tp (the padding rows are masked
-  // out of the softmax), so only a vocabulary smaller than the group fails.
-  if (m.vocab_size < p.tp)
-    throw ConfigError(cfg, "parallel.tp",
-                      str("may not exceed model.vocab_size = ", m.vocab_size,
-                          ", since each tensor-parallel rank holds at least one row of the embedding"),
-                      str("set parallel.tp <= ", m.vocab_size));
-
-  mp.sequence_parallel = cfg.get<bool>("parallel.sequence_parallel");
-  if (mp.sequence_parallel && p.tp == 1)
-    throw ConfigError(cfg, "parallel.sequence_parallel",
-                      "splits activations over the tensor-parallel ranks, and parallel.tp = 1",
-                      "set parallel.tp >= 2, or parallel.sequence_parallel = false");
-  const int64_t rows = p.micro_batch * p.seq_len;
-  if (mp.sequence_parallel && rows % p.tp != 0)
-    throw ConfigError(
-        cfg, "train.seq_len",
-        str("under parallel.sequence_parallel the token rows of a micro-batch, train.micro_batch_size * "
-            "train.seq_len = ",
-            p.micro_batch, " * ", p.seq_len, " = ", rows, ", must split evenly over parallel.tp = ", p.tp, " ranks"),
-        set_one_of(
-            {assign_one_of("train.seq_len", nearest_valid(p.seq_len, 1, m.block_size,
-                                                          [&](int64_t t) { return p.micro_batch * t % p.tp == 0; })),
-             assign_one_of("train.micro_batch_size", nearest_valid(p.micro_batch, 1, p.global_batch / p.dp,
-                                                                   [&](int64_t b) {
-                                                                     return b * p.seq_len % p.tp == 0 &&
-                                                                            p.global_batch % (p.dp * b) == 0;
-                                                                   })),
-             "parallel.sequence_parallel = false"}));
-
-  const std::string schedule_name = cfg.get<std::string>("parallel.schedule");
-  mp.schedule = parse_pipeline_schedule(schedule_name);
-  const bool interleaved = mp.schedule == PipelineSchedule::interleaved_1f1b;
-  const int64_t chunks = cfg.get<int64_t>("parallel.virtual_stages");
-  mp.virtual_stages = static_cast<int>(chunks);
-  if (chunks > 1 && !interleaved)
-    throw ConfigError(cfg, "parallel.virtual_stages",
-                      str("only the interleaved_1f1b schedule runs several model chunks per pipeline rank, and "
-                          "parallel.schedule = \"",
-                          schedule_name, "\""),
-                      "set parallel.schedule = \"interleaved_1f1b\", or parallel.virtual_stages = 1");
-  if (interleaved && p.pp == 1)
-    throw ConfigError(cfg, "parallel.schedule",
-                      "interleaves the model chunks of several pipeline ranks, and parallel.pp = 1",
-                      "set parallel.pp >= 2, or parallel.schedule = \"1f1b\"");
-  if (interleaved && chunks < 2)
-    throw ConfigError(cfg, "parallel.schedule",
-                      "needs at least 2 model chunks per pipeline rank, and parallel.virtual_stages = 1",
-                      "set parallel.virtual_stages >= 2, or parallel.schedule = \"1f1b\"");
-
-  const int64_t stages = p.pp * chunks;
-  if (m.n_layer < stages) {
-    const std::string more_layers = custom ? str("model.n_layer >= ", stages) : "";
-    if (chunks > 1)
-      throw ConfigError(
-          cfg, "parallel.virtual_stages",
-          str("parallel.pp * parallel.virtual_stages = ", p.pp, " * ", chunks, " = ", stages,
-              " virtual stages need a layer each, and model.n_layer = ", m.n_layer),
-          set_one_of({m.n_layer / p.pp >= 2 ? str("parallel.virtual_stages <= ", m.n_layer / p.pp) : "",
-                      m.n_layer / chunks >= 2 ? str("parallel.pp <= ", m.n_layer / chunks) : "", more_layers}));
-    throw ConfigError(cfg, "parallel.pp",
-                      str("each of the ", p.pp, " pipeline stages needs a layer, and model.n_layer = ", m.n_layer),
-                      set_one_of({str("parallel.pp <= ", m.n_layer), more_layers}));
-  }
-  const bool even = m.n_layer % stages == 0;
-  if (!cfg.get<std::string>("parallel.stage_layers").empty()) {
-    mp.stage_layers = parse_stage_layers(cfg, m.n_layer, stages, !interleaved || even);
-  } else if (interleaved && !even) {
-    throw ConfigError(
-        cfg, "parallel.virtual_stages",
-        str("without parallel.stage_layers, interleaved_1f1b splits the model.n_layer = ", m.n_layer,
-            " layers evenly over parallel.pp * parallel.virtual_stages = ", p.pp, " * ", chunks, " = ", stages,
-            " virtual stages"),
-        set_one_of({str("parallel.stage_layers = \"", even_stage_layers(m.n_layer, stages), "\""),
-                    assign_one_of("parallel.virtual_stages",
-                                  nearest_valid(chunks, 2, m.n_layer / p.pp,
-                                                [&](int64_t c) { return m.n_layer % (p.pp * c) == 0; })),
-                    custom ? assign_one_of("model.n_layer", nearest_valid(m.n_layer, stages, 1024,
-                                                                          [&](int64_t l) { return l % stages == 0; }))
-                           : std::string()}));
-  }
-
-  if (p.pp > 1 && p.accumulation < p.pp) {
-    const int64_t per_rank = p.global_batch / p.dp;
-    throw ConfigError(cfg, "train.batch_size",
-                      str("a pipeline of parallel.pp = ", p.pp, " stages needs at least ", p.pp,
-                          " micro-batches per step and rank to fill, and train.batch_size / (parallel.dp * "
-                          "train.micro_batch_size) = ",
-                          p.global_batch, " / (", p.dp, " * ", p.micro_batch, ") = ", p.accumulation),
-                      set_one_of({str("train.batch_size = ", p.pp * p.dp * p.micro_batch),
-                                  assign_one_of("train.micro_batch_size",
-                                                nearest_valid(p.micro_batch, 1, p.micro_batch - 1, [&](int64_t b) {
-                                                  return per_rank % b == 0 && per_rank / b >= p.pp &&
-                                                         (!mp.sequence_parallel || b * p.seq_len % p.tp == 0);
-                                                }))}));
-  }
-  if (interleaved && p.accumulation % p.pp != 0) {
-    const int64_t round = p.pp * p.dp * p.micro_batch;
-    const int64_t down = p.accumulation / p.pp * round;
-    throw ConfigError(
-        cfg, "train.batch_size",
-        str("interleaved_1f1b runs the micro-batches in groups of parallel.pp = ", p.pp,
-            ", and train.batch_size / (parallel.dp * train.micro_batch_size) = ", p.global_batch, " / (", p.dp, " * ",
-            p.micro_batch, ") = ", p.accumulation, " per step and rank, not a multiple of ", p.pp),
-        str("set train.batch_size = ", down, " or ", down + round));
-  }
+  mp.sequence_parallel = layout.sequence_parallel;
+  mp.schedule = layout.schedule;
+  mp.virtual_stages = static_cast<int>(layout.virtual_stages);
+  const int64_t stages = layout.pp * layout.virtual_stages;
+  const bool interleaved = layout.schedule == PipelineSchedule::interleaved_1f1b;
+  if (!cfg.get<std::string>("parallel.stage_layers").empty())
+    mp.stage_layers = parse_stage_layers(cfg, p.model.n_layer, stages, !interleaved || p.model.n_layer % stages == 0);
   return mp;
 }
 
 // memory.* as MemoryOptions, held to the rules that tie them to each other
-// and to the layout. `p` holds the layout, the batch and the ZeRO options.
+// (those that tie them to the layout are check_layout's). `p` holds the
+// layout and the batch.
 MemoryOptions plan_memory_options(const Config& cfg, const TrainPlan& p) {
   MemoryOptions m;
   const std::string policy_name = cfg.get<std::string>("memory.policy");
@@ -349,22 +179,6 @@ MemoryOptions plan_memory_options(const Config& cfg, const TrainPlan& p) {
                           str("applies only under memory.policy = \"static\", and memory.policy = \"", policy_name,
                               "\" places the chunks itself"),
                           str("set ", key, " = 0, or memory.policy = \"static\""));
-  // The chunk manager gathers and reduces chunks over the data-parallel
-  // group alone; it has no notion of a parameter split over tp or pp.
-  for (const auto& [key, ranks] : {std::pair<const char*, int64_t>{"parallel.tp", p.tp}, {"parallel.pp", p.pp}})
-    if (ranks > 1)
-      throw ConfigError(cfg, "memory.policy",
-                        str("shards the chunks over the data-parallel ranks only, and ", key, " = ", ranks),
-                        str("set ", key, " = 1 (parallel.dp gives the ranks), or memory.policy = \"none\""));
-  const int stage = p.options.zero.stage;
-  if (stage != 3 && (p.dp > 1 || stage != 0))
-    throw ConfigError(cfg, "zero.stage",
-                      str("under memory.policy = \"", policy_name,
-                          "\" the chunks shard the parameters, gradients and optimizer state over the data-parallel "
-                          "ranks as stage 3 does",
-                          p.dp > 1 ? str(", and parallel.dp = ", p.dp) : std::string(" (on one rank, stage 0 is the same)")),
-                      str("set zero.stage = 3", p.dp > 1 ? "" : " or 0", ", or memory.policy = \"none\""));
-
   if (!m.nvme_dir.empty()) {
     const std::string or_host = "or set memory.nvme_dir = \"\" to keep the offloaded state in host memory";
     std::error_code ec;
@@ -452,6 +266,20 @@ void check_memory_fits(const Config& cfg, const TrainPlan& p) {
 }  // namespace
 
 namespace {
+
+// The layout keys of `cfg`, for check_layout.
+Layout layout_of(const Config& cfg) {
+  return Layout{.dp = cfg.get<int64_t>("parallel.dp"),
+                .tp = cfg.get<int64_t>("parallel.tp"),
+                .pp = cfg.get<int64_t>("parallel.pp"),
+                .sequence_parallel = cfg.get<bool>("parallel.sequence_parallel"),
+                .schedule = parse_pipeline_schedule(cfg.get<std::string>("parallel.schedule")),
+                .virtual_stages = cfg.get<int64_t>("parallel.virtual_stages"),
+                .micro_batch = cfg.get<int64_t>("train.micro_batch_size"),
+                .zero_stage = static_cast<int>(cfg.get<int64_t>("zero.stage")),
+                .recompute = cfg.get<bool>("train.activation_checkpointing"),
+                .memory_policy = parse_memory_policy(cfg.get<std::string>("memory.policy"))};
+}
 
 // init.from's model: config.json's, which the model.* keys a user set may
 // repeat but not contradict.
@@ -562,16 +390,15 @@ TrainPlan plan_training(const Config& cfg) {
   if (p.seq_len > p.model.block_size)
     throw ConfigError(cfg, "train.seq_len", str("may not exceed the model's context block_size = ", p.model.block_size),
                       str("set train.seq_len <= ", p.model.block_size, " or raise model.block_size"));
-  const int64_t per_step = dp * p.micro_batch;
-  if (p.global_batch % per_step != 0) {
-    const int64_t down = p.global_batch / per_step * per_step;
-    throw ConfigError(cfg, "train.batch_size",
-                      dp == 1 ? str("must be a multiple of train.micro_batch_size = ", p.micro_batch)
-                              : str("must be a multiple of train.micro_batch_size * parallel.dp = ", p.micro_batch,
-                                    " * ", dp, " = ", per_step),
-                      str("set train.batch_size to ", down > 0 ? str(down, " or ") : std::string(), down + per_step));
-  }
-  p.accumulation = p.global_batch / per_step;
+  const Layout layout = layout_of(cfg);
+  const LayoutProblem problem{.model = p.model,
+                              .global_batch = p.global_batch,
+                              .seq_len = p.seq_len,
+                              .stage_layers_given = !cfg.get<std::string>("parallel.stage_layers").empty(),
+                              .model_shape_settable = cfg.get<std::string>("model.preset") == "custom"};
+  if (const std::optional<LayoutViolation> broken = check_layout(problem, layout))
+    throw ConfigError(cfg, broken->key, broken->problem, broken->fix);
+  p.accumulation = p.global_batch / (dp * p.micro_batch);
   // A tokenizer beside an imported checkpoint replaces data.vocab_size's (the
   // run checks it against the model once the data is prepared).
   if (p.init_tokenizer.empty() && cfg.get<int64_t>("data.vocab_size") > p.model.vocab_size)
@@ -582,7 +409,7 @@ TrainPlan plan_training(const Config& cfg) {
                                         : str("set data.vocab_size <= ", p.model.vocab_size, " (the vocab_size of ",
                                               (p.init_hf / "config.json").string(),
                                               "), or place the checkpoint's tokenizer beside it"));
-  p.options.model_parallel = plan_model_parallel(cfg, p);
+  p.options.model_parallel = plan_model_parallel(cfg, p, layout);
 
   TrainOptions& o = p.options;
   o.adamw.lr = static_cast<float>(cfg.get<double>("train.lr"));
@@ -607,16 +434,6 @@ TrainPlan plan_training(const Config& cfg) {
   o.zero.precision = parse_dtype(cfg.get<std::string>("precision"));
   o.zero.bucket_bytes = cfg.get<int64_t>("zero.bucket_mb") << 20;
   o.memory = plan_memory_options(cfg, p);
-  if (o.zero.stage >= 2 && pp > 1)
-    throw ConfigError(cfg, "zero.stage",
-                      str("stages 2 and 3 shard the gradients as each micro-batch produces them, and a pipeline "
-                          "(parallel.pp = ",
-                          pp, ") accumulates a step's micro-batch gradients locally before it reduces them"),
-                      "set zero.stage = 0 or 1, or parallel.pp = 1");
-  if (o.zero.stage >= 2 && tp > 1)
-    throw ConfigError(cfg, "zero.stage",
-                      str("stages 2 and 3 are not supported with tensor parallelism (parallel.tp = ", tp, ") yet"),
-                      "set zero.stage = 0 or 1, or parallel.tp = 1");
   o.loss_scale.initial_scale = static_cast<float>(cfg.get<double>("loss_scale.initial"));
   o.loss_scale.growth_interval = cfg.get<int64_t>("loss_scale.growth_interval");
   o.loss_scale.hysteresis = static_cast<int>(cfg.get<int64_t>("loss_scale.hysteresis"));
