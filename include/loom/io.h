@@ -16,17 +16,24 @@
 
 #include <nlohmann/json.hpp>
 
+struct evp_md_ctx_st;  // OpenSSL's EVP_MD_CTX (Sha256), kept out of this header
+
 #include "loom/core.h"
 
 namespace loom {
 
 // ---------------------------------------------------------------------------
-// SHA-256 (FIPS 180-4)
+// SHA-256 (FIPS 180-4), computed by OpenSSL (which uses the CPU's SHA
+// instructions where it has them)
 // ---------------------------------------------------------------------------
 
 class Sha256 {
  public:
   Sha256();
+  ~Sha256();
+  Sha256(const Sha256&) = delete;
+  Sha256& operator=(const Sha256&) = delete;
+
   void update(const void* data, size_t bytes);
   void update(std::string_view s) { update(s.data(), s.size()); }
   // The digest; the object is spent afterwards (LOOM_CHECK on reuse).
@@ -35,11 +42,7 @@ class Sha256 {
   std::string hex_digest();
 
  private:
-  void compress(const uint8_t* block);
-  std::array<uint32_t, 8> state_;
-  std::array<uint8_t, 64> buffer_;
-  size_t buffered_ = 0;
-  uint64_t total_bytes_ = 0;
+  ::evp_md_ctx_st* ctx_;
   bool finished_ = false;
 };
 
