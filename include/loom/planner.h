@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -147,6 +149,91 @@ std::vector<Layout> layout_candidates(const LayoutProblem& problem, int64_t worl
 // The settings that select `layout`, as `loom train --set` takes them
 // ("parallel.tp=2", ...), one per Layout field.
 std::vector<std::string> layout_settings(const Layout& layout);
+
+// ---------------------------------------------------------------------------
+// Machine rates: what the time model prices work with
+// ---------------------------------------------------------------------------
+
+// Hockney's alpha-beta model: moving b bytes takes latency + b / bandwidth.
+struct LinkCost {
+  double latency_s = 0.0;
+  double bytes_per_s = 0.0;
+  double seconds(double bytes) const { return latency_s + bytes / bytes_per_s; }
+};
+
+enum class Collective : uint8_t { all_reduce, reduce_scatter, all_gather, send_recv };
+const char* collective_name(Collective op);  // "all_reduce", ...
+
+// One fp32 GEMM, C[m, n] = A[m, k] B[k, n], and the rate it ran at.
+struct GemmSample {
+  int64_t m = 0, n = 0, k = 0;
+  double flops_per_s = 0.0;
+};
+
+// A collective over `group` ranks, its cost fitted against the bytes of each
+// rank's buffer (all_reduce: the buffer; reduce_scatter: the input;
+// all_gather: the output; send_recv: the message).
+struct CollectiveCost {
+  Collective op = Collective::all_reduce;
+  int group = 2;
+  LinkCost cost;
+};
+
+// A machine's rates, measured here (`loom calibrate`) or read from a
+// hardware description file for machines not at hand (hardware/*.json).
+// Measured rates price work directly; a hardware file gives peaks, and the
+// time model derives the rest (GEMMs at peak * gemm_efficiency, collectives
+// as rings over the intra- or inter-node link).
+struct MachineRates {
+  std::string description;  // where the figures come from
+  // fp32 GEMM rates on a grid of shapes (calibration); empty for a
+  // hardware file, which prices a GEMM at peak_flops * gemm_efficiency.
+  std::vector<GemmSample> gemm;
+  double peak_flops_fp32 = 0.0, peak_flops_bf16 = 0.0;
+  double gemm_efficiency = 1.0;      // the fraction of peak large GEMMs reach
+  double memory_bytes_per_s = 0.0;   // streaming copy within device memory
+  double device_memory_bytes = 0.0;  // per device
+  std::vector<CollectiveCost> collectives;  // measured; empty for a hardware file
+  int ranks_per_node = 1;
+  LinkCost intra_node, inter_node;   // one link's latency and bandwidth
+  LinkCost host_device;              // zero bandwidth: the device is the host
+  double nvme_read_bytes_per_s = 0.0, nvme_write_bytes_per_s = 0.0;  // 0: not measured
+
+  // Seconds of one fp32 GEMM: interpolated in log space between the measured
+  // shapes (clamped to the grid), or peak_flops_fp32 * gemm_efficiency.
+  double gemm_seconds(int64_t m, int64_t n, int64_t k) const;
+  // Seconds of a collective over `group` ranks moving a buffer of `bytes`
+  // per rank: the measured fit for that op and group where there is one,
+  // else a ring over the intra-node link (group <= ranks_per_node) or the
+  // inter-node link: all_reduce 2 (g-1) (a + b / (g B)), reduce_scatter and
+  // all_gather (g-1) (a + b / (g B)), send_recv a + b / B.
+  double collective_seconds(Collective op, double bytes, int group) const;
+};
+
+struct CalibrationOptions {
+  std::vector<int64_t> gemm_sizes{128, 512, 2048};  // each of m, n, k takes every size
+  std::vector<int> groups{2, 4};                     // local ranks the collectives are timed on
+  int64_t memory_bytes = int64_t(256) << 20;         // the buffer the copy rate is timed on
+  std::filesystem::path nvme_dir;                    // empty: the NVMe rates are not measured
+  uint64_t nvme_bytes = uint64_t(256) << 20;
+  std::function<void(const std::string&)> progress;  // one line per measurement
+};
+
+// Measures this machine: GEMM rates on the grid, the copy rate, each
+// collective at two sizes per group on local ranks (fitted to alpha-beta),
+// and the NVMe rates when a directory is given. About half a minute with the
+// defaults on a small CPU.
+MachineRates calibrate_machine(const CalibrationOptions& options);
+
+// JSON, written atomically. load_machine_rates reads what save wrote and
+// hardware description files alike, and throws Error naming the file and
+// the field for a missing, mistyped or non-positive value.
+void save_machine_rates(const MachineRates& rates, const std::filesystem::path& path);
+MachineRates load_machine_rates(const std::filesystem::path& path);
+// Where `loom calibrate` writes and the planner looks by default:
+// $XDG_CACHE_HOME/loom/calibration.json, else ~/.cache/loom/calibration.json,
+// else calibration.json in the working directory.
+std::filesystem::path default_calibration_path();
 
 // "3,3,2": n_layer layers over `parts` virtual stages as evenly as they go,
 // in parallel.stage_layers' syntax.

@@ -1,4 +1,4 @@
-// The `loom` command line: prepare, train, generate, eval, export.
+// The `loom` command line: prepare, train, generate, eval, export, calibrate.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <memory>
@@ -8,6 +8,7 @@
 #include "loom/config.h"
 #include "loom/data.h"
 #include "loom/io.h"
+#include "loom/planner.h"
 #include "loom/train.h"
 
 namespace fs = std::filesystem;
@@ -147,6 +148,14 @@ int main(int argc, char** argv) {
                   "shard the weights above this size (an index lists the shards), e.g. 2GB")
       ->capture_default_str();
 
+  // calibrate
+  auto* calibrate = app.add_subcommand(
+      "calibrate", "measure this machine's GEMM, memory, collective (and NVMe) rates for the planner");
+  std::string calibration_out = default_calibration_path().string(), calibration_nvme;
+  calibrate->add_option("--out", calibration_out, "where the rates go (JSON; a previous calibration is replaced)")
+      ->capture_default_str();
+  calibrate->add_option("--nvme-dir", calibration_nvme, "also measure sequential read/write in this directory");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (prepare->parsed()) {
@@ -229,6 +238,26 @@ int main(int argc, char** argv) {
         std::printf("wrote %s (%s, %s)\n", export_out.c_str(), dtype_name(eo.dtype),
                     m.tokenizer.path().filename().string().c_str());
       }
+    } else if (calibrate->parsed()) {
+      const fs::path out(calibration_out);
+      std::error_code ec;
+      // Replacing an earlier calibration is what calibrating again means;
+      // any other file is the user's.
+      if (fs::exists(out, ec)) {
+        try {
+          load_machine_rates(out);
+        } catch (const Error& e) {
+          throw Error(str("--out '", out.string(), "' exists and is not a calibration (", e.what(),
+                          "); choose another path"));
+        }
+      }
+      if (out.has_parent_path()) fs::create_directories(out.parent_path());
+      CalibrationOptions co;
+      co.nvme_dir = calibration_nvme;
+      co.progress = [](const std::string& line) { std::printf("  %s\n", line.c_str()); };
+      std::printf("calibrating (about half a minute)\n");
+      save_machine_rates(calibrate_machine(co), out);
+      std::printf("wrote %s\n", out.c_str());
     }
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -1,0 +1,203 @@
+// `loom calibrate`: measures the rates the time model prices a step with on
+// this machine. Every figure is the best (GEMMs, copies) or the median
+// (collectives, whose ranks share cores) of a few repetitions after a
+// warm-up, so one noisy moment on a shared machine does not set a rate.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <mutex>
+
+#include <omp.h>
+
+#include "loom/comm.h"
+#include "loom/device.h"
+#include "loom/memory.h"
+#include "loom/planner.h"
+
+namespace loom {
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The fastest of `reps` runs of `work` after one warm-up run.
+template <typename Work>
+double best_seconds(int reps, Work work) {
+  work();
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    work();
+    best = std::min(best, seconds_since(start));
+  }
+  return best;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+void report(const CalibrationOptions& options, const std::string& line) {
+  if (options.progress) options.progress(line);
+}
+
+std::vector<GemmSample> measure_gemms(const CalibrationOptions& options) {
+  const int64_t largest = *std::max_element(options.gemm_sizes.begin(), options.gemm_sizes.end());
+  Tensor a = Tensor::empty({largest, largest}), b = Tensor::empty({largest, largest}),
+         c = Tensor::empty({largest, largest});
+  for (Tensor* t : {&a, &b}) ops::fill(t->data<float>(), DType::f32, t->numel(), 0.5f);
+  std::vector<GemmSample> samples;
+  for (int64_t m : options.gemm_sizes)
+    for (int64_t n : options.gemm_sizes)
+      for (int64_t k : options.gemm_sizes) {
+        const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+        // Enough repetitions that the small products are timed over about a
+        // millisecond, not one call's jitter.
+        const int reps = static_cast<int>(std::clamp(1e8 / flops, 3.0, 200.0));
+        const double s = best_seconds(3, [&] {
+          for (int r = 0; r < reps; ++r)
+            ops::gemm(false, false, m, n, k, 1.0f, a.data<float>(), k, b.data<float>(), n, 0.0f, c.data<float>(), n);
+          ops::synchronize();
+        });
+        samples.push_back({m, n, k, flops * reps / s});
+      }
+  double best = 0.0;
+  for (const GemmSample& g : samples) best = std::max(best, g.flops_per_s);
+  report(options, str("gemm: ", samples.size(), " shapes, best ", static_cast<int64_t>(best / 1e9), " GFLOP/s"));
+  return samples;
+}
+
+// Bytes read plus bytes written per second by a device-to-device copy.
+double measure_copy_rate(const CalibrationOptions& options) {
+  const int64_t n = options.memory_bytes / 4;
+  Tensor src = Tensor::empty({n}), dst = Tensor::empty({n});
+  ops::fill(src.data<float>(), DType::f32, n, 1.0f);
+  const double s = best_seconds(5, [&] {
+    ops::copy(dst.data<float>(), src.data<float>(), src.nbytes());
+    ops::synchronize();
+  });
+  const double rate = 2.0 * static_cast<double>(src.nbytes()) / s;
+  report(options, str("memory: ", static_cast<int64_t>(rate / 1e9), " GB/s (read + write)"));
+  return rate;
+}
+
+// alpha-beta through two points (bytes, seconds). A measurement where the
+// larger message was no slower (noise) gives no latency to separate out:
+// the rate of the larger one alone is kept.
+LinkCost fit_link(double small_bytes, double small_s, double large_bytes, double large_s) {
+  if (large_s <= small_s) return LinkCost{0.0, large_bytes / large_s};
+  const double bandwidth = (large_bytes - small_bytes) / (large_s - small_s);
+  return LinkCost{std::max(0.0, small_s - small_bytes / bandwidth), bandwidth};
+}
+
+// Each collective on `group` local ranks at a small and a large buffer;
+// rank 0's median over repetitions, each started behind a barrier.
+std::vector<CollectiveCost> measure_collectives(int group) {
+  constexpr int64_t kSmall = 1 << 10, kLarge = 4 << 20;  // floats per rank's buffer
+  constexpr int kReps = 7;
+  std::vector<CollectiveCost> costs;
+  std::mutex mutex;
+  run_local(group, [&](Communicator& comm) {
+    MemoryContext ctx;
+    MemoryContext::Install install(ctx);
+    Tensor buf = Tensor::zeros({kLarge}), out = Tensor::zeros({kLarge});
+    auto timed = [&](auto op) {
+      op();
+      std::vector<double> times;
+      for (int r = 0; r < kReps; ++r) {
+        comm.barrier();
+        const auto start = std::chrono::steady_clock::now();
+        op();
+        times.push_back(seconds_since(start));
+      }
+      return median(times);
+    };
+    auto fit = [&](Collective op, auto run) {
+      const double small = timed([&] { run(kSmall); }), large = timed([&] { run(kLarge); });
+      if (comm.rank() != 0) return;
+      const std::lock_guard lock(mutex);
+      costs.push_back({op, group, fit_link(4.0 * kSmall, small, 4.0 * kLarge, large)});
+    };
+    float* b = buf.data<float>();
+    float* o = out.data<float>();
+    fit(Collective::all_reduce, [&](int64_t n) { comm.all_reduce(b, n, DType::f32); });
+    fit(Collective::reduce_scatter,
+        [&](int64_t n) { comm.reduce_scatter(b, o, n / comm.size(), DType::f32); });
+    fit(Collective::all_gather, [&](int64_t n) { comm.all_gather(b, o, n / comm.size(), DType::f32); });
+    // Point to point: rank 0 sends to rank 1 and waits for its answer, so
+    // half the round trip is one message.
+    fit(Collective::send_recv, [&](int64_t n) {
+      const size_t bytes = static_cast<size_t>(n) * 4;
+      if (comm.rank() == 0) {
+        comm.send(b, bytes, 1, 0);
+        comm.recv(o, bytes, 1, 1);
+      } else if (comm.rank() == 1) {
+        comm.recv(o, bytes, 0, 0);
+        comm.send(b, bytes, 0, 1);
+      }
+    });
+  });
+  for (CollectiveCost& c : costs)
+    if (c.op == Collective::send_recv) {
+      c.cost.latency_s /= 2;
+      c.cost.bytes_per_s *= 2;
+    }
+  return costs;
+}
+
+// "Intel(R) Xeon(R) ... , 2 threads": /proc/cpuinfo's model name and the
+// OpenMP threads the kernels use.
+std::string cpu_description() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line, model = "unknown CPU";
+  while (std::getline(cpuinfo, line))
+    if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos) {
+      model = line.substr(line.find(':') + 2);
+      break;
+    }
+  return str(model, ", ", omp_get_max_threads(), " threads");
+}
+
+double physical_memory_bytes() {
+  return static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+}
+
+}  // namespace
+
+MachineRates calibrate_machine(const CalibrationOptions& options) {
+  LOOM_CHECK(!options.gemm_sizes.empty() && !options.groups.empty() && options.memory_bytes >= 4,
+             "calibration needs GEMM sizes, rank groups and a copy buffer");
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  MachineRates rates;
+  rates.description = str("calibrated on ", host, " (", cpu_description(), ")");
+  rates.gemm = measure_gemms(options);
+  for (const GemmSample& g : rates.gemm) rates.peak_flops_fp32 = std::max(rates.peak_flops_fp32, g.flops_per_s);
+  rates.memory_bytes_per_s = measure_copy_rate(options);
+  rates.device_memory_bytes = physical_memory_bytes();
+  for (int group : options.groups) {
+    for (const CollectiveCost& c : measure_collectives(group)) rates.collectives.push_back(c);
+    report(options, str("collectives on ", group, " local ranks"));
+  }
+  // Local ranks are threads of one process: the link between them is
+  // memory, priced by the measured point-to-point fit.
+  rates.ranks_per_node = *std::max_element(options.groups.begin(), options.groups.end());
+  for (const CollectiveCost& c : rates.collectives)
+    if (c.op == Collective::send_recv) rates.intra_node = rates.inter_node = c.cost;
+  if (!options.nvme_dir.empty()) {
+    const DiskThroughput disk = measure_sequential_throughput(options.nvme_dir, options.nvme_bytes);
+    rates.nvme_read_bytes_per_s = disk.read_bytes_per_s;
+    rates.nvme_write_bytes_per_s = disk.write_bytes_per_s;
+    report(options, str("nvme: read ", static_cast<int64_t>(disk.read_bytes_per_s / 1e6), " MB/s, write ",
+                        static_cast<int64_t>(disk.write_bytes_per_s / 1e6), " MB/s"));
+  }
+  return rates;
+}
+
+}  // namespace loom

@@ -1,0 +1,252 @@
+// MachineRates: pricing GEMMs and collectives from measured or published
+// rates, and the JSON file both calibrations and hardware descriptions use.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/io.h"
+#include "loom/planner.h"
+
+namespace loom {
+
+namespace {
+
+constexpr Collective kCollectives[] = {Collective::all_reduce, Collective::reduce_scatter, Collective::all_gather,
+                                       Collective::send_recv};
+
+// Where x falls among the sorted grid values, in log space: the lower index
+// and the weight of the upper one, clamped to the grid's ends.
+std::pair<size_t, double> grid_position(const std::vector<int64_t>& grid, int64_t x) {
+  if (grid.size() == 1 || x <= grid.front()) return {0, 0.0};
+  if (x >= grid.back()) return {grid.size() - 2, 1.0};
+  size_t i = 0;
+  while (grid[i + 1] < x) ++i;
+  const double lo = std::log(static_cast<double>(grid[i])), hi = std::log(static_cast<double>(grid[i + 1]));
+  return {i, (std::log(static_cast<double>(x)) - lo) / (hi - lo)};
+}
+
+std::vector<int64_t> axis(const std::vector<GemmSample>& samples, int64_t GemmSample::*dim) {
+  std::set<int64_t> values;
+  for (const GemmSample& g : samples) values.insert(g.*dim);
+  return {values.begin(), values.end()};
+}
+
+}  // namespace
+
+std::filesystem::path default_calibration_path() {
+  const char* cache = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  if (cache && *cache) return std::filesystem::path(cache) / "loom" / "calibration.json";
+  if (home && *home) return std::filesystem::path(home) / ".cache" / "loom" / "calibration.json";
+  return "calibration.json";
+}
+
+const char* collective_name(Collective op) {
+  switch (op) {
+    case Collective::all_reduce: return "all_reduce";
+    case Collective::reduce_scatter: return "reduce_scatter";
+    case Collective::all_gather: return "all_gather";
+    case Collective::send_recv: return "send_recv";
+  }
+  return "?";
+}
+
+double MachineRates::gemm_seconds(int64_t m, int64_t n, int64_t k) const {
+  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  if (gemm.empty()) return flops / (peak_flops_fp32 * gemm_efficiency);
+  // Trilinear in (log m, log n, log k) over log(rate): rates change by
+  // orders of magnitude between small and large products.
+  const std::vector<int64_t> ms = axis(gemm, &GemmSample::m), ns = axis(gemm, &GemmSample::n),
+                             ks = axis(gemm, &GemmSample::k);
+  std::map<std::tuple<int64_t, int64_t, int64_t>, double> rate;
+  for (const GemmSample& g : gemm) rate[{g.m, g.n, g.k}] = std::log(g.flops_per_s);
+  const auto [im, wm] = grid_position(ms, m);
+  const auto [in, wn] = grid_position(ns, n);
+  const auto [ik, wk] = grid_position(ks, k);
+  double log_rate = 0.0;
+  for (int dm = 0; dm < 2; ++dm)
+    for (int dn = 0; dn < 2; ++dn)
+      for (int dk = 0; dk < 2; ++dk) {
+        const double w = (dm ? wm : 1 - wm) * (dn ? wn : 1 - wn) * (dk ? wk : 1 - wk);
+        if (w == 0.0) continue;
+        const auto at = [](const std::vector<int64_t>& g, size_t i, int d) { return g[std::min(i + d, g.size() - 1)]; };
+        log_rate += w * rate.at({at(ms, im, dm), at(ns, in, dn), at(ks, ik, dk)});
+      }
+  return flops / std::exp(log_rate);
+}
+
+double MachineRates::collective_seconds(Collective op, double bytes, int group) const {
+  if (group <= 1) return 0.0;
+  for (const CollectiveCost& c : collectives)
+    if (c.op == op && (c.group == group || op == Collective::send_recv)) return c.cost.seconds(bytes);
+  const LinkCost& link = group <= ranks_per_node ? intra_node : inter_node;
+  const double g = group;
+  switch (op) {
+    case Collective::all_reduce: return 2.0 * (g - 1) * link.seconds(bytes / g);
+    case Collective::reduce_scatter:
+    case Collective::all_gather: return (g - 1) * link.seconds(bytes / g);
+    case Collective::send_recv: return link.seconds(bytes);
+  }
+  return 0.0;
+}
+
+namespace {
+
+nlohmann::json link_json(const LinkCost& l) { return {{"latency_s", l.latency_s}, {"bytes_per_s", l.bytes_per_s}}; }
+
+// Reads one file's fields, each checked as it is taken, and refuses fields
+// it did not take, so a misspelt key is an error rather than a default.
+class Reader {
+ public:
+  Reader(const std::filesystem::path& path, const nlohmann::json& j, std::string prefix = "")
+      : path_(path), j_(j), prefix_(std::move(prefix)) {
+    if (!j_.is_object()) fail(prefix_.empty() ? "the file" : prefix_, "must be a JSON object");
+  }
+
+  [[noreturn]] void fail(const std::string& field, const std::string& problem) const {
+    throw Error(str(path_.string(), ": ", field, " ", problem,
+                    "; see hardware/h100-sxm.json for the format, or write the file with `loom calibrate`"));
+  }
+  std::string name(const std::string& key) const { return prefix_.empty() ? key : prefix_ + "." + key; }
+  bool has(const std::string& key) const { return j_.contains(key); }
+
+  const nlohmann::json& take(const std::string& key) {
+    if (!j_.contains(key)) fail(name(key), "is missing");
+    taken_.insert(key);
+    return j_.at(key);
+  }
+  // A number >= 0, or > 0 when `positive`.
+  double number(const std::string& key, bool positive) {
+    const nlohmann::json& v = take(key);
+    if (!v.is_number()) fail(name(key), "must be a number");
+    const double x = v.get<double>();
+    if (!std::isfinite(x) || x < 0 || (positive && x == 0))
+      fail(name(key), positive ? "must be a positive number" : "must be a number >= 0");
+    return x;
+  }
+  double number_or(const std::string& key, bool positive, double otherwise) {
+    return has(key) ? number(key, positive) : otherwise;
+  }
+  int64_t integer(const std::string& key) {
+    const nlohmann::json& v = take(key);
+    if (!v.is_number_integer() || v.get<int64_t>() < 1) fail(name(key), "must be a whole number >= 1");
+    return v.get<int64_t>();
+  }
+  std::string text(const std::string& key) {
+    const nlohmann::json& v = take(key);
+    if (!v.is_string()) fail(name(key), "must be a string");
+    return v.get<std::string>();
+  }
+  LinkCost link(const std::string& key) {
+    Reader r(path_, take(key), name(key));
+    LinkCost l{r.number("latency_s", false), r.number("bytes_per_s", true)};
+    r.done();
+    return l;
+  }
+  void done() const {
+    for (const auto& [key, value] : j_.items())
+      if (!taken_.count(key)) fail(name(key), "is not a known field");
+  }
+
+ private:
+  const std::filesystem::path& path_;
+  const nlohmann::json& j_;
+  std::string prefix_;
+  std::set<std::string> taken_;
+};
+
+}  // namespace
+
+void save_machine_rates(const MachineRates& r, const std::filesystem::path& path) {
+  nlohmann::json j = {{"description", r.description},
+                      {"peak_flops", {{"fp32", r.peak_flops_fp32}}},
+                      {"gemm_efficiency", r.gemm_efficiency},
+                      {"memory_bytes_per_s", r.memory_bytes_per_s},
+                      {"device_memory_bytes", r.device_memory_bytes},
+                      {"ranks_per_node", r.ranks_per_node},
+                      {"intra_node", link_json(r.intra_node)},
+                      {"inter_node", link_json(r.inter_node)}};
+  if (r.peak_flops_bf16 > 0) j["peak_flops"]["bf16"] = r.peak_flops_bf16;
+  if (r.host_device.bytes_per_s > 0) j["host_device"] = link_json(r.host_device);
+  if (r.nvme_read_bytes_per_s > 0)
+    j["nvme"] = {{"read_bytes_per_s", r.nvme_read_bytes_per_s}, {"write_bytes_per_s", r.nvme_write_bytes_per_s}};
+  for (const GemmSample& g : r.gemm)
+    j["gemm"].push_back({{"m", g.m}, {"n", g.n}, {"k", g.k}, {"flops_per_s", g.flops_per_s}});
+  for (const CollectiveCost& c : r.collectives)
+    j["collectives"].push_back({{"op", collective_name(c.op)},
+                                {"group", c.group},
+                                {"latency_s", c.cost.latency_s},
+                                {"bytes_per_s", c.cost.bytes_per_s}});
+  write_file_atomic(path, j.dump(2) + "\n");
+}
+
+MachineRates load_machine_rates(const std::filesystem::path& path) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(path));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(str(path.string(), ": not valid JSON (", e.what(), "); write it again with `loom calibrate`"));
+  }
+  Reader top(path, j);
+  MachineRates r;
+  r.description = top.text("description");
+  {
+    Reader peaks(path, top.take("peak_flops"), "peak_flops");
+    r.peak_flops_fp32 = peaks.number("fp32", true);
+    r.peak_flops_bf16 = peaks.number_or("bf16", true, 0.0);
+    peaks.done();
+  }
+  r.gemm_efficiency = top.number_or("gemm_efficiency", true, 1.0);
+  if (r.gemm_efficiency > 1.0) top.fail("gemm_efficiency", "must be at most 1 (a fraction of peak_flops)");
+  r.memory_bytes_per_s = top.number("memory_bytes_per_s", true);
+  r.device_memory_bytes = top.number("device_memory_bytes", true);
+  r.ranks_per_node = static_cast<int>(top.integer("ranks_per_node"));
+  r.intra_node = top.link("intra_node");
+  r.inter_node = top.has("inter_node") ? top.link("inter_node") : r.intra_node;
+  if (top.has("host_device")) r.host_device = top.link("host_device");
+  if (top.has("nvme")) {
+    Reader nvme(path, top.take("nvme"), "nvme");
+    r.nvme_read_bytes_per_s = nvme.number("read_bytes_per_s", true);
+    r.nvme_write_bytes_per_s = nvme.number("write_bytes_per_s", true);
+    nvme.done();
+  }
+  if (top.has("gemm")) {
+    const nlohmann::json& list = top.take("gemm");
+    if (!list.is_array()) top.fail("gemm", "must be a list of {m, n, k, flops_per_s}");
+    for (size_t i = 0; i < list.size(); ++i) {
+      Reader g(path, list[i], str("gemm[", i, "]"));
+      r.gemm.push_back({g.integer("m"), g.integer("n"), g.integer("k"), g.number("flops_per_s", true)});
+      g.done();
+    }
+    // Interpolation reads every corner of the grid the samples span.
+    const size_t grid = axis(r.gemm, &GemmSample::m).size() * axis(r.gemm, &GemmSample::n).size() *
+                        axis(r.gemm, &GemmSample::k).size();
+    std::set<std::tuple<int64_t, int64_t, int64_t>> have;
+    for (const GemmSample& g : r.gemm) have.insert({g.m, g.n, g.k});
+    if (have.size() != r.gemm.size() || have.size() != grid)
+      top.fail("gemm", "must hold each (m, n, k) of a full grid exactly once");
+  }
+  if (top.has("collectives")) {
+    const nlohmann::json& list = top.take("collectives");
+    if (!list.is_array()) top.fail("collectives", "must be a list of {op, group, latency_s, bytes_per_s}");
+    for (size_t i = 0; i < list.size(); ++i) {
+      Reader c(path, list[i], str("collectives[", i, "]"));
+      const std::string op = c.text("op");
+      const Collective* found = std::find_if(std::begin(kCollectives), std::end(kCollectives),
+                                             [&](Collective x) { return op == collective_name(x); });
+      if (found == std::end(kCollectives))
+        c.fail(c.name("op"), str("'", op, "' is not all_reduce, reduce_scatter, all_gather or send_recv"));
+      const int group = static_cast<int>(c.integer("group"));
+      r.collectives.push_back({*found, group, LinkCost{c.number("latency_s", false), c.number("bytes_per_s", true)}});
+      c.done();
+    }
+  }
+  top.done();
+  return r;
+}
+
+}  // namespace loom

@@ -1,0 +1,173 @@
+// MachineRates: pricing GEMMs and collectives, the rates file (calibrations
+// and the shipped hardware descriptions), and a small real calibration.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+
+#include "loom/io.h"
+#include "loom/planner.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::error_of;
+
+// A rate that is a power law of the shape, which log-space interpolation
+// reproduces exactly between grid points.
+double power_law_rate(int64_t m, int64_t n, int64_t k) {
+  return 1e9 * std::pow(static_cast<double>(m), 0.3) * std::pow(static_cast<double>(n), 0.2) *
+         std::pow(static_cast<double>(k), 0.1);
+}
+
+MachineRates synthetic() {
+  MachineRates r;
+  r.description = "synthetic";
+  for (int64_t m : {64, 1024})
+    for (int64_t n : {64, 512, 4096})
+      for (int64_t k : {128, 2048}) r.gemm.push_back({m, n, k, power_law_rate(m, n, k)});
+  r.peak_flops_fp32 = 5e11;
+  r.memory_bytes_per_s = 2e10;
+  r.device_memory_bytes = 1e10;
+  r.ranks_per_node = 4;
+  r.intra_node = {1e-6, 1e10};
+  r.inter_node = {5e-6, 1e9};
+  r.collectives.push_back({Collective::all_reduce, 2, {2e-6, 4e9}});
+  return r;
+}
+
+TEST(MachineRates, GemmTimeInterpolatesInLogSpaceAndClampsToTheGrid) {
+  const MachineRates r = synthetic();
+  auto flops = [](double m, double n, double k) { return 2 * m * n * k; };
+  // On the grid and between its points (a power law is linear in log space).
+  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{64, 512, 128}, {256, 100, 700}, {1000, 4000, 2000}})
+    EXPECT_NEAR(r.gemm_seconds(m, n, k) / (flops(m, n, k) / power_law_rate(m, n, k)), 1.0, 1e-9) << m << " " << n;
+  // Beyond the grid a product runs at the rate of the nearest edge.
+  EXPECT_NEAR(r.gemm_seconds(8192, 8192, 8192) / (flops(8192, 8192, 8192) / power_law_rate(1024, 4096, 2048)), 1.0,
+              1e-9);
+  EXPECT_NEAR(r.gemm_seconds(1, 1, 1) / (flops(1, 1, 1) / power_law_rate(64, 64, 128)), 1.0, 1e-9);
+  // Without samples (a hardware file): peak times efficiency.
+  MachineRates hw = r;
+  hw.gemm.clear();
+  hw.gemm_efficiency = 0.5;
+  EXPECT_DOUBLE_EQ(hw.gemm_seconds(100, 200, 300), flops(100, 200, 300) / 2.5e11);
+}
+
+TEST(MachineRates, CollectivesUseTheMeasuredFitElseARingOverTheRightLink) {
+  const MachineRates r = synthetic();
+  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::all_reduce, 1e6, 2), 2e-6 + 1e6 / 4e9);
+  EXPECT_EQ(r.collective_seconds(Collective::all_reduce, 1e6, 1), 0.0);
+  // Not measured on 4 ranks: a ring on the intra-node link.
+  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::all_reduce, 1e6, 4), 2 * 3 * (1e-6 + 0.25e6 / 1e10));
+  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::all_gather, 1e6, 4), 3 * (1e-6 + 0.25e6 / 1e10));
+  // Past a node: the inter-node link.
+  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::reduce_scatter, 8e6, 8), 7 * (5e-6 + 1e6 / 1e9));
+  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::send_recv, 1e6, 8), 5e-6 + 1e6 / 1e9);
+}
+
+TEST(MachineRates, FileRoundTripsEveryField) {
+  testing::TempDir dir;
+  MachineRates r = synthetic();
+  r.peak_flops_bf16 = 1e12;
+  r.gemm_efficiency = 0.9;
+  r.host_device = {1e-5, 3e10};
+  r.nvme_read_bytes_per_s = 2e9;
+  r.nvme_write_bytes_per_s = 1e9;
+  r.collectives.push_back({Collective::send_recv, 2, {0.0, 7e9}});
+  save_machine_rates(r, dir.path() / "rates.json");
+  const MachineRates back = load_machine_rates(dir.path() / "rates.json");
+  EXPECT_EQ(back.description, r.description);
+  ASSERT_EQ(back.gemm.size(), r.gemm.size());
+  for (size_t i = 0; i < r.gemm.size(); ++i) {
+    EXPECT_EQ(back.gemm[i].m, r.gemm[i].m);
+    EXPECT_EQ(back.gemm[i].flops_per_s, r.gemm[i].flops_per_s);
+  }
+  ASSERT_EQ(back.collectives.size(), 2u);
+  EXPECT_EQ(back.collectives[1].op, Collective::send_recv);
+  EXPECT_EQ(back.collectives[1].cost.bytes_per_s, 7e9);
+  EXPECT_EQ(back.peak_flops_bf16, 1e12);
+  EXPECT_EQ(back.gemm_efficiency, 0.9);
+  EXPECT_EQ(back.host_device.bytes_per_s, 3e10);
+  EXPECT_EQ(back.nvme_write_bytes_per_s, 1e9);
+  EXPECT_EQ(back.inter_node.latency_s, 5e-6);
+  EXPECT_EQ(back.ranks_per_node, 4);
+}
+
+TEST(MachineRates, ShippedHardwareFilesLoad) {
+  int files = 0;
+  for (const fs::directory_entry& e : fs::directory_iterator(LOOM_SOURCE_DIR "/hardware")) {
+    SCOPED_TRACE(e.path().string());
+    const MachineRates r = load_machine_rates(e.path());
+    EXPECT_GT(r.peak_flops_bf16, r.peak_flops_fp32);
+    EXPECT_GT(r.intra_node.bytes_per_s, r.inter_node.bytes_per_s);
+    EXPECT_TRUE(r.gemm.empty());
+    ++files;
+  }
+  EXPECT_GE(files, 2);
+}
+
+TEST(MachineRates, BadFilesNameTheFileAndTheField) {
+  testing::TempDir dir;
+  const fs::path good = dir.path() / "good.json";
+  save_machine_rates(synthetic(), good);
+  const std::string text = read_file(good);
+  auto error_with = [&](const std::string& from, const std::string& to) {
+    const fs::path bad = dir.path() / "bad.json";
+    std::string edited = text;
+    const size_t at = edited.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    edited.replace(at, from.size(), to);
+    write_file_atomic(bad, edited);
+    return error_of([&] { load_machine_rates(bad); });
+  };
+  std::string e = error_with("\"memory_bytes_per_s\"", "\"memory_bytes_per_sec\"");
+  EXPECT_NE(e.find("bad.json: memory_bytes_per_s is missing"), std::string::npos) << e;
+  e = error_with("\"ranks_per_node\": 4", "\"ranks_per_node\": 4, \"ranks_per_nod\": 4");
+  EXPECT_NE(e.find("ranks_per_nod is not a known field"), std::string::npos) << e;
+  e = error_with("\"op\": \"all_reduce\"", "\"op\": \"allreduce\"");
+  EXPECT_NE(e.find("collectives[0].op 'allreduce' is not all_reduce"), std::string::npos) << e;
+  e = error_with("\"bytes_per_s\": 10000000000.0", "\"bytes_per_s\": -1");
+  EXPECT_NE(e.find("intra_node.bytes_per_s must be a positive number"), std::string::npos) << e;
+  e = error_with("\"description\"", "\"description\": 1, \"x\"");
+  EXPECT_NE(e.find("description must be a string"), std::string::npos) << e;
+  e = error_with("{", "[");
+  EXPECT_NE(e.find("not valid JSON"), std::string::npos) << e;
+  // A grid with a corner missing cannot be interpolated.
+  MachineRates holed = synthetic();
+  holed.gemm.pop_back();
+  save_machine_rates(holed, dir.path() / "holed.json");
+  e = error_of([&] { load_machine_rates(dir.path() / "holed.json"); });
+  EXPECT_NE(e.find("gemm must hold each (m, n, k) of a full grid exactly once"), std::string::npos) << e;
+}
+
+TEST(Calibration, MeasuresEveryRateOnASmallGrid) {
+  CalibrationOptions o;
+  o.gemm_sizes = {16, 64};
+  o.groups = {2};
+  o.memory_bytes = 1 << 20;
+  std::vector<std::string> lines;
+  o.progress = [&](const std::string& line) { lines.push_back(line); };
+  const MachineRates r = calibrate_machine(o);
+  ASSERT_EQ(r.gemm.size(), 8u);
+  for (const GemmSample& g : r.gemm) EXPECT_GT(g.flops_per_s, 0.0);
+  EXPECT_GT(r.peak_flops_fp32, 0.0);
+  EXPECT_GT(r.memory_bytes_per_s, 0.0);
+  EXPECT_GT(r.device_memory_bytes, 0.0);
+  ASSERT_EQ(r.collectives.size(), 4u);
+  for (const CollectiveCost& c : r.collectives) {
+    EXPECT_EQ(c.group, 2);
+    EXPECT_GT(c.cost.bytes_per_s, 0.0);
+    EXPECT_GE(c.cost.latency_s, 0.0);
+  }
+  EXPECT_GT(r.intra_node.bytes_per_s, 0.0);
+  EXPECT_EQ(lines.size(), 3u);  // gemm, memory, collectives
+  // What calibrate measured, the planner reads back.
+  testing::TempDir dir;
+  save_machine_rates(r, dir.path() / "c.json");
+  EXPECT_EQ(load_machine_rates(dir.path() / "c.json").gemm.size(), 8u);
+}
+
+}  // namespace
+}  // namespace loom
