@@ -56,7 +56,7 @@ struct Settings {
   int steps = 3;
 };
 
-struct Layout {
+struct MeshLayout {
   int dp = 1, tp = 1, pp = 1;
   PipelineSchedule schedule = PipelineSchedule::one_f_one_b;
   int virtual_stages = 1;
@@ -108,7 +108,7 @@ struct Figures {
   float loss = 0;
 };
 
-TrainOptions options(const Settings& s, const Layout& l) {
+TrainOptions options(const Settings& s, const MeshLayout& l) {
   TrainOptions o;
   o.schedule.max_lr = 1e-4f;
   o.schedule.total_steps = s.steps + 1;
@@ -139,7 +139,7 @@ std::vector<MicroBatch> replica_micro_batches(const std::vector<int32_t>& data, 
 class Reference {
  public:
   Reference(const Settings& s, const std::vector<int32_t>& data)
-      : steps_(s.steps), trainer_(s.model, options(s, Layout{})), mbs_(replica_micro_batches(data, s, 1, 0)) {
+      : steps_(s.steps), trainer_(s.model, options(s, MeshLayout{})), mbs_(replica_micro_batches(data, s, 1, 0)) {
     trainer_.step(mbs_);  // warm-up: first touches, BLAS buffers
     Allocator& device = MemoryContext::current().tier(Tier::device);
     device.reset_peak();
@@ -178,7 +178,7 @@ struct RankSteps {
   float loss = 0;
 };
 
-Figures run_layout(const Settings& s, const Layout& l, const std::vector<int32_t>& data) {
+Figures run_layout(const Settings& s, const MeshLayout& l, const std::vector<int32_t>& data) {
   std::vector<RankSteps> ranks(static_cast<size_t>(l.ranks()));
   run_local(l.ranks(), [&](Communicator& world) {
     MeshShape shape;
@@ -237,7 +237,7 @@ Figures run_layout(const Settings& s, const Layout& l, const std::vector<int32_t
   return f;
 }
 
-std::vector<Layout> layouts() {
+std::vector<MeshLayout> layouts() {
   using S = PipelineSchedule;
   return {
       {.dp = 8},
@@ -304,7 +304,7 @@ int main(int argc, char** argv) {
       double reference_s = 0, textbook = 0;
     };
     std::vector<Row> rows;
-    for (const Layout& l : layouts()) {
+    for (const MeshLayout& l : layouts()) {
       Row row{l.name(), str(l.micro_batches(s)), l.unfit(s), {}, 0, l.textbook_bubble(s)};
       if (row.skipped.empty()) {
         row.reference_s = reference.time_steps();

@@ -199,9 +199,15 @@ struct MachineRates {
   LinkCost host_device;              // zero bandwidth: the device is the host
   double nvme_read_bytes_per_s = 0.0, nvme_write_bytes_per_s = 0.0;  // 0: not measured
 
-  // Seconds of one fp32 GEMM: interpolated in log space between the measured
-  // shapes (clamped to the grid), or peak_flops_fp32 * gemm_efficiency.
-  double gemm_seconds(int64_t m, int64_t n, int64_t k) const;
+  // Local ranks share this machine's device (a calibrated CPU: ranks are
+  // threads dividing its cores), rather than having one each (GPUs).
+  bool shared_by_local_ranks = false;
+
+  // Seconds of one GEMM in `precision`: interpolated in log space between
+  // the measured shapes (clamped to the grid; the CPU backend computes every
+  // precision's GEMMs in fp32, which is what was measured), or, from a
+  // hardware file, the precision's peak * gemm_efficiency.
+  double gemm_seconds(int64_t m, int64_t n, int64_t k, DType precision = DType::f32) const;
   // Seconds of a collective over `group` ranks moving a buffer of `bytes`
   // per rank: the measured fit for that op and group where there is one,
   // else a ring over the intra-node link (group <= ranks_per_node) or the
@@ -224,6 +230,59 @@ struct CalibrationOptions {
 // and the NVMe rates when a directory is given. About half a minute with the
 // defaults on a small CPU.
 MachineRates calibrate_machine(const CalibrationOptions& options);
+
+// ---------------------------------------------------------------------------
+// Step time
+// ---------------------------------------------------------------------------
+
+// One micro-batch's forward and backward seconds on each virtual stage, and
+// the seconds an activation (or its gradient) takes from one rank to the next.
+struct PipelineCosts {
+  std::vector<double> forward_s, backward_s;  // per virtual stage
+  double transfer_s = 0.0;
+};
+
+// A pipeline step as the schedule runs it, action by action.
+struct PipelineTimeline {
+  struct Span {
+    int rank = 0;
+    PipelineAction action;
+    double start_s = 0.0, end_s = 0.0;
+  };
+  bool completed = false;  // false: the ranks' schedules deadlock
+  double makespan_s = 0.0;
+  std::vector<double> busy_s;  // per pipeline rank
+  std::vector<Span> spans;     // every action of every rank
+};
+
+// Runs every pipeline rank's pipeline_actions in order, each action as soon
+// as its rank is free and its input has arrived (transfer_s after the
+// neighbour finished): run_pipeline's timeline for these costs.
+PipelineTimeline simulate_pipeline(PipelineSchedule schedule, int stages, int micro_batches, int chunks,
+                                   const PipelineCosts& costs);
+
+// The predicted step of a layout on a machine, for its busiest rank.
+struct StepTimePrediction {
+  double compute_s = 0.0;        // forward, backward and recompute work
+  double communication_s = 0.0;  // exposed: tp/sp collectives, pipeline sends, dp/ZeRO not hidden by compute
+  double bubble_s = 0.0;         // pipeline idle, sends included
+  double transfer_s = 0.0;       // host/NVMe traffic of offloaded state
+  double optimizer_s = 0.0;      // gradient norm, AdamW and its collectives
+  double step_s = 0.0;
+  double tokens_per_s = 0.0;
+  double mfu = 0.0;  // model FLOPs (planner.h's count) over the step's peak FLOPs
+  PipelineTimeline pipeline;
+};
+
+// Prices every piece of a step with `rates`: each GEMM by its rank-local
+// shape, attention at the rate of a (T, T, head_dim) GEMM, memory-bound
+// kernels by the bytes they read and write, each collective by its alpha-beta
+// cost over its group, and the pipeline by simulating its schedule. Local
+// ranks that share the device (rates.shared_by_local_ranks) get 1 / ranks of
+// it each. Offloaded state (memory.policy static/auto) is priced at zero
+// transfer time: the time model does not yet follow chunk traffic.
+StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout& layout, DType precision,
+                                     const MachineRates& rates, int64_t bucket_bytes);
 
 // JSON, written atomically. load_machine_rates reads what save wrote and
 // hardware description files alike, and throws Error naming the file and

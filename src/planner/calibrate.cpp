@@ -188,6 +188,7 @@ MachineRates calibrate_machine(const CalibrationOptions& options) {
   // Local ranks are threads of one process: the link between them is
   // memory, priced by the measured point-to-point fit.
   rates.ranks_per_node = *std::max_element(options.groups.begin(), options.groups.end());
+  rates.shared_by_local_ranks = true;
   for (const CollectiveCost& c : rates.collectives)
     if (c.op == Collective::send_recv) rates.intra_node = rates.inter_node = c.cost;
   if (!options.nvme_dir.empty()) {

@@ -55,9 +55,12 @@ const char* collective_name(Collective op) {
   return "?";
 }
 
-double MachineRates::gemm_seconds(int64_t m, int64_t n, int64_t k) const {
+double MachineRates::gemm_seconds(int64_t m, int64_t n, int64_t k, DType precision) const {
   const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  if (gemm.empty()) return flops / (peak_flops_fp32 * gemm_efficiency);
+  if (gemm.empty()) {
+    const double peak = precision != DType::f32 && peak_flops_bf16 > 0 ? peak_flops_bf16 : peak_flops_fp32;
+    return flops / (peak * gemm_efficiency);
+  }
   // Trilinear in (log m, log n, log k) over log(rate): rates change by
   // orders of magnitude between small and large products.
   const std::vector<int64_t> ms = axis(gemm, &GemmSample::m), ns = axis(gemm, &GemmSample::n),
@@ -168,6 +171,7 @@ void save_machine_rates(const MachineRates& r, const std::filesystem::path& path
                       {"memory_bytes_per_s", r.memory_bytes_per_s},
                       {"device_memory_bytes", r.device_memory_bytes},
                       {"ranks_per_node", r.ranks_per_node},
+                      {"shared_by_local_ranks", r.shared_by_local_ranks},
                       {"intra_node", link_json(r.intra_node)},
                       {"inter_node", link_json(r.inter_node)}};
   if (r.peak_flops_bf16 > 0) j["peak_flops"]["bf16"] = r.peak_flops_bf16;
@@ -205,6 +209,11 @@ MachineRates load_machine_rates(const std::filesystem::path& path) {
   r.memory_bytes_per_s = top.number("memory_bytes_per_s", true);
   r.device_memory_bytes = top.number("device_memory_bytes", true);
   r.ranks_per_node = static_cast<int>(top.integer("ranks_per_node"));
+  if (top.has("shared_by_local_ranks")) {
+    const nlohmann::json& v = top.take("shared_by_local_ranks");
+    if (!v.is_boolean()) top.fail("shared_by_local_ranks", "must be true or false");
+    r.shared_by_local_ranks = v.get<bool>();
+  }
   r.intra_node = top.link("intra_node");
   r.inter_node = top.has("inter_node") ? top.link("inter_node") : r.intra_node;
   if (top.has("host_device")) r.host_device = top.link("host_device");

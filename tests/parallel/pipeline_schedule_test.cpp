@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "loom/parallel.h"
+#include "loom/planner.h"
 #include "test_util.h"
 
 namespace loom {
@@ -12,22 +13,22 @@ namespace {
 
 using Kind = PipelineAction::Kind;
 
-struct Layout {
+struct ScheduleCase {
   PipelineSchedule schedule;
   int stages;
   int micro_batches;
   int chunks;
 };
 
-std::string describe(const Layout& l) {
+std::string describe(const ScheduleCase& l) {
   return str(pipeline_schedule_name(l.schedule), " stages ", l.stages, " micro-batches ", l.micro_batches, " chunks ",
              l.chunks);
 }
 
 // Every layout the schedules must handle, including the edge cases of a
 // single stage, a single micro-batch and fewer micro-batches than stages.
-std::vector<Layout> layouts() {
-  std::vector<Layout> all;
+std::vector<ScheduleCase> layouts() {
+  std::vector<ScheduleCase> all;
   for (int stages : {1, 2, 3, 4, 8})
     for (int m = 1; m <= 3 * stages; ++m) {
       all.push_back({PipelineSchedule::gpipe, stages, m, 1});
@@ -76,7 +77,7 @@ TEST(PipelineSchedule, NamesRoundTripAndUnknownNamesListTheKnownOnes) {
 }
 
 TEST(PipelineSchedule, EveryUnitRunsOnceForwardsBeforeBackwardsInMicroBatchOrder) {
-  for (const Layout& l : layouts())
+  for (const ScheduleCase& l : layouts())
     for (int stage = 0; stage < l.stages; ++stage) {
       const std::vector<PipelineAction> actions =
           pipeline_actions(l.schedule, l.stages, stage, l.micro_batches, l.chunks);
@@ -103,7 +104,7 @@ TEST(PipelineSchedule, EveryUnitRunsOnceForwardsBeforeBackwardsInMicroBatchOrder
 }
 
 TEST(PipelineSchedule, OneFOneBKeepsAtMostStagesMinusStageMicroBatchesInFlight) {
-  for (const Layout& l : layouts()) {
+  for (const ScheduleCase& l : layouts()) {
     if (l.schedule != PipelineSchedule::one_f_one_b) continue;
     for (int stage = 0; stage < l.stages; ++stage) {
       int in_flight = 0, most = 0;
@@ -134,54 +135,13 @@ TEST(PipelineSchedule, ExactOrders) {
   EXPECT_EQ(single, parse("F0 F1 F1.0 F1.1 B1.0 B1.1 B0 B1")) << format(single);
 }
 
-// Every rank runs its actions in order as soon as the action's input exists,
-// with no communication time: what run_pipeline does with asynchronous sends
-// and receives that block in action order.
-struct Simulation {
-  bool completed = false;
-  int64_t makespan = 0;
-  std::vector<int64_t> busy;  // per rank
-};
-
-Simulation simulate(const Layout& l, int64_t forward_time, int64_t backward_time) {
-  const int V = l.stages * l.chunks;
-  std::vector<std::vector<PipelineAction>> actions;
-  for (int s = 0; s < l.stages; ++s)
-    actions.push_back(pipeline_actions(l.schedule, l.stages, s, l.micro_batches, l.chunks));
-  // finished[kind][virtual stage * micro_batches + micro-batch], -1 until done.
-  std::vector<std::vector<int64_t>> finished(2, std::vector<int64_t>(static_cast<size_t>(V * l.micro_batches), -1));
-  auto finish = [&](Kind kind, int virtual_stage, int mb) -> int64_t& {
-    return finished[kind == Kind::forward ? 0 : 1][static_cast<size_t>(virtual_stage * l.micro_batches + mb)];
-  };
-  std::vector<size_t> next(static_cast<size_t>(l.stages), 0);
-  std::vector<int64_t> clock(static_cast<size_t>(l.stages), 0);
-  Simulation sim;
-  sim.busy.assign(static_cast<size_t>(l.stages), 0);
-  for (bool progress = true; progress;) {
-    progress = false;
-    for (int s = 0; s < l.stages; ++s) {
-      const auto r = static_cast<size_t>(s);
-      for (; next[r] < actions[r].size(); ++next[r]) {
-        const PipelineAction& a = actions[r][next[r]];
-        const int vs = a.chunk * l.stages + s;
-        int64_t ready = 0;
-        if (a.kind == Kind::forward && vs > 0) ready = finish(Kind::forward, vs - 1, a.micro_batch);
-        if (a.kind == Kind::backward)
-          ready = vs < V - 1 ? finish(Kind::backward, vs + 1, a.micro_batch) : finish(Kind::forward, vs, a.micro_batch);
-        if (ready < 0) break;
-        const int64_t duration = a.kind == Kind::forward ? forward_time : backward_time;
-        clock[r] = std::max(clock[r], ready) + duration;
-        sim.busy[r] += duration;
-        finish(a.kind, vs, a.micro_batch) = clock[r];
-        progress = true;
-      }
-    }
-  }
-  sim.completed = true;
-  for (int s = 0; s < l.stages; ++s)
-    sim.completed = sim.completed && next[static_cast<size_t>(s)] == actions[static_cast<size_t>(s)].size();
-  sim.makespan = *std::max_element(clock.begin(), clock.end());
-  return sim;
+// The planner's simulate_pipeline runs every rank's actions in order as soon
+// as each action's input exists: what run_pipeline does with asynchronous
+// sends and receives that block in action order.
+PipelineTimeline simulate(const ScheduleCase& l, double forward_time, double backward_time) {
+  const size_t V = static_cast<size_t>(l.stages * l.chunks);
+  return simulate_pipeline(l.schedule, l.stages, l.micro_batches, l.chunks,
+                           PipelineCosts{std::vector<double>(V, forward_time), std::vector<double>(V, backward_time)});
 }
 
 // With forward time 1 and backward time 2 per chunk, every rank of every
@@ -191,25 +151,26 @@ Simulation simulate(const Layout& l, int64_t forward_time, int64_t backward_time
 // interleaving with v chunks (p-1)/(v m + p - 1), since a rank waits for p - 1
 // chunk forwards and backwards, each 1/v of a stage's.
 TEST(PipelineSchedule, SimulatedStepsFinishWithTheTextbookBubble) {
-  for (const Layout& l : layouts()) {
-    const Simulation sim = simulate(l, 1, 2);
+  for (const ScheduleCase& l : layouts()) {
+    const PipelineTimeline sim = simulate(l, 1, 2);
     ASSERT_TRUE(sim.completed) << "deadlock: " << describe(l);
     const int64_t p = l.stages, m = l.micro_batches, v = l.chunks;
     const int64_t steps = l.schedule == PipelineSchedule::interleaved_1f1b ? v * m + p - 1 : m + p - 1;
     for (int s = 0; s < l.stages; ++s) {
-      const int64_t idle = sim.makespan - sim.busy[static_cast<size_t>(s)];
+      // Whole numbers of time units: exact in doubles.
+      const double idle = sim.makespan_s - sim.busy_s[static_cast<size_t>(s)];
       // idle / makespan == (p - 1) / steps, exactly.
-      EXPECT_EQ(idle * steps, sim.makespan * (p - 1))
-          << describe(l) << " stage " << s << ": idle " << idle << " of " << sim.makespan;
+      EXPECT_EQ(idle * static_cast<double>(steps), sim.makespan_s * static_cast<double>(p - 1))
+          << describe(l) << " stage " << s << ": idle " << idle << " of " << sim.makespan_s;
     }
   }
   // The same work per rank (2 chunks at half the time each) idles less when
   // interleaved: 3/19 of the step against 3/11.
-  const Simulation plain = simulate({PipelineSchedule::one_f_one_b, 4, 8, 1}, 2, 4);
-  const Simulation interleaved = simulate({PipelineSchedule::interleaved_1f1b, 4, 8, 2}, 1, 2);
-  EXPECT_EQ(plain.busy[0], interleaved.busy[0]);
-  EXPECT_EQ(plain.makespan, 66);
-  EXPECT_EQ(interleaved.makespan, 57);
+  const PipelineTimeline plain = simulate({PipelineSchedule::one_f_one_b, 4, 8, 1}, 2, 4);
+  const PipelineTimeline interleaved = simulate({PipelineSchedule::interleaved_1f1b, 4, 8, 2}, 1, 2);
+  EXPECT_EQ(plain.busy_s[0], interleaved.busy_s[0]);
+  EXPECT_EQ(plain.makespan_s, 66);
+  EXPECT_EQ(interleaved.makespan_s, 57);
 }
 
 }  // namespace

@@ -1,0 +1,230 @@
+// The time model: a step priced piece by piece from a machine's rates.
+//
+// A rank's step is its pipeline's makespan (every micro-batch's forward and
+// backward through its layers, with the tensor-parallel collectives inside
+// them, scheduled by simulate_pipeline), then what data parallelism leaves
+// exposed of the gradient reduction, then the optimizer. Each piece follows
+// what loom's modules do (src/nn, src/zero): the shapes below are the
+// rank-local GEMM shapes of the column/row-parallel layers, the collectives
+// the ones the layers and stores issue.
+#include <algorithm>
+
+#include "loom/planner.h"
+
+namespace loom {
+
+namespace {
+
+constexpr double kF32 = 4.0;  // activations are fp32 in every precision
+
+// One linear layer's GEMMs for N rows: forward (N, out, in), and backward's
+// input gradient (N, in, out) and weight gradient (out, in, N).
+struct Linear {
+  int64_t in = 0, out = 0;
+  double forward(const MachineRates& r, int64_t N, DType p) const { return r.gemm_seconds(N, out, in, p); }
+  double backward(const MachineRates& r, int64_t N, DType p, bool weight_gradient) const {
+    return r.gemm_seconds(N, in, out, p) + (weight_gradient ? r.gemm_seconds(out, in, N, p) : 0.0);
+  }
+};
+
+// What one micro-batch costs on one rank, split the way the prediction
+// reports it.
+struct Cost {
+  double compute_s = 0.0, communication_s = 0.0;
+  Cost& operator+=(const Cost& o) {
+    compute_s += o.compute_s;
+    communication_s += o.communication_s;
+    return *this;
+  }
+  double total() const { return compute_s + communication_s; }
+};
+
+struct Shapes {
+  const GPTConfig& m;
+  int64_t B, T, N;  // micro-batch sequences, tokens each, rows
+  int64_t tp;
+  bool sp;
+  double share;  // how many ranks share the device
+  DType precision;
+  const MachineRates& rates;
+};
+
+// A tensor-parallel collective of the whole [N, C] activation.
+double tp_collective(const Shapes& s, Collective op) {
+  return s.rates.collective_seconds(op, kF32 * static_cast<double>(s.N * s.m.n_embd), static_cast<int>(s.tp));
+}
+
+// Bytes-bound work: read plus written bytes at the device's copy rate.
+double memory_seconds(const Shapes& s, double bytes) { return s.share * bytes / s.rates.memory_bytes_per_s; }
+double gemm_seconds(const Shapes& s, double seconds) { return s.share * seconds; }
+
+// One transformer block's forward and backward (with its recomputed forward
+// under activation checkpointing) for one micro-batch.
+std::pair<Cost, Cost> block_cost(const Shapes& s, bool recompute) {
+  const GPTConfig& m = s.m;
+  const int64_t C = m.n_embd, hs = m.head_dim(), t = s.tp;
+  const int64_t kv = m.kv_heads() % t == 0 ? m.kv_heads() / t * hs : hs;  // split, or one shared head
+  const int64_t I = m.intermediate();
+  const bool swiglu = m.mlp == MlpKind::swiglu;
+  const bool trained = !m.lora.enabled();  // a frozen base takes no weight gradient
+  const Linear layers[] = {{C, C / t + 2 * kv}, {C / t, C}, {C, (swiglu ? 2 : 1) * I / t}, {I / t, C}};
+  // Causal attention of this rank's heads: QK^T and PV over half the T x T
+  // scores each, priced at the rate of a (T, T, head_dim) product; its
+  // backward recomputes the scores from the kept log-sum-exp and forms four
+  // products, 2.5 times the forward's work.
+  const double heads = static_cast<double>(m.n_head / t);
+  const double attention_flops = 2.0 * static_cast<double>(s.B) * heads * static_cast<double>(s.T * s.T * hs);
+  const double attention_rate = 2.0 * static_cast<double>(s.T * s.T * hs) / s.rates.gemm_seconds(s.T, s.T, hs, s.precision);
+  const double attention_s = attention_flops / attention_rate;
+  // Memory-bound kernels, fp32 elements read plus written per row: each norm
+  // 2 C, each residual add 3 C (on N / tp rows under sequence parallelism),
+  // and the MLP's activation (GELU 2 I, SwiGLU 3 I) on this rank's columns.
+  const double rows = static_cast<double>(s.sp ? s.N / t : s.N);
+  const double elementwise = kF32 * (rows * 10.0 * static_cast<double>(C) +
+                                     static_cast<double>(s.N) * (swiglu ? 3.0 : 2.0) * static_cast<double>(I / t));
+  Cost forward;
+  for (const Linear& l : layers) forward.compute_s += gemm_seconds(s, l.forward(s.rates, s.N, s.precision));
+  forward.compute_s += gemm_seconds(s, attention_s) + memory_seconds(s, elementwise);
+  // Attention's and the MLP's outputs are summed over the tensor-parallel
+  // ranks; under sequence parallelism their inputs are all-gathered and the
+  // outputs reduce-scattered instead.
+  forward.communication_s =
+      s.sp ? 2.0 * (tp_collective(s, Collective::all_gather) + tp_collective(s, Collective::reduce_scatter))
+           : 2.0 * tp_collective(s, Collective::all_reduce);
+  Cost backward;
+  for (const Linear& l : layers) backward.compute_s += gemm_seconds(s, l.backward(s.rates, s.N, s.precision, trained));
+  backward.compute_s += gemm_seconds(s, 2.5 * attention_s) + memory_seconds(s, 2.0 * elementwise);
+  backward.communication_s = forward.communication_s;
+  if (recompute) backward += forward;
+  return {forward, backward};
+}
+
+// The embedding (first stage) and the final norm, output head and
+// cross-entropy (last stage) for one micro-batch.
+std::pair<Cost, Cost> embedding_cost(const Shapes& s) {
+  const double bytes = kF32 * 2.0 * static_cast<double>(s.N * s.m.n_embd);
+  Cost forward{memory_seconds(s, bytes), 0.0}, backward{memory_seconds(s, bytes), 0.0};
+  // A vocabulary-parallel lookup sums the ranks' rows.
+  forward.communication_s = tp_collective(s, Collective::all_reduce);
+  return {forward, backward};
+}
+
+std::pair<Cost, Cost> head_cost(const Shapes& s) {
+  const int64_t C = s.m.n_embd, V = (s.m.vocab_size + s.tp - 1) / s.tp;
+  const Linear head{C, V};
+  const bool trained = !s.m.lora.enabled();
+  // Logits written, then read by the softmax and overwritten by their
+  // gradient; the final norm's 2 C per row.
+  const double bytes = kF32 * (3.0 * static_cast<double>(s.N * V) + 2.0 * static_cast<double>(s.N * C));
+  Cost forward{gemm_seconds(s, head.forward(s.rates, s.N, s.precision)) + memory_seconds(s, bytes), 0.0};
+  Cost backward{gemm_seconds(s, head.backward(s.rates, s.N, s.precision, trained)) + memory_seconds(s, bytes), 0.0};
+  // Vocabulary-parallel cross-entropy: the rows' max, sum and target logit.
+  if (s.tp > 1)
+    forward.communication_s = 3.0 * s.rates.collective_seconds(Collective::all_reduce, kF32 * static_cast<double>(s.N),
+                                                               static_cast<int>(s.tp));
+  return {forward, backward};
+}
+
+}  // namespace
+
+StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout& layout, DType precision,
+                                     const MachineRates& rates, int64_t bucket_bytes) {
+  const GPTConfig& m = problem.model;
+  const int64_t world = layout.dp * layout.tp * layout.pp;
+  const int64_t accumulation = problem.global_batch / (layout.dp * layout.micro_batch);
+  const Shapes s{m,
+                 layout.micro_batch,
+                 problem.seq_len,
+                 layout.micro_batch * problem.seq_len,
+                 layout.tp,
+                 layout.sequence_parallel,
+                 rates.shared_by_local_ranks ? static_cast<double>(world) : 1.0,
+                 precision,
+                 rates};
+  StepTimePrediction p;
+
+  // The pipeline: each virtual stage's layers, the embedding before the
+  // first and the head after the last.
+  const int V = static_cast<int>(layout.pp * layout.virtual_stages);
+  const std::vector<int> layers = pipeline_stage_layers(m, problem.seq_len, V, {});
+  const auto [block_forward, block_backward] = block_cost(s, layout.recompute);
+  const auto [embed_forward, embed_backward] = embedding_cost(s);
+  const auto [head_forward, head_backward] = head_cost(s);
+  PipelineCosts costs;
+  Cost per_micro_batch;  // the busiest rank's compute and communication, for the split
+  std::vector<Cost> rank_cost(static_cast<size_t>(layout.pp));
+  for (int v = 0; v < V; ++v) {
+    Cost f, b;
+    for (int l = 0; l < layers[static_cast<size_t>(v)]; ++l) {
+      f += block_forward;
+      b += block_backward;
+    }
+    if (v == 0) {
+      f += embed_forward;
+      b += embed_backward;
+    }
+    if (v == V - 1) {
+      f += head_forward;
+      b += head_backward;
+    }
+    costs.forward_s.push_back(f.total());
+    costs.backward_s.push_back(b.total());
+    rank_cost[static_cast<size_t>(v % layout.pp)] += f;
+    rank_cost[static_cast<size_t>(v % layout.pp)] += b;
+  }
+  const double activation_bytes =
+      kF32 * static_cast<double>(s.N * m.n_embd) / (layout.sequence_parallel ? static_cast<double>(layout.tp) : 1.0);
+  costs.transfer_s = rates.collective_seconds(Collective::send_recv, activation_bytes, 2);
+  p.pipeline = simulate_pipeline(layout.pp > 1 ? layout.schedule : PipelineSchedule::gpipe,
+                                 static_cast<int>(layout.pp), static_cast<int>(accumulation),
+                                 static_cast<int>(layout.virtual_stages), costs);
+  LOOM_CHECK(p.pipeline.completed, "the pipeline schedule of a valid layout deadlocks in simulation");
+  const size_t busiest = static_cast<size_t>(
+      std::max_element(p.pipeline.busy_s.begin(), p.pipeline.busy_s.end()) - p.pipeline.busy_s.begin());
+  per_micro_batch = rank_cost[busiest];
+  p.compute_s = static_cast<double>(accumulation) * per_micro_batch.compute_s;
+  p.communication_s = static_cast<double>(accumulation) * per_micro_batch.communication_s;
+  p.bubble_s = p.pipeline.makespan_s - p.pipeline.busy_s[busiest];
+
+  // Data parallelism: this rank's share of the trainable parameters.
+  const double trainable = static_cast<double>(m.num_trainable_params()) / static_cast<double>(layout.tp * layout.pp);
+  const double element = static_cast<double>(dtype_size(precision));
+  const int dp = static_cast<int>(layout.dp);
+  double reduction = 0.0, gathers = 0.0;
+  if (dp > 1) {
+    const double grad_bytes = trainable * element;
+    reduction = layout.zero_stage == 0 ? rates.collective_seconds(Collective::all_reduce, grad_bytes, dp)
+                                       : rates.collective_seconds(Collective::reduce_scatter, grad_bytes, dp);
+    // Stages 1-2 publish the updated shards once a step; stage 3 gathers
+    // each group before its forward and again before its backward, every
+    // micro-batch.
+    if (layout.zero_stage == 1 || layout.zero_stage == 2)
+      gathers = rates.collective_seconds(Collective::all_gather, grad_bytes, dp);
+    if (layout.zero_stage == 3)
+      gathers = 2.0 * static_cast<double>(accumulation) * rates.collective_seconds(Collective::all_gather, grad_bytes, dp);
+  }
+  // Gradient buckets reduce while the last micro-batch's backward runs; what
+  // outlasts it, and at least the last bucket, is exposed.
+  const double last_backward = costs.backward_s[busiest];
+  const double buckets = std::max(1.0, trainable * element / static_cast<double>(bucket_bytes));
+  const double exposed_reduction =
+      dp > 1 ? std::max(reduction / buckets, reduction - last_backward) : 0.0;
+  p.communication_s += exposed_reduction + gathers;
+
+  // AdamW over this rank's shard: parameters, gradients and both moments
+  // read, the parameters and moments written (fp32, 28 bytes), the working
+  // copy rewritten below fp32; the gradient norm reads the gradients once more.
+  const double shard = layout.zero_stage >= 1 ? trainable / static_cast<double>(dp) : trainable;
+  const double optimizer_bytes = shard * (28.0 + 4.0 + (precision == DType::f32 ? 0.0 : 2.0 * element));
+  p.optimizer_s = memory_seconds(s, optimizer_bytes);
+
+  p.step_s = p.pipeline.makespan_s + exposed_reduction + gathers + p.optimizer_s;
+  p.tokens_per_s = static_cast<double>(problem.global_batch * problem.seq_len) / p.step_s;
+  const double peak = (precision != DType::f32 && rates.peak_flops_bf16 > 0 ? rates.peak_flops_bf16
+                                                                             : rates.peak_flops_fp32) *
+                      (rates.shared_by_local_ranks ? 1.0 : static_cast<double>(world));
+  p.mfu = training_flops_per_step(m, problem.global_batch, problem.seq_len) / (p.step_s * peak);
+  return p;
+}
+
+}  // namespace loom

@@ -1,0 +1,143 @@
+// The time model's accounting on synthetic rates, where each piece has a
+// closed form: GEMM work by shape, recompute, tensor-parallel collectives,
+// the pipeline bubble, ZeRO's gathers, and parts that sum to the step.
+#include <gtest/gtest.h>
+
+#include "loom/planner.h"
+
+namespace loom {
+namespace {
+
+// A hardware-file machine (GEMMs at a flat rate) with free memory traffic,
+// so compute time is GEMM and attention work alone.
+MachineRates flat_rates() {
+  MachineRates r;
+  r.description = "synthetic";
+  r.peak_flops_fp32 = 1e12;
+  r.peak_flops_bf16 = 4e12;
+  r.gemm_efficiency = 0.5;
+  r.memory_bytes_per_s = 1e30;
+  r.device_memory_bytes = 1e12;
+  r.ranks_per_node = 8;
+  r.intra_node = {1e-5, 1e10};
+  r.inter_node = {1e-5, 1e9};
+  return r;
+}
+
+LayoutProblem problem() {
+  GPTConfig m;
+  m.n_layer = 4;
+  m.n_head = 4;
+  m.n_embd = 64;
+  m.vocab_size = 256;
+  m.block_size = 64;
+  return LayoutProblem{.model = m, .global_batch = 8, .seq_len = 64};
+}
+
+double sum_of_parts(const StepTimePrediction& p) {
+  return p.compute_s + p.communication_s + p.bubble_s + p.transfer_s + p.optimizer_s;
+}
+
+TEST(StepTime, SingleRankComputeIsTheGemmAndAttentionWork) {
+  const LayoutProblem pr = problem();
+  const MachineRates r = flat_rates();
+  const StepTimePrediction p = predict_step_time(pr, Layout{.micro_batch = 2}, DType::f32, r, 1 << 20);
+  const GPTConfig& m = pr.model;
+  const double N = 8.0 * 64, B = 8, T = 64, C = 64, L = 4, V = 256;
+  // Each weight: 2 flops per row forward, 4 backward; the head's V x C too.
+  // Causal attention: 2 B T^2 C forward, 2.5 times that backward.
+  const double flops = 6.0 * N * (L * layer_matmul_weights(m) + C * V) + 7.0 * B * T * T * C * L;
+  EXPECT_NEAR(p.compute_s * r.peak_flops_fp32 * r.gemm_efficiency / flops, 1.0, 1e-12);
+  EXPECT_EQ(p.communication_s, 0.0);
+  EXPECT_EQ(p.bubble_s, 0.0);
+  EXPECT_NEAR(sum_of_parts(p) / p.step_s, 1.0, 1e-12);
+  EXPECT_GT(p.mfu, 0.0);
+  EXPECT_LT(p.mfu, 1.0);
+  // bf16 GEMMs at the bf16 peak: a quarter of the time here.
+  const StepTimePrediction bf16 = predict_step_time(pr, Layout{.micro_batch = 2}, DType::bf16, r, 1 << 20);
+  EXPECT_NEAR(bf16.compute_s / p.compute_s, 0.25, 1e-12);
+}
+
+TEST(StepTime, RecomputeAddsOneForwardOfTheBlocks) {
+  const LayoutProblem pr = problem();
+  const MachineRates r = flat_rates();
+  const StepTimePrediction plain = predict_step_time(pr, Layout{.micro_batch = 2}, DType::f32, r, 1 << 20);
+  const StepTimePrediction again =
+      predict_step_time(pr, Layout{.micro_batch = 2, .recompute = true}, DType::f32, r, 1 << 20);
+  const double N = 8.0 * 64, B = 8, T = 64, C = 64, L = 4;
+  const double block_forward = 2.0 * N * L * layer_matmul_weights(pr.model) + 2.0 * B * T * T * C * L;
+  EXPECT_NEAR((again.compute_s - plain.compute_s) * 0.5e12 / block_forward, 1.0, 1e-12);
+}
+
+TEST(StepTime, TensorParallelCollectivesFollowTheLayers) {
+  const LayoutProblem pr = problem();
+  const MachineRates r = flat_rates();
+  for (bool sp : {false, true}) {
+    const Layout l{.tp = 2, .sequence_parallel = sp, .micro_batch = 2};
+    const StepTimePrediction p = predict_step_time(pr, l, DType::f32, r, 1 << 20);
+    const double rows = 2.0 * 64, act = 4.0 * rows * 64;
+    // Per block and micro-batch, forward and backward: two all-reduces, or
+    // two all-gathers and two reduce-scatters; the embedding's all-reduce and
+    // the cross-entropy's three of N floats.
+    const double block = sp ? 2 * (r.collective_seconds(Collective::all_gather, act, 2) +
+                                   r.collective_seconds(Collective::reduce_scatter, act, 2))
+                            : 2 * r.collective_seconds(Collective::all_reduce, act, 2);
+    const double per_micro_batch = 4 * 2 * block + r.collective_seconds(Collective::all_reduce, act, 2) +
+                                   3 * r.collective_seconds(Collective::all_reduce, 4.0 * rows, 2);
+    EXPECT_NEAR(p.communication_s / (4 * per_micro_batch), 1.0, 1e-12) << "sp " << sp;
+    EXPECT_NEAR(sum_of_parts(p) / p.step_s, 1.0, 1e-12);
+  }
+}
+
+TEST(StepTime, PipelineBubbleFollowsTheSchedule) {
+  LayoutProblem pr = problem();
+  pr.global_batch = 16;
+  const MachineRates r = flat_rates();
+  const StepTimePrediction one = predict_step_time(pr, Layout{.micro_batch = 1}, DType::f32, r, 1 << 20);
+  for (PipelineSchedule schedule : {PipelineSchedule::gpipe, PipelineSchedule::one_f_one_b}) {
+    const StepTimePrediction p =
+        predict_step_time(pr, Layout{.pp = 2, .schedule = schedule, .micro_batch = 1}, DType::f32, r, 1 << 20);
+    // About half the work per rank, and a bubble near (p-1)/(m+p-1) = 1/17
+    // of the step (the stages' costs differ by the embedding and the head).
+    EXPECT_LT(p.compute_s, 0.6 * one.compute_s);
+    EXPECT_GT(p.bubble_s / p.step_s, 0.5 / 17);
+    EXPECT_LT(p.bubble_s / p.step_s, 2.0 / 17);
+    EXPECT_NEAR(sum_of_parts(p) / p.step_s, 1.0, 1e-12);
+  }
+  const StepTimePrediction interleaved = predict_step_time(
+      pr, Layout{.pp = 2, .schedule = PipelineSchedule::interleaved_1f1b, .virtual_stages = 2, .micro_batch = 1},
+      DType::f32, r, 1 << 20);
+  const StepTimePrediction plain = predict_step_time(pr, Layout{.pp = 2, .micro_batch = 1}, DType::f32, r, 1 << 20);
+  EXPECT_LT(interleaved.bubble_s, plain.bubble_s);
+}
+
+TEST(StepTime, DataParallelReductionAndZeroGathers) {
+  const LayoutProblem pr = problem();
+  const MachineRates r = flat_rates();
+  const StepTimePrediction single = predict_step_time(pr, Layout{.micro_batch = 2}, DType::f32, r, 1 << 20);
+  std::vector<double> comm;
+  for (int stage = 0; stage <= 3; ++stage) {
+    const StepTimePrediction p =
+        predict_step_time(pr, Layout{.dp = 2, .micro_batch = 2, .zero_stage = stage}, DType::f32, r, 1 << 20);
+    EXPECT_NEAR(p.compute_s / single.compute_s, 0.5, 1e-12);  // half the micro-batches each
+    EXPECT_GT(p.communication_s, 0.0);
+    EXPECT_NEAR(sum_of_parts(p) / p.step_s, 1.0, 1e-12);
+    comm.push_back(p.communication_s);
+  }
+  // Stage 3 gathers every group twice per micro-batch; stages 1-2 once a step.
+  EXPECT_GT(comm[3], comm[1]);
+  EXPECT_EQ(comm[1], comm[2]);
+}
+
+TEST(StepTime, LocalRanksSharingTheDeviceEachGetAShare) {
+  const LayoutProblem pr = problem();
+  MachineRates r = flat_rates();
+  const StepTimePrediction own = predict_step_time(pr, Layout{.dp = 2, .micro_batch = 2}, DType::f32, r, 1 << 20);
+  r.shared_by_local_ranks = true;
+  const StepTimePrediction shared =
+      predict_step_time(pr, Layout{.dp = 2, .micro_batch = 2}, DType::f32, r, 1 << 20);
+  EXPECT_NEAR(shared.compute_s / own.compute_s, 2.0, 1e-12);
+}
+
+}  // namespace
+}  // namespace loom
