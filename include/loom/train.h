@@ -384,6 +384,12 @@ EvalResult evaluate(Trainer& trainer, const std::vector<std::filesystem::path>& 
                     int64_t micro_batch, double chars_per_token, int64_t max_batches = 0,
                     const std::vector<std::filesystem::path>& masks = {});
 
+// The exit status of `loom train` when SIGTERM or SIGINT stopped it: every
+// rank finished the step it was in, a checkpoint of that step was written, and
+// `--resume` continues the run bit-exactly. EX_TEMPFAIL of sysexits.h: a
+// scheduler that sees it knows the job is to be started again.
+inline constexpr int kPreemptedExitStatus = 75;
+
 struct RunOptions {
   bool resume = false;
   // A fresh run refuses a train.out_dir that holds a run's checkpoints; with
@@ -391,10 +397,23 @@ struct RunOptions {
   bool overwrite = false;
   int64_t stop_after = 0;  // stop after this step as if interrupted (tests); 0 = run to the end
   bool quiet = false;
+  // Called on every rank after each step, before the ranks agree whether to
+  // stop (tests raise a signal here).
+  std::function<void(int64_t step)> after_step;
+};
+
+struct RunResult {
+  EvalResult final_eval;  // of the whole validation split; empty when the run stopped early
+  int64_t steps_done = 0;
+  // SIGTERM or SIGINT when a signal stopped the run (after steps_done, with
+  // a checkpoint of it); 0 otherwise.
+  int stop_signal = 0;
 };
 // `loom train`: the reference run on this thread, or plan.nproc ranks through
-// launch() (comm.h) of which rank 0 prints, logs and samples. Returns the
-// final validation result (of the whole validation split).
-EvalResult run_training(const Config& cfg, const RunOptions& run);
+// launch() (comm.h) of which rank 0 prints, logs and samples. While it runs,
+// SIGTERM and SIGINT ask it to stop: the ranks agree at the end of each step,
+// write a checkpoint of it and return with stop_signal set; a second signal
+// ends the process at once, as without the handlers.
+RunResult run_training(const Config& cfg, const RunOptions& run);
 
 }  // namespace loom
