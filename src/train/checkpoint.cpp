@@ -116,6 +116,8 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
       f["loss_scale"] = {
           {"scale", ls.scale}, {"clean_steps", ls.clean_steps}, {"hysteresis_left", ls.hysteresis_left}};
     }
+    const LossWatch& lw = t.loss_watch();
+    f["loss_watch"] = {{"mean", lw.mean}, {"steps", lw.steps}, {"skipped_in_a_row", lw.skipped_in_a_row}};
     f["model"] = model_json(t.model().config());
     write_manifest(dir->temp_dir(), f);
     dir->commit();
@@ -195,6 +197,16 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
     state.loss_scale.scale = ls.at("scale").get<float>();
     state.loss_scale.clean_steps = manifest_int(info, ls, "clean_steps");
     state.loss_scale.hysteresis_left = static_cast<int>(manifest_int(info, ls, "hysteresis_left"));
+  }
+  // Saved before the diverging-loss test, a checkpoint has no running mean:
+  // it starts afresh.
+  if (info.fields.contains("loss_watch")) {
+    const nlohmann::json& lw = info.fields.at("loss_watch");
+    if (!lw.is_object() || !lw.contains("mean") || !lw.at("mean").is_number())
+      throw Error(str("manifest of checkpoint '", dir.string(), "' has a malformed 'loss_watch': ", lw.dump()));
+    state.loss_watch.mean = lw.at("mean").get<double>();
+    state.loss_watch.steps = manifest_int(info, lw, "steps");
+    state.loss_watch.skipped_in_a_row = manifest_int(info, lw, "skipped_in_a_row");
   }
   // Read in the pieces the Trainer takes them in (staged on the host tier, so
   // the device high-water mark stays the training's).

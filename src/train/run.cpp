@@ -411,8 +411,20 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
     // before it waits for its kernels.
     if (recorder && plan.trace_steps.contains(done + 1)) ops::synchronize();
     ++window_steps;
+    // A diverging step skipped (train.max_skipped_steps) is always said and
+    // recorded, whatever the log interval.
+    const bool diverged = st.skip != StepSkip::none && st.skip != StepSkip::overflow;
+    if (diverged) {
+      if (tty) std::printf("\n");
+      say(str("step ", done, " skipped: ",
+              st.skip == StepSkip::loss_spike
+                  ? str("loss ", st.loss, " is ", st.loss / st.loss_mean, "x the running mean ", st.loss_mean)
+              : st.skip == StepSkip::non_finite_loss ? str("loss ", st.loss, " is not finite")
+                                                     : str("gradient norm ", st.grad_norm, " is not finite"),
+              " (", trainer.loss_watch().skipped_in_a_row, " in a row)"));
+    }
 
-    if (logged) {
+    if (logged || (root && diverged)) {
       const double now = seconds_now();
       const double step_time = (now - t_window) / static_cast<double>(window_steps);
       const double tok_s = static_cast<double>(tokens_per_step) / step_time;
@@ -430,7 +442,11 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
                                {"host_peak_reserved_bytes", host.peak_reserved()},
                                {"elapsed_s", now - t_start},
                                {"eta_s", eta}};
-      if (placed) {
+      if (diverged) {
+        record["skip"] = step_skip_name(st.skip);
+        record["loss_mean"] = st.loss_mean;
+      }
+      if (placed && logged) {
         const TierTraffic after = trainer.memory_report().traffic;
         auto moved = [&](Tier from, Tier to) { return after.at(from, to) - before.at(from, to); };
         record["host_to_device_bytes"] = moved(Tier::host, Tier::device);
