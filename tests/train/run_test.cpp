@@ -898,5 +898,67 @@ TEST_F(MainJob, TheCommandExitsWithThePreemptedStatusOnSigtermAndResumes) {
   expect_same_weights(*dir_ / "cli-whole", run);
 }
 
+// Data gone bad mid-run: a run on two data-parallel ranks resumes on a
+// dataset of symbols Shakespeare never uses (the same tokenizer), so every
+// step's loss spikes past train.skip_spike_factor times the running mean
+// carried over in the checkpoint (by about 1.7x: the model has learnt the
+// text's tokens, and those symbols are none of them). The first spike is skipped, said and
+// recorded; the second in a row (train.max_skipped_steps = 2) stops the run
+// with an error, and the checkpoint it resumed from stays the latest, intact.
+TEST_F(MainJob, DivergingStepsAreSkippedAndTooManyInARowStopTheRun) {
+  const std::initializer_list<std::string> layout = {
+      "parallel.dp=2", "train.lr=1e-2", "train.steps=30", "train.checkpoint_interval=0",
+      "train.max_skipped_steps=2", "train.skip_spike_factor=1.3"};
+  Config c = config("spike");
+  for (const std::string& o : layout) c.set_override(o);
+  RunOptions stop = quiet();
+  stop.stop_after = 20;
+  run_training(c, stop);
+  const fs::path run = *dir_ / "spike";
+  EXPECT_TRUE(records_with(run / "metrics.jsonl", "skip").empty());
+
+  std::string symbols;
+  uint64_t x = 7;
+  for (int i = 0; i < 40000; ++i) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    symbols += "#@%&*~^|<>{}[]$_=+"[(x >> 33) % 18];
+    if (i % 60 == 59) symbols += '\n';
+  }
+  PrepareOptions po;
+  po.inputs = {dir_->write("symbols.txt", symbols)};
+  po.out_dir = *dir_ / "symbols-data";
+  po.tokenizer = *dir_ / "data" / "tokenizer.model";
+  po.seq_len = 32;
+  prepare_dataset(po);
+  c.set_override("data.dir=" + (*dir_ / "symbols-data").string());
+  c.set_override("data.text=");
+  RunOptions resume = quiet();
+  resume.resume = true;
+  const std::string e = error_of([&] { run_training(c, resume); });
+  EXPECT_NE(e.find("step 22: 2 diverging steps in a row skipped (train.max_skipped_steps = 2), the last for its "
+                   "loss spike"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("train.skip_spike_factor"), std::string::npos) << e;
+
+  const std::vector<nlohmann::json> skipped = records_with(run / "metrics.jsonl", "skip");
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_EQ(skipped[0].at("step"), 21);
+  EXPECT_EQ(skipped[0].at("skip"), "loss spike");
+  EXPECT_GT(skipped[0].at("loss").get<double>(), 1.3 * skipped[0].at("loss_mean").get<double>());
+  // The running mean is the one the first run ended with: its last ten steps'.
+  const std::vector<double> before = losses(run / "metrics.jsonl");
+  ASSERT_EQ(before.size(), 21u);
+  double mean = 0.0;
+  for (size_t i = 0; i < 20; ++i) mean += (before[i] - mean) / static_cast<double>(std::min<size_t>(i + 1, 10));
+  EXPECT_EQ(skipped[0].at("loss_mean").get<double>(), mean);
+
+  EXPECT_EQ(read_latest(run)->filename(), "step_00000020");
+  ASSERT_EQ(list_checkpoints(run).size(), 1u);
+  const CheckpointInfo info = read_checkpoint_info(run / "step_00000020");  // checksums verified
+  EXPECT_EQ(info.fields.at("loss_watch").at("steps"), 20);
+  EXPECT_EQ(info.fields.at("loss_watch").at("mean").get<double>(), mean);
+}
+
 }  // namespace
 }  // namespace loom
