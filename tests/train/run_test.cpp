@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <thread>
+#include <tuple>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -778,50 +779,63 @@ void expect_same_weights(const fs::path& a, const fs::path& b) {
 }
 
 TEST_F(MainJob, SignalStopsEveryRankAfterTheSameStepWithACheckpointAndResumesBitExactly) {
-  // Two data-parallel rank threads; the first to finish step 7 raises
-  // SIGTERM on its own thread, so the other may have read the flag before.
-  const std::initializer_list<std::string> layout = {"parallel.dp=2", "zero.stage=1", "train.steps=12"};
-  const std::vector<double> whole = losses_of(train("sig-whole", layout));
-  ASSERT_EQ(whole.size(), 12u);
+  // Two rank threads (data-parallel, or two pipeline stages); the second to
+  // finish step 7 raises the signal on its own thread once the first has gone
+  // on to read the flag (still unset), so only the ranks' agreement stops
+  // both after step 7.
+  const std::vector<std::tuple<std::string, std::vector<std::string>, int>> cases = {
+      {"sig-dp2", {"parallel.dp=2", "zero.stage=1"}, SIGTERM}, {"sig-pp2", {"parallel.pp=2"}, SIGINT}};
+  for (const auto& [out, layout, signal] : cases) {
+    SCOPED_TRACE(out);
+    const std::string name = signal == SIGINT ? "SIGINT" : "SIGTERM";
+    Config whole_run = config(out + "-whole"), c = config(out);
+    for (Config* k : {&whole_run, &c}) {
+      for (const std::string& o : layout) k->set_override(o);
+      k->set_override("train.steps=12");
+    }
+    run_training(whole_run, quiet());
+    const std::vector<double> whole = losses(*dir_ / (out + "-whole") / "metrics.jsonl");
+    ASSERT_EQ(whole.size(), 12u);
 
-  struct sigaction before {};
-  sigaction(SIGTERM, nullptr, &before);
-  Config c = config("sig-stopped");
-  for (const std::string& o : layout) c.set_override(o);
-  RunOptions stop = quiet();
-  std::atomic<bool> raised{false};
-  stop.after_step = [&](int64_t step) {
-    if (step == 7 && !raised.exchange(true)) raise(SIGTERM);
-  };
-  const RunResult stopped = run_training(c, stop);
-  EXPECT_EQ(stopped.stop_signal, SIGTERM);
-  EXPECT_EQ(stopped.steps_done, 7);
-  // The handler the process had is back.
-  struct sigaction after {};
-  sigaction(SIGTERM, nullptr, &after);
-  EXPECT_EQ(after.sa_handler, before.sa_handler);
+    struct sigaction before {};
+    sigaction(signal, nullptr, &before);
+    RunOptions stop = quiet();
+    std::atomic<int> finished{0};
+    stop.after_step = [&](int64_t step) {
+      if (step != 7 || finished.fetch_add(1) == 0) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      raise(signal);
+    };
+    const RunResult stopped = run_training(c, stop);
+    EXPECT_EQ(stopped.stop_signal, signal);
+    EXPECT_EQ(stopped.steps_done, 7);
+    // The handler the process had is back.
+    struct sigaction after {};
+    sigaction(signal, nullptr, &after);
+    EXPECT_EQ(after.sa_handler, before.sa_handler);
 
-  // Step 7 is no checkpoint step (every 5): the stop wrote it.
-  const fs::path run = *dir_ / "sig-stopped";
-  EXPECT_EQ(read_latest(run)->filename(), "step_00000007");
-  EXPECT_EQ(read_checkpoint_info(run / "step_00000007").step, 7);
-  const std::vector<nlohmann::json> stops = records_with(run / "metrics.jsonl", "stopped_by");
-  ASSERT_EQ(stops.size(), 1u);
-  EXPECT_EQ(stops[0].at("step"), 7);
-  EXPECT_EQ(stops[0].at("stopped_by"), "SIGTERM");
-  EXPECT_EQ(stops[0].at("checkpoint"), "step_00000007");
-  EXPECT_EQ(losses(run / "metrics.jsonl").size(), 7u);
+    // Step 7 is no checkpoint step (every 5): the stop wrote it.
+    const fs::path run = *dir_ / out;
+    EXPECT_EQ(read_latest(run)->filename(), "step_00000007");
+    EXPECT_EQ(read_checkpoint_info(run / "step_00000007").step, 7);
+    const std::vector<nlohmann::json> stops = records_with(run / "metrics.jsonl", "stopped_by");
+    ASSERT_EQ(stops.size(), 1u);
+    EXPECT_EQ(stops[0].at("step"), 7);
+    EXPECT_EQ(stops[0].at("stopped_by"), name);
+    EXPECT_EQ(stops[0].at("checkpoint"), "step_00000007");
+    EXPECT_EQ(losses(run / "metrics.jsonl").size(), 7u);
 
-  RunOptions resume = quiet();
-  resume.resume = true;
-  const RunResult resumed = run_training(c, resume);
-  EXPECT_EQ(resumed.stop_signal, 0);
-  EXPECT_EQ(resumed.steps_done, 12);
-  EXPECT_GT(resumed.final_eval.tokens, 0);
-  const std::vector<double> continued = losses(run / "metrics.jsonl");
-  ASSERT_EQ(continued.size(), 12u);
-  for (size_t i = 0; i < whole.size(); ++i) EXPECT_EQ(continued[i], whole[i]) << "step " << i + 1;
-  expect_same_weights(*dir_ / "sig-whole", run);
+    RunOptions resume = quiet();
+    resume.resume = true;
+    const RunResult resumed = run_training(c, resume);
+    EXPECT_EQ(resumed.stop_signal, 0);
+    EXPECT_EQ(resumed.steps_done, 12);
+    EXPECT_GT(resumed.final_eval.tokens, 0);
+    const std::vector<double> continued = losses(run / "metrics.jsonl");
+    ASSERT_EQ(continued.size(), 12u);
+    for (size_t i = 0; i < whole.size(); ++i) EXPECT_EQ(continued[i], whole[i]) << "step " << i + 1;
+    expect_same_weights(*dir_ / (out + "-whole"), run);
+  }
 }
 
 // `loom train` as a child process: a SIGTERM once training is under way ends
