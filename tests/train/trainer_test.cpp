@@ -106,6 +106,29 @@ TEST(Trainer, ANonFiniteLossIsSkippedWhenSkippingIsOn) {
   EXPECT_EQ(trainer.optimizer_steps(), 0);
 }
 
+// An fp32 gradient that is not finite (injected after the reduction) skips
+// its step when skipping is on; the next step updates.
+TEST(Trainer, ANonFiniteGradientIsSkippedWhenSkippingIsOn) {
+  TrainOptions opts;
+  opts.max_skipped_steps = 2;
+  int64_t step = 0;
+  opts.on_gradients = [&](GradStore& g) {
+    if (++step == 2) g.flat().flat(0, 1).fill_(std::numeric_limits<float>::infinity());
+  };
+  Trainer trainer(config(), opts);
+  std::vector<int32_t> tok = random_tokens(16 + 1, config().vocab_size, 3);
+  const MicroBatch mb{tok.data(), tok.data() + 1, {1, 16}, 0};
+  EXPECT_FALSE(trainer.step({&mb, 1}).skipped);
+  const Tensor before = trainer.params().flat().clone(Tier::host);
+  const StepStats st = trainer.step({&mb, 1});
+  EXPECT_TRUE(st.skipped);
+  EXPECT_EQ(st.skip, StepSkip::non_finite_gradient);
+  EXPECT_TRUE(testing::bit_equal(trainer.params().flat().clone(Tier::host), before));
+  EXPECT_EQ(trainer.optimizer_steps(), 1);
+  EXPECT_FALSE(trainer.step({&mb, 1}).skipped);
+  EXPECT_EQ(trainer.optimizer_steps(), 2);
+}
+
 // Steps on a batch of one repeated token, which the model soon predicts with
 // confidence, then a batch of another: its loss spikes past 2.5x the running
 // mean (7.5x on one rank, 3.8x on two). On one rank, or on two where only rank 1's half of the batch is the
