@@ -2,6 +2,7 @@
 // clipping, AdamW) on top of the model and the stores.
 #pragma once
 
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -56,6 +57,34 @@ struct TrainOptions {
   // Called on every rank once the step's gradients are reduced, before they
   // are checked and applied (tests inject faults here).
   std::function<void(GradStore&)> on_gradients;
+  // A diverging loss. With max_skipped_steps > 0 a step whose loss is not
+  // finite, whose gradient is not (fp32, bf16; fp16's overflows are the loss
+  // scaler's), or whose loss exceeds skip_spike_factor times the running
+  // mean (LossWatch; 0: no spike test) applies no update, on every rank
+  // alike; that many such steps in a row throw Error. 0: a non-finite loss
+  // or gradient throws at once and no spike is looked for.
+  int64_t max_skipped_steps = 0;
+  double skip_spike_factor = 0.0;
+};
+
+// Why a step applied no update.
+enum class StepSkip : uint8_t { none, overflow, non_finite_loss, non_finite_gradient, loss_spike };
+const char* step_skip_name(StepSkip skip);  // "overflow", "non-finite loss", ...
+
+// The losses of the steps that applied an update, as the diverging-loss test
+// sees them: their running mean (the plain mean of the first kWindow, then an
+// exponential average weighing each new loss 1/kWindow, about the last
+// kWindow steps) and the diverging steps skipped since the last update. Every
+// rank holds the same: the loss is reduced over the whole batch.
+struct LossWatch {
+  static constexpr int64_t kWindow = 10;
+  double mean = 0.0;
+  int64_t steps = 0;            // losses in the mean
+  int64_t skipped_in_a_row = 0;  // diverging steps since the last update
+  void add(double loss) {
+    ++steps;
+    mean += (loss - mean) / static_cast<double>(std::min(steps, kWindow));
+  }
 };
 
 // Which parameters of `layout` a run freezes (TrainOptions::freeze): those
@@ -76,8 +105,10 @@ struct StepStats {
   double grad_norm = 0.0;  // before clipping (unscaled); not finite when skipped
   float lr = 0.0f;
   int64_t tokens = 0;      // of the global batch
-  bool skipped = false;    // fp16 overflow: no update, loss scale lowered
+  bool skipped = false;    // no update: skip says why
+  StepSkip skip = StepSkip::none;
   float loss_scale = 1.0f;  // the scale the step ran with
+  double loss_mean = 0.0;   // the running mean the loss was compared with (0 before any update)
 };
 
 // The training step. Without a communicator it is the single-rank fp32
@@ -125,6 +156,7 @@ class Trainer {
   // Steps run (skipped ones included); the optimizer counts applied updates.
   int64_t steps_done() const { return steps_; }
   const LossScaler* loss_scaler() const { return scaler_.get(); }
+  const LossWatch& loss_watch() const { return loss_watch_; }
   // The frozen parameters (nullptr when every parameter trains).
   const FrozenParams* frozen() const { return frozen_.get(); }
   // How the model state is cut over the dp ranks (nullptr for the reference).
@@ -141,6 +173,7 @@ class Trainer {
     Tensor params, exp_avg, exp_avg_sq;
     int64_t steps = 0, optimizer_steps = 0;
     LossScaler::State loss_scale;  // fp16 only
+    LossWatch loss_watch;
   };
   // Collective under dp (the whole mesh): every rank gets the whole state, on
   // the host tier.
@@ -188,6 +221,8 @@ class Trainer {
   // summed over their groups, then the data-parallel reduction starts.
   void reduce_model_parallel_gradients();
   StepStats apply_update(StepStats stats);
+  // Whether the step diverged (max_skipped_steps > 0), and why.
+  StepSkip divergence(const StepStats& stats, bool gradient_finite) const;
   // The step counters and the loss scaler's state of a State.
   void load_counters(const State& s);
   // Collective over the replica: the whole model's tensor (host tier) from
@@ -214,6 +249,7 @@ class Trainer {
   std::unique_ptr<OptimizerStore> optim_;
   ChunkManager* chunk_memory_ = nullptr;
   std::unique_ptr<LossScaler> scaler_;
+  LossWatch loss_watch_;
   int64_t steps_ = 0;
 };
 
@@ -384,6 +420,12 @@ EvalResult evaluate(Trainer& trainer, const std::vector<std::filesystem::path>& 
                     int64_t micro_batch, double chars_per_token, int64_t max_batches = 0,
                     const std::vector<std::filesystem::path>& masks = {});
 
+// The exit status of `loom train` when SIGTERM or SIGINT stopped it: every
+// rank finished the step it was in, a checkpoint of that step was written, and
+// `--resume` continues the run bit-exactly. EX_TEMPFAIL of sysexits.h: a
+// scheduler that sees it knows the job is to be started again.
+inline constexpr int kPreemptedExitStatus = 75;
+
 struct RunOptions {
   bool resume = false;
   // A fresh run refuses a train.out_dir that holds a run's checkpoints; with
@@ -391,10 +433,23 @@ struct RunOptions {
   bool overwrite = false;
   int64_t stop_after = 0;  // stop after this step as if interrupted (tests); 0 = run to the end
   bool quiet = false;
+  // Called on every rank after each step, before the ranks agree whether to
+  // stop (tests raise a signal here).
+  std::function<void(int64_t step)> after_step;
+};
+
+struct RunResult {
+  EvalResult final_eval;  // of the whole validation split; empty when the run stopped early
+  int64_t steps_done = 0;
+  // SIGTERM or SIGINT when a signal stopped the run (after steps_done, with
+  // a checkpoint of it); 0 otherwise.
+  int stop_signal = 0;
 };
 // `loom train`: the reference run on this thread, or plan.nproc ranks through
-// launch() (comm.h) of which rank 0 prints, logs and samples. Returns the
-// final validation result (of the whole validation split).
-EvalResult run_training(const Config& cfg, const RunOptions& run);
+// launch() (comm.h) of which rank 0 prints, logs and samples. While it runs,
+// SIGTERM and SIGINT ask it to stop: the ranks agree at the end of each step,
+// write a checkpoint of it and return with stop_signal set; a second signal
+// ends the process at once, as without the handlers.
+RunResult run_training(const Config& cfg, const RunOptions& run);
 
 }  // namespace loom

@@ -65,6 +65,14 @@ ConfigSchema build_loom_schema() {
   s.add_float("train.beta2", 0.95, "AdamW second-moment decay", 0.0, 1.0);
   s.add_float("train.eps", 1e-8, "AdamW denominator epsilon", 0.0);
   s.add_float("train.grad_clip", 1.0, "global gradient-norm clip; 0 = off", 0.0);
+  s.add_int("train.max_skipped_steps", 0,
+            "skip the update of a step whose loss is not finite or spikes (train.skip_spike_factor); this many "
+            "such steps in a row stop the run; 0 = off: a non-finite loss stops the run at once",
+            0);
+  s.add_float("train.skip_spike_factor", 0.0,
+              "a loss above this factor times the running mean of the last ~10 losses is skipped (needs "
+              "train.max_skipped_steps > 0); 0 = off",
+              0.0);
   s.add_int("train.seed", 1337, "seed of initialization, dropout and data order", 0);
   s.add_int("train.log_interval", 10, "steps between progress lines", 1);
   s.add_int("train.eval_interval", 100, "steps between validation losses; 0 = never", 0);

@@ -66,6 +66,16 @@ int64_t manifest_int(const CheckpointInfo& info, const nlohmann::json& object, c
                     "': the checkpoint is corrupt or not loom's"));
   return object.at(key).get<int64_t>();
 }
+
+// An optional object of the manifest (nullptr when absent) whose `number`
+// must be a number.
+const nlohmann::json* manifest_part(const CheckpointInfo& info, const char* key, const char* number) {
+  if (!info.fields.contains(key)) return nullptr;
+  const nlohmann::json& part = info.fields.at(key);
+  if (!part.is_object() || !part.contains(number) || !part.at(number).is_number())
+    throw Error(str("manifest of checkpoint '", info.dir.string(), "' has a malformed '", key, "': ", part.dump()));
+  return &part;
+}
 }  // namespace
 
 fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json& fields, int64_t keep_last,
@@ -116,6 +126,8 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
       f["loss_scale"] = {
           {"scale", ls.scale}, {"clean_steps", ls.clean_steps}, {"hysteresis_left", ls.hysteresis_left}};
     }
+    const LossWatch& lw = t.loss_watch();
+    f["loss_watch"] = {{"mean", lw.mean}, {"steps", lw.steps}, {"skipped_in_a_row", lw.skipped_in_a_row}};
     f["model"] = model_json(t.model().config());
     write_manifest(dir->temp_dir(), f);
     dir->commit();
@@ -188,13 +200,17 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
   state.optimizer_steps = manifest_int(info, info.fields, "optimizer_steps");
   // Saved without fp16, a checkpoint has no scaler state (scale 0 in the
   // State): an fp16 trainer's scaler then starts afresh.
-  if (info.fields.contains("loss_scale")) {
-    const nlohmann::json& ls = info.fields.at("loss_scale");
-    if (!ls.is_object() || !ls.contains("scale") || !ls.at("scale").is_number())
-      throw Error(str("manifest of checkpoint '", dir.string(), "' has a malformed 'loss_scale': ", ls.dump()));
-    state.loss_scale.scale = ls.at("scale").get<float>();
-    state.loss_scale.clean_steps = manifest_int(info, ls, "clean_steps");
-    state.loss_scale.hysteresis_left = static_cast<int>(manifest_int(info, ls, "hysteresis_left"));
+  if (const nlohmann::json* ls = manifest_part(info, "loss_scale", "scale")) {
+    state.loss_scale.scale = ls->at("scale").get<float>();
+    state.loss_scale.clean_steps = manifest_int(info, *ls, "clean_steps");
+    state.loss_scale.hysteresis_left = static_cast<int>(manifest_int(info, *ls, "hysteresis_left"));
+  }
+  // Saved before the diverging-loss test, a checkpoint has no running mean:
+  // it starts afresh.
+  if (const nlohmann::json* lw = manifest_part(info, "loss_watch", "mean")) {
+    state.loss_watch.mean = lw->at("mean").get<double>();
+    state.loss_watch.steps = manifest_int(info, *lw, "steps");
+    state.loss_watch.skipped_in_a_row = manifest_int(info, *lw, "skipped_in_a_row");
   }
   // Read in the pieces the Trainer takes them in (staged on the host tier, so
   // the device high-water mark stays the training's).

@@ -425,6 +425,16 @@ TrainPlan plan_training(const Config& cfg) {
     throw ConfigError(cfg, "train.min_lr", str("may not exceed train.lr = ", o.schedule.max_lr),
                       "lower train.min_lr");
   o.grad_clip = static_cast<float>(cfg.get<double>("train.grad_clip"));
+  o.max_skipped_steps = cfg.get<int64_t>("train.max_skipped_steps");
+  o.skip_spike_factor = cfg.get<double>("train.skip_spike_factor");
+  if (o.skip_spike_factor > 0.0 && o.skip_spike_factor <= 1.0)
+    throw ConfigError(cfg, "train.skip_spike_factor",
+                      "must be 0 (off) or above 1: at 1 or less every loss above the running mean would be skipped",
+                      "set train.skip_spike_factor = 0, or a factor such as 3");
+  if (o.skip_spike_factor > 0.0 && o.max_skipped_steps == 0)
+    throw ConfigError(cfg, "train.skip_spike_factor",
+                      "skips diverging steps, which train.max_skipped_steps = 0 turns off",
+                      "set train.max_skipped_steps to the skipped steps in a row that stop the run, e.g. 5");
   o.checkpoint_activations = cfg.get<bool>("train.activation_checkpointing");
   o.seed = static_cast<uint64_t>(cfg.get<int64_t>("train.seed"));
 

@@ -1,11 +1,14 @@
 // `loom train`: the main job. Config -> validated plan -> dataset (prepared
 // on first use) -> training loop with progress, JSONL metrics, periodic
 // validation and checkpoints -> final validation and a sample.
+#include <signal.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -97,6 +100,51 @@ DatasetInfo ensure_dataset(const Config& cfg, int64_t seq_len, const std::option
 
 constexpr const char* kMetricsFile = "metrics.jsonl";
 
+// The signal that asked this process's run to stop, 0 while none has. The
+// handler only stores it; the ranks read it at the end of each step.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+void on_stop_signal(int signal) { g_stop_signal = signal; }
+
+// SIGTERM and SIGINT ask the run to stop for as long as it runs; the
+// handlers in place before are restored afterwards. SA_RESETHAND: a second
+// signal of the same kind finds the default action and ends the process at
+// once (a user pressing Ctrl-C twice, a scheduler that will not wait).
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    struct sigaction action {};
+    action.sa_handler = on_stop_signal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART | SA_RESETHAND;
+    sigaction(SIGTERM, &action, &previous_term_);
+    sigaction(SIGINT, &action, &previous_int_);
+  }
+  ~StopSignals() {
+    sigaction(SIGTERM, &previous_term_, nullptr);
+    sigaction(SIGINT, &previous_int_, nullptr);
+    g_stop_signal = 0;
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+ private:
+  struct sigaction previous_term_ {}, previous_int_ {};
+};
+
+// The stop signal as the ranks agree on it: a signal may reach one process of
+// an MPI job only, or arrive while the rank threads of a local run read the
+// flag one after the other, so every rank takes the largest any rank saw and
+// all stop after the same step.
+int agreed_stop_signal(Communicator* world) {
+  int32_t signal = g_stop_signal;
+  if (world) world->all_reduce(&signal, 1, DType::i32, ReduceOp::max);
+  return signal;
+}
+
+const char* signal_name(int signal) { return signal == SIGINT ? "SIGINT" : "SIGTERM"; }
+
 // A fresh run into a directory holding another run's checkpoints would move
 // `latest` to its own steps and shadow that run (and retention would then
 // delete its checkpoints): refused, before anything is built, unless the user
@@ -150,7 +198,7 @@ class MetricsLog {
 // communicator. World rank 0 prints, writes metrics.jsonl and the sample;
 // every rank takes part in every collective (steps, validation, checkpoints,
 // the sample's forwards or the gathered state).
-EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions& run, Communicator* world) {
+RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions& run, Communicator* world) {
   const bool root = !world || world->rank() == 0;
   const bool quiet = run.quiet || !root;
   const bool tty = isatty(STDOUT_FILENO) && !quiet;
@@ -363,8 +411,20 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
     // before it waits for its kernels.
     if (recorder && plan.trace_steps.contains(done + 1)) ops::synchronize();
     ++window_steps;
+    // A diverging step skipped (train.max_skipped_steps) is always said and
+    // recorded, whatever the log interval.
+    const bool diverged = st.skip != StepSkip::none && st.skip != StepSkip::overflow;
+    if (diverged) {
+      if (tty) std::printf("\n");
+      say(str("step ", done, " skipped: ",
+              st.skip == StepSkip::loss_spike
+                  ? str("loss ", st.loss, " is ", st.loss / st.loss_mean, "x the running mean ", st.loss_mean)
+              : st.skip == StepSkip::non_finite_loss ? str("loss ", st.loss, " is not finite")
+                                                     : str("gradient norm ", st.grad_norm, " is not finite"),
+              " (", trainer.loss_watch().skipped_in_a_row, " in a row)"));
+    }
 
-    if (logged) {
+    if (logged || (root && diverged)) {
       const double now = seconds_now();
       const double step_time = (now - t_window) / static_cast<double>(window_steps);
       const double tok_s = static_cast<double>(tokens_per_step) / step_time;
@@ -382,7 +442,11 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
                                {"host_peak_reserved_bytes", host.peak_reserved()},
                                {"elapsed_s", now - t_start},
                                {"eta_s", eta}};
-      if (placed) {
+      if (diverged) {
+        record["skip"] = step_skip_name(st.skip);
+        record["loss_mean"] = st.loss_mean;
+      }
+      if (placed && logged) {
         const TierTraffic after = trainer.memory_report().traffic;
         auto moved = [&](Tier from, Tier to) { return after.at(from, to) - before.at(from, to); };
         record["host_to_device_bytes"] = moved(Tier::host, Tier::device);
@@ -422,16 +486,28 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
       if (tty) std::printf("\n");
       say(str("step ", done, "  val loss ", ev.loss_per_token, " per token, ", ev.loss_per_char, " per char"));
     }
-    if ((ckpt_interval > 0 && done % ckpt_interval == 0) || done == plan.steps) {
+    const bool checkpointed = (ckpt_interval > 0 && done % ckpt_interval == 0) || done == plan.steps;
+    if (checkpointed) {
       if (tty) std::printf("\n");
       checkpoint();
     }
-    if (run.stop_after > 0 && done >= run.stop_after && done < plan.steps) {
+    if (run.after_step) run.after_step(done);
+    // A signal stops the run after any step, the last included: its final
+    // validation and sample then run on --resume.
+    const int signal = agreed_stop_signal(world);
+    if (signal != 0 || (run.stop_after > 0 && done >= run.stop_after && done < plan.steps)) {
       if (tty) std::printf("\n");
-      if (ckpt_interval == 0 || done % ckpt_interval != 0) checkpoint();
+      if (!checkpointed) checkpoint();
       if (recorder && done >= plan.trace_steps.first && done < last_traced) write_timeline();
-      say(str("stopped after step ", done, " (--stop-after)"));
-      return {};
+      if (signal == 0) {
+        say(str("stopped after step ", done, " (--stop-after)"));
+        return {.final_eval = {}, .steps_done = done};
+      }
+      const std::string name = checkpoint_dir_name(done);
+      if (root) metrics->write({{"step", done}, {"stopped_by", signal_name(signal)}, {"checkpoint", name}});
+      say(str("stopped by ", signal_name(signal), " after step ", done, "; checkpoint ", name,
+              " written; resume with --resume"));
+      return {.final_eval = {}, .steps_done = done, .stop_signal = signal};
     }
   }
   if (tty) std::printf("\n");
@@ -475,14 +551,15 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
     }
     if (root) std::printf("\n--------------\n");
   }
-  return final_eval;
+  return {.final_eval = final_eval, .steps_done = plan.steps};
 }
 
 }  // namespace
 
-EvalResult run_training(const Config& cfg, const RunOptions& run) {
+RunResult run_training(const Config& cfg, const RunOptions& run) {
   const TrainPlan plan = plan_training(cfg);
   check_out_dir(plan.out_dir, run);
+  const StopSignals stop_signals;
   // The reference run stays on this thread, exactly as without parallelism,
   // with allocators of its own as every launched rank has: the run's budgets
   // and high-water marks are its own, not the process's.
@@ -491,10 +568,14 @@ EvalResult run_training(const Config& cfg, const RunOptions& run) {
     MemoryContext::Install install(memory);
     return train_rank(cfg, plan, run, nullptr);
   }
-  EvalResult result;
+  // Every rank ends with the same result (each validates the whole split, and
+  // they agree on a stop); under mpi each process returns its own.
+  RunResult result;
+  std::mutex result_mutex;
   launch(plan.backend, plan.nproc, [&](Communicator& world) {
-    const EvalResult r = train_rank(cfg, plan, run, plan.reference() ? nullptr : &world);
-    if (world.rank() == 0) result = r;
+    const RunResult r = train_rank(cfg, plan, run, plan.reference() ? nullptr : &world);
+    const std::lock_guard lock(result_mutex);
+    result = r;
   });
   return result;
 }

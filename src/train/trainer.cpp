@@ -336,7 +336,7 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
   if (dp_) {
     dp_->all_reduce(&loss_sum, 1, DType::f64, ReduceOp::sum);
   }
-  if (!std::isfinite(loss_sum))
+  if (!std::isfinite(loss_sum) && opts_.max_skipped_steps == 0)
     throw Error(str("the loss is ", loss_sum, " (not finite) at step ", steps_ + 1,
                     ": training diverged; lower train.lr, enable train.grad_clip, or use a lower-risk precision"));
   stats.loss = static_cast<float>(loss_sum / static_cast<double>(targets));
@@ -416,6 +416,27 @@ double Trainer::loss_sum(const MicroBatch& mb) {
   return work.loss_sum(pipeline);
 }
 
+const char* step_skip_name(StepSkip skip) {
+  switch (skip) {
+    case StepSkip::none: return "none";
+    case StepSkip::overflow: return "overflow";
+    case StepSkip::non_finite_loss: return "non-finite loss";
+    case StepSkip::non_finite_gradient: return "non-finite gradient";
+    case StepSkip::loss_spike: return "loss spike";
+  }
+  return "?";
+}
+
+StepSkip Trainer::divergence(const StepStats& stats, bool gradient_finite) const {
+  if (!std::isfinite(stats.loss)) return StepSkip::non_finite_loss;
+  if (opts_.skip_spike_factor > 0.0 && loss_watch_.steps > 0 &&
+      stats.loss > opts_.skip_spike_factor * loss_watch_.mean)
+    return StepSkip::loss_spike;
+  // fp16's overflows are the loss scaler's to handle.
+  if (!gradient_finite && !scaler_) return StepSkip::non_finite_gradient;
+  return StepSkip::none;
+}
+
 StepStats Trainer::apply_update(StepStats stats) {
   const auto diverged = [&] {
     return Error(str("the gradient norm is ", stats.grad_norm, " at step ", steps_ + 1,
@@ -427,16 +448,34 @@ StepStats Trainer::apply_update(StepStats stats) {
   }();
   stats.grad_norm = std::sqrt(check.sum_squares) / static_cast<double>(stats.loss_scale);
   const bool overflow = check.non_finite > 0 || !std::isfinite(stats.grad_norm);
-  if (overflow && !scaler_) throw diverged();
+  stats.loss_mean = loss_watch_.mean;
+  // Every rank has the same loss and gradient check, so every rank makes the
+  // same decision and skips the same updates.
+  if (opts_.max_skipped_steps > 0)
+    stats.skip = divergence(stats, !overflow);
+  else if (overflow && !scaler_)
+    throw diverged();
   ++steps_;
-  if (scaler_) scaler_->update(overflow);
-  if (overflow) {
-    // fp16: every rank saw the same count, so every rank skips this update
-    // and its parameters and optimizer state stay as they were.
+  if (stats.skip == StepSkip::none && scaler_) {
+    scaler_->update(overflow);
+    if (overflow) stats.skip = StepSkip::overflow;
+  }
+  if (stats.skip != StepSkip::none) {
+    // Every rank skips this update: its parameters and optimizer state stay
+    // as they were (the optimizer's step count too); the step still counts.
     stats.skipped = true;
     optim_->after_skip();
+    if (stats.skip != StepSkip::overflow && ++loss_watch_.skipped_in_a_row >= opts_.max_skipped_steps)
+      throw Error(str("step ", steps_, ": ", loss_watch_.skipped_in_a_row,
+                      " diverging steps in a row skipped (train.max_skipped_steps = ", opts_.max_skipped_steps,
+                      "), the last for its ", step_skip_name(stats.skip), ": loss ", stats.loss, ", running mean ",
+                      loss_watch_.mean, " (train.skip_spike_factor = ", opts_.skip_spike_factor,
+                      "): training diverged; resume from the last checkpoint with a lower train.lr or "
+                      "train.grad_clip, or raise train.skip_spike_factor or train.max_skipped_steps"));
     return stats;
   }
+  loss_watch_.skipped_in_a_row = 0;
+  loss_watch_.add(stats.loss);
   TraceScope trace(TraceCategory::optimizer, "clip and update");
   optim_->step(stats.lr, clip_scale(stats.grad_norm, opts_.grad_clip) / stats.loss_scale);
   return stats;
@@ -450,6 +489,7 @@ Trainer::State Trainer::gather_state() {
   s.steps = steps_;
   s.optimizer_steps = optimizer_steps();
   if (scaler_) s.loss_scale = scaler_->state();
+  s.loss_watch = loss_watch_;
   for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq})
     *t = Tensor::empty({model_.layout().numel()}, DType::f32, Tier::host);
   optim_->visit_state([&](FlatRange r, const float* p, const float* m, const float* v) {
@@ -514,6 +554,7 @@ void Trainer::load_state(const State& s) {
 void Trainer::load_counters(const State& s) {
   optim_->set_steps(s.optimizer_steps);
   steps_ = s.steps;
+  loss_watch_ = s.loss_watch;
   // A state saved without fp16 has no scaler state: the scaler starts afresh.
   if (scaler_ && s.loss_scale.scale > 0.0f) scaler_->restore(s.loss_scale);
 }

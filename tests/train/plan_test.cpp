@@ -111,6 +111,24 @@ TEST(PlanTraining, ZeroStagesWithOneRankAreAllowed) {
   EXPECT_CONTAINS(e, "[0, 3]");
 }
 
+TEST(PlanTraining, DivergingStepKeysFillTheOptionsAndSpikeNeedsSkipping) {
+  const TrainPlan off = plan_training(tiny());
+  EXPECT_EQ(off.options.max_skipped_steps, 0);
+  EXPECT_EQ(off.options.skip_spike_factor, 0.0);
+  const TrainPlan on = plan_training(tiny({"train.max_skipped_steps=5", "train.skip_spike_factor=3"}));
+  EXPECT_EQ(on.options.max_skipped_steps, 5);
+  EXPECT_EQ(on.options.skip_spike_factor, 3.0);
+  std::string e = error_of([] { plan_training(tiny({"train.max_skipped_steps=5", "train.skip_spike_factor=1"})); });
+  EXPECT_CONTAINS(e, "train.skip_spike_factor");
+  EXPECT_CONTAINS(e, "must be 0 (off) or above 1");
+  e = error_of([] { plan_training(tiny({"train.skip_spike_factor=3"})); });
+  EXPECT_CONTAINS(e, "train.max_skipped_steps = 0 turns off");
+  EXPECT_CONTAINS(e, "set train.max_skipped_steps");
+  Config c = tiny();
+  e = error_of([&] { c.set_override("train.max_skiped_steps=2"); });
+  EXPECT_CONTAINS(e, "train.max_skipped_steps");  // did you mean
+}
+
 TEST(PlanTraining, BatchMustSplitIntoMicroBatchesOfEveryRank) {
   std::string e = error_of([] { plan_training(tiny({"parallel.dp=2", "train.batch_size=6"})); });
   EXPECT_CONTAINS(e, "train.batch_size = 6");

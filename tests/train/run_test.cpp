@@ -3,9 +3,17 @@
 // placement against the single-rank run; memory budgets; checkpoints across
 // layouts, checkpoint corruption, bad data and config, export, generation and
 // evaluation.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <thread>
+#include <tuple>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -140,13 +148,13 @@ TEST_F(MainJob, DataParallelZero1ReproducesTheSingleRankLosses) {
   Config single = config("dp1");
   single.set_override("train.steps=10");
   single.set_override("model.dropout=0.1");
-  const EvalResult reference = run_training(single, quiet());
+  const EvalResult reference = run_training(single, quiet()).final_eval;
   Config dp = config("dp2-zero1");
   dp.set_override("train.steps=10");
   dp.set_override("model.dropout=0.1");
   dp.set_override("parallel.dp=2");
   dp.set_override("zero.stage=1");
-  const EvalResult sharded = run_training(dp, quiet());
+  const EvalResult sharded = run_training(dp, quiet()).final_eval;
 
   const std::vector<double> want = losses(*dir_ / "dp1" / "metrics.jsonl");
   ASSERT_EQ(want.size(), 10u);
@@ -341,12 +349,12 @@ TEST_F(MainJob, TensorSequenceAndPipelineParallelRunReproducesTheSingleRankLosse
   Config single = config("mp-reference");
   single.set_override("train.steps=8");
   single.set_override("model.dropout=0.1");
-  const EvalResult reference = run_training(single, quiet());
+  const EvalResult reference = run_training(single, quiet()).final_eval;
   Config mesh = config("tp2-sp-pp2");
   mesh.set_override("train.steps=8");
   mesh.set_override("model.dropout=0.1");
   for (const char* o : {"parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"}) mesh.set_override(o);
-  const EvalResult split = run_training(mesh, quiet());
+  const EvalResult split = run_training(mesh, quiet()).final_eval;
 
   const std::vector<double> want = losses(*dir_ / "mp-reference" / "metrics.jsonl");
   ASSERT_EQ(want.size(), 8u);
@@ -508,7 +516,7 @@ TEST_F(MainJob, SameTextElsewhereOrADatasetWithoutSourceHashesIsAccepted) {
   Config same = config("same-text");
   same.set_override("train.steps=2");
   same.set_override("data.text=" + copy.string());
-  EXPECT_GT(run_training(same, quiet()).tokens, 0);
+  EXPECT_GT(run_training(same, quiet()).final_eval.tokens, 0);
 
   // A dataset prepared before the hashes were recorded is used as it is.
   const fs::path legacy = *dir_ / "legacy-data";
@@ -521,7 +529,7 @@ TEST_F(MainJob, SameTextElsewhereOrADatasetWithoutSourceHashesIsAccepted) {
   old.set_override("train.steps=2");
   old.set_override("data.dir=" + legacy.string());
   old.set_override("data.text=" + dir_->write("unrelated.txt", "Not the corpus.\n").string());
-  EXPECT_GT(run_training(old, quiet()).tokens, 0);
+  EXPECT_GT(run_training(old, quiet()).final_eval.tokens, 0);
 }
 
 TEST_F(MainJob, LlamaRunRecordsItsVariantsAndResumes) {
@@ -617,7 +625,7 @@ TEST_F(MainJob, ExportWritesHuggingFaceNamesAndConv1DLayouts) {
 TEST_F(MainJob, ARunStartsFromAnExportedCheckpointWithItsTokenizer) {
   Config a = config("hf-source");
   a.set_override("train.steps=5");
-  const EvalResult source = run_training(a, quiet());
+  const EvalResult source = run_training(a, quiet()).final_eval;
   // `loom export`: the weights, and the tokenizer beside them.
   const CheckpointWeights w(*dir_ / "hf-source");
   const fs::path hf = *dir_ / "hf-export";
@@ -634,7 +642,7 @@ TEST_F(MainJob, ARunStartsFromAnExportedCheckpointWithItsTokenizer) {
     b.set_override("train.steps=2");
     b.set_override("train.lr=0");
     b.set_override("train.min_lr=0");
-    const EvalResult imported = run_training(b, quiet());
+    const EvalResult imported = run_training(b, quiet()).final_eval;
     if (std::string(tp) == "1")
       EXPECT_EQ(imported.loss_per_token, source.loss_per_token);
     else
@@ -650,7 +658,7 @@ TEST_F(MainJob, ARunStartsFromAnExportedCheckpointWithItsTokenizer) {
 TEST_F(MainJob, GenerationIsSeededAndEvaluationReportsPerCharLoss) {
   Config c = config("gen");
   c.set_override("train.steps=5");
-  const EvalResult final_eval = run_training(c, quiet());
+  const EvalResult final_eval = run_training(c, quiet()).final_eval;
   CheckpointWeights w(*dir_ / "gen");
   const CheckpointInfo& info = w.info;
   GPT& model = w.model;
@@ -750,6 +758,220 @@ TEST_F(MainJob, TraceTimelineTilesEveryRanksStepsAndMatchesTheLoggedStepTime) {
       }
     }
   }
+}
+
+// The records of metrics.jsonl that have `key`.
+std::vector<nlohmann::json> records_with(const fs::path& metrics, const char* key) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains(key)) out.push_back(j);
+  }
+  return out;
+}
+
+// Two runs' latest checkpoints hold the same weights, bit for bit.
+void expect_same_weights(const fs::path& a, const fs::path& b) {
+  const CheckpointWeights wa(a), wb(b);
+  EXPECT_EQ(wa.info.step, wb.info.step);
+  EXPECT_TRUE(testing::bit_equal(wa.ps.flat(), wb.ps.flat()));
+}
+
+TEST_F(MainJob, SignalStopsEveryRankAfterTheSameStepWithACheckpointAndResumesBitExactly) {
+  // Two rank threads (data-parallel, or two pipeline stages); the second to
+  // finish step 7 raises the signal on its own thread once the first has gone
+  // on to read the flag (still unset), so only the ranks' agreement stops
+  // both after step 7.
+  const std::vector<std::tuple<std::string, std::vector<std::string>, int>> cases = {
+      {"sig-dp2", {"parallel.dp=2", "zero.stage=1"}, SIGTERM}, {"sig-pp2", {"parallel.pp=2"}, SIGINT}};
+  for (const auto& [out, layout, signal] : cases) {
+    SCOPED_TRACE(out);
+    const std::string name = signal == SIGINT ? "SIGINT" : "SIGTERM";
+    Config whole_run = config(out + "-whole"), c = config(out);
+    for (Config* k : {&whole_run, &c}) {
+      for (const std::string& o : layout) k->set_override(o);
+      k->set_override("train.steps=12");
+    }
+    run_training(whole_run, quiet());
+    const std::vector<double> whole = losses(*dir_ / (out + "-whole") / "metrics.jsonl");
+    ASSERT_EQ(whole.size(), 12u);
+
+    struct sigaction before {};
+    sigaction(signal, nullptr, &before);
+    RunOptions stop = quiet();
+    std::atomic<int> finished{0};
+    stop.after_step = [&](int64_t step) {
+      if (step != 7 || finished.fetch_add(1) == 0) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      raise(signal);
+    };
+    const RunResult stopped = run_training(c, stop);
+    EXPECT_EQ(stopped.stop_signal, signal);
+    EXPECT_EQ(stopped.steps_done, 7);
+    // The handler the process had is back.
+    struct sigaction after {};
+    sigaction(signal, nullptr, &after);
+    EXPECT_EQ(after.sa_handler, before.sa_handler);
+
+    // Step 7 is no checkpoint step (every 5): the stop wrote it.
+    const fs::path run = *dir_ / out;
+    EXPECT_EQ(read_latest(run)->filename(), "step_00000007");
+    EXPECT_EQ(read_checkpoint_info(run / "step_00000007").step, 7);
+    const std::vector<nlohmann::json> stops = records_with(run / "metrics.jsonl", "stopped_by");
+    ASSERT_EQ(stops.size(), 1u);
+    EXPECT_EQ(stops[0].at("step"), 7);
+    EXPECT_EQ(stops[0].at("stopped_by"), name);
+    EXPECT_EQ(stops[0].at("checkpoint"), "step_00000007");
+    EXPECT_EQ(losses(run / "metrics.jsonl").size(), 7u);
+
+    RunOptions resume = quiet();
+    resume.resume = true;
+    const RunResult resumed = run_training(c, resume);
+    EXPECT_EQ(resumed.stop_signal, 0);
+    EXPECT_EQ(resumed.steps_done, 12);
+    EXPECT_GT(resumed.final_eval.tokens, 0);
+    const std::vector<double> continued = losses(run / "metrics.jsonl");
+    ASSERT_EQ(continued.size(), 12u);
+    for (size_t i = 0; i < whole.size(); ++i) EXPECT_EQ(continued[i], whole[i]) << "step " << i + 1;
+    expect_same_weights(*dir_ / (out + "-whole"), run);
+  }
+}
+
+// `loom train` as a child process: a SIGTERM once training is under way ends
+// it with kPreemptedExitStatus and a checkpoint of the step it stopped
+// after; `loom train --resume` finishes the run as if never stopped. The
+// learning rate is constant after warm-up (train.min_lr = train.lr), so the
+// schedule does not depend on train.steps: the run is set far longer than it
+// can get before the signal, whenever that comes, and is resumed to end 5
+// steps after the stop, as a run of that length does in one go.
+TEST_F(MainJob, TheCommandExitsWithThePreemptedStatusOnSigtermAndResumes) {
+  const std::vector<std::string> layout = {"parallel.dp=2", "train.lr=1e-3", "train.min_lr=1e-3",
+                                           "train.checkpoint_interval=0"};
+  const fs::path run = *dir_ / "cli-run";
+  // `loom train` with config("cli-run")'s settings, `layout` and `extra`:
+  // its exit status (128 + the signal if one ended it).
+  auto loom_train = [&](const std::vector<std::string>& extra, bool terminate_once_training) {
+    std::vector<std::string> args = {LOOM_CLI, "train", "--config", LOOM_SOURCE_DIR "/configs/tiny-test.toml"};
+    std::vector<std::string> sets = {"data.dir=" + (*dir_ / "data").string(),
+                                     "data.text=" + (*dir_ / "corpus.txt").string(), "train.out_dir=" + run.string(),
+                                     "train.eval_interval=0", "train.sample_tokens=0"};
+    sets.insert(sets.end(), layout.begin(), layout.end());
+    for (const std::string& o : sets) args.insert(args.end(), {"--set", o});
+    args.insert(args.end(), extra.begin(), extra.end());
+    const std::string log = (*dir_ / "cli.log").string();
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, STDOUT_FILENO);
+      dup2(fd, STDERR_FILENO);
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    if (terminate_once_training) {
+      // The first step's record says training is under way.
+      auto training = [&] {
+        std::error_code ec;
+        return fs::exists(run / "metrics.jsonl", ec) &&
+               read_file(run / "metrics.jsonl").find("\"loss\"") != std::string::npos;
+      };
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (!training() && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      kill(pid, SIGTERM);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  };
+
+  ASSERT_EQ(loom_train({"--set", "train.steps=1000000"}, true), kPreemptedExitStatus)
+      << read_file(*dir_ / "cli.log");
+  const std::vector<nlohmann::json> stops = records_with(run / "metrics.jsonl", "stopped_by");
+  ASSERT_EQ(stops.size(), 1u);
+  const int64_t step = stops[0].at("step").get<int64_t>();
+  EXPECT_EQ(stops[0].at("stopped_by"), "SIGTERM");
+  EXPECT_EQ(read_latest(run)->filename(), checkpoint_dir_name(step));
+  EXPECT_EQ(static_cast<int64_t>(losses(run / "metrics.jsonl").size()), step);
+  EXPECT_NE(read_file(*dir_ / "cli.log").find(str("stopped by SIGTERM after step ", step)), std::string::npos);
+
+  const std::string steps = str("train.steps=", step + 5);
+  ASSERT_EQ(loom_train({"--set", steps, "--resume"}, false), 0) << read_file(*dir_ / "cli.log");
+  Config c = config("cli-whole");
+  for (const std::string& o : layout) c.set_override(o);
+  c.set_override(steps);
+  run_training(c, quiet());
+  const std::vector<double> whole = losses(*dir_ / "cli-whole" / "metrics.jsonl");
+  const std::vector<double> continued = losses(run / "metrics.jsonl");
+  ASSERT_EQ(whole.size(), static_cast<size_t>(step + 5));
+  ASSERT_EQ(continued.size(), whole.size());
+  for (size_t i = 0; i < whole.size(); ++i) EXPECT_EQ(continued[i], whole[i]) << "step " << i + 1;
+  expect_same_weights(*dir_ / "cli-whole", run);
+}
+
+// Data gone bad mid-run: a run on two data-parallel ranks resumes on a
+// dataset of symbols Shakespeare never uses (the same tokenizer), so every
+// step's loss spikes past train.skip_spike_factor times the running mean
+// carried over in the checkpoint (by about 1.7x: the model has learnt the
+// text's tokens, and those symbols are none of them). The first spike is skipped, said and
+// recorded; the second in a row (train.max_skipped_steps = 2) stops the run
+// with an error, and the checkpoint it resumed from stays the latest, intact.
+TEST_F(MainJob, DivergingStepsAreSkippedAndTooManyInARowStopTheRun) {
+  const std::initializer_list<std::string> layout = {
+      "parallel.dp=2", "train.lr=1e-2", "train.steps=30", "train.checkpoint_interval=0",
+      "train.max_skipped_steps=2", "train.skip_spike_factor=1.3"};
+  Config c = config("spike");
+  for (const std::string& o : layout) c.set_override(o);
+  RunOptions stop = quiet();
+  stop.stop_after = 20;
+  run_training(c, stop);
+  const fs::path run = *dir_ / "spike";
+  EXPECT_TRUE(records_with(run / "metrics.jsonl", "skip").empty());
+
+  std::string symbols;
+  uint64_t x = 7;
+  for (int i = 0; i < 40000; ++i) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    symbols += "#@%&*~^|<>{}[]$_=+"[(x >> 33) % 18];
+    if (i % 60 == 59) symbols += '\n';
+  }
+  PrepareOptions po;
+  po.inputs = {dir_->write("symbols.txt", symbols)};
+  po.out_dir = *dir_ / "symbols-data";
+  po.tokenizer = *dir_ / "data" / "tokenizer.model";
+  po.seq_len = 32;
+  prepare_dataset(po);
+  c.set_override("data.dir=" + (*dir_ / "symbols-data").string());
+  c.set_override("data.text=");
+  RunOptions resume = quiet();
+  resume.resume = true;
+  const std::string e = error_of([&] { run_training(c, resume); });
+  EXPECT_NE(e.find("step 22: 2 diverging steps in a row skipped (train.max_skipped_steps = 2), the last for its "
+                   "loss spike"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("train.skip_spike_factor"), std::string::npos) << e;
+
+  const std::vector<nlohmann::json> skipped = records_with(run / "metrics.jsonl", "skip");
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_EQ(skipped[0].at("step"), 21);
+  EXPECT_EQ(skipped[0].at("skip"), "loss spike");
+  EXPECT_GT(skipped[0].at("loss").get<double>(), 1.3 * skipped[0].at("loss_mean").get<double>());
+  // The running mean is the one the first run ended with: its last ten steps'.
+  const std::vector<double> before = losses(run / "metrics.jsonl");
+  ASSERT_EQ(before.size(), 21u);
+  double mean = 0.0;
+  for (size_t i = 0; i < 20; ++i) mean += (before[i] - mean) / static_cast<double>(std::min<size_t>(i + 1, 10));
+  EXPECT_EQ(skipped[0].at("loss_mean").get<double>(), mean);
+
+  EXPECT_EQ(read_latest(run)->filename(), "step_00000020");
+  ASSERT_EQ(list_checkpoints(run).size(), 1u);
+  const CheckpointInfo info = read_checkpoint_info(run / "step_00000020");  // checksums verified
+  EXPECT_EQ(info.fields.at("loss_watch").at("steps"), 20);
+  EXPECT_EQ(info.fields.at("loss_watch").at("mean").get<double>(), mean);
 }
 
 }  // namespace

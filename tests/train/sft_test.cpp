@@ -76,7 +76,7 @@ TempDir* FineTuning::dir_ = nullptr;
 TEST_F(FineTuning, TrainsAndEvaluatesOnTheResponsesAlone) {
   RunOptions quiet;
   quiet.quiet = true;
-  const EvalResult single = run_training(config("single"), quiet);
+  const EvalResult single = run_training(config("single"), quiet).final_eval;
   const DatasetInfo d = DatasetInfo::read(*dir_ / "sft");
   // Validation covers every packed row: its tokens are the val responses.
   EXPECT_EQ(single.tokens, d.val.targets);

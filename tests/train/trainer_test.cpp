@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 
+#include "loom/comm.h"
 #include "loom/train.h"
 #include "test_util.h"
 
@@ -81,6 +82,109 @@ TEST(Trainer, ANonFiniteLossIsAnErrorOfTheStep) {
     EXPECT_NE(std::string(e.what()).find("not finite"), std::string::npos) << e.what();
   }
   EXPECT_EQ(trainer.optimizer_steps(), 0);
+}
+
+// With train.max_skipped_steps a non-finite loss skips the step instead,
+// until that many in a row stop the run.
+TEST(Trainer, ANonFiniteLossIsSkippedWhenSkippingIsOn) {
+  TrainOptions opts;
+  opts.max_skipped_steps = 2;
+  Trainer trainer(config(), opts);
+  trainer.params()
+      .param(trainer.model().layout().find("ln_f.weight"))
+      .fill_(std::numeric_limits<float>::quiet_NaN());
+  std::vector<int32_t> tok = random_tokens(16 + 1, config().vocab_size, 3);
+  const MicroBatch mb{tok.data(), tok.data() + 1, {1, 16}, 0};
+  const StepStats st = trainer.step({&mb, 1});
+  EXPECT_TRUE(st.skipped);
+  EXPECT_EQ(st.skip, StepSkip::non_finite_loss);
+  EXPECT_EQ(trainer.steps_done(), 1);
+  EXPECT_EQ(trainer.optimizer_steps(), 0);
+  const std::string e = testing::error_of([&] { trainer.step({&mb, 1}); });
+  EXPECT_NE(e.find("2 diverging steps in a row skipped"), std::string::npos) << e;
+  EXPECT_NE(e.find("non-finite loss"), std::string::npos) << e;
+  EXPECT_EQ(trainer.optimizer_steps(), 0);
+}
+
+// An fp32 gradient that is not finite (injected after the reduction) skips
+// its step when skipping is on; the next step updates.
+TEST(Trainer, ANonFiniteGradientIsSkippedWhenSkippingIsOn) {
+  TrainOptions opts;
+  opts.max_skipped_steps = 2;
+  int64_t step = 0;
+  opts.on_gradients = [&](GradStore& g) {
+    if (++step == 2) g.flat().flat(0, 1).fill_(std::numeric_limits<float>::infinity());
+  };
+  Trainer trainer(config(), opts);
+  std::vector<int32_t> tok = random_tokens(16 + 1, config().vocab_size, 3);
+  const MicroBatch mb{tok.data(), tok.data() + 1, {1, 16}, 0};
+  EXPECT_FALSE(trainer.step({&mb, 1}).skipped);
+  const Tensor before = trainer.params().flat().clone(Tier::host);
+  const StepStats st = trainer.step({&mb, 1});
+  EXPECT_TRUE(st.skipped);
+  EXPECT_EQ(st.skip, StepSkip::non_finite_gradient);
+  EXPECT_TRUE(testing::bit_equal(trainer.params().flat().clone(Tier::host), before));
+  EXPECT_EQ(trainer.optimizer_steps(), 1);
+  EXPECT_FALSE(trainer.step({&mb, 1}).skipped);
+  EXPECT_EQ(trainer.optimizer_steps(), 2);
+}
+
+// Steps on a batch of one repeated token, which the model soon predicts with
+// confidence, then a batch of another: its loss spikes past 2.5x the running
+// mean (7.5x on one rank, 3.8x on two). On one rank, or on two where only rank 1's half of the batch is the
+// other token: every rank skips the update alike (weights and moments bit for
+// bit as before, the optimizer's step count too), the next ordinary step
+// updates, and two spikes in a row stop the run.
+void check_spike_skipping(Communicator* dp) {
+  const GPTConfig cfg = config();
+  TrainOptions opts;
+  opts.schedule = {1e-2f, 1e-2f, 0, 100};
+  opts.max_skipped_steps = 2;
+  opts.skip_spike_factor = 2.5;
+  if (dp) opts.zero.stage = 1;
+  Trainer trainer(cfg, opts, dp);
+  const int64_t B = 2, T = 16;
+  const int rank = dp ? dp->rank() : 0;
+  const std::vector<int32_t> easy(B * T + 1, 1), other(B * T + 1, 2);
+  const std::vector<int32_t>& spike = rank == (dp ? 1 : 0) ? other : easy;
+  auto step = [&](const std::vector<int32_t>& data) {
+    const MicroBatch mb{data.data(), data.data() + 1, {B, T}, rank * B};
+    return trainer.step({&mb, 1});
+  };
+  for (int s = 0; s < 20; ++s) EXPECT_FALSE(step(easy).skipped) << "step " << s + 1;
+  auto expect_unchanged = [&](const Trainer::State& before) {
+    const Trainer::State after = trainer.gather_state();
+    EXPECT_TRUE(testing::bit_equal(after.params, before.params));
+    EXPECT_TRUE(testing::bit_equal(after.exp_avg, before.exp_avg));
+    EXPECT_TRUE(testing::bit_equal(after.exp_avg_sq, before.exp_avg_sq));
+    EXPECT_EQ(after.optimizer_steps, before.optimizer_steps);
+  };
+  const Trainer::State before = trainer.gather_state();
+  const StepStats st = step(spike);
+  EXPECT_TRUE(st.skipped);
+  EXPECT_EQ(st.skip, StepSkip::loss_spike);
+  EXPECT_GT(st.loss, 2.5 * st.loss_mean);
+  EXPECT_EQ(st.loss_mean, before.loss_watch.mean);
+  EXPECT_EQ(trainer.steps_done(), 21);
+  EXPECT_EQ(trainer.loss_watch().skipped_in_a_row, 1);
+  expect_unchanged(before);
+
+  const StepStats next = step(easy);
+  EXPECT_FALSE(next.skipped);
+  EXPECT_EQ(trainer.optimizer_steps(), 21);
+  EXPECT_EQ(trainer.loss_watch().skipped_in_a_row, 0);
+  const Trainer::State good = trainer.gather_state();
+  EXPECT_TRUE(step(spike).skipped);
+  const std::string e = testing::error_of([&] { step(spike); });
+  EXPECT_NE(e.find("step 24: 2 diverging steps in a row skipped"), std::string::npos) << e;
+  EXPECT_NE(e.find("loss spike"), std::string::npos) << e;
+  expect_unchanged(good);
+}
+
+TEST(Trainer, ALossSpikeIsSkippedAndTooManyInARowStopTheRun) { check_spike_skipping(nullptr); }
+
+TEST(Trainer, EveryDataParallelRankSkipsTheSpikeOfOneRanksData) {
+  run_local(2, [](Communicator& dp) { check_spike_skipping(&dp); });
 }
 
 std::vector<float> host_values(const Tensor& t) {

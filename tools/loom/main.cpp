@@ -185,7 +185,7 @@ int main(int argc, char** argv) {
       run.resume = resume;
       run.overwrite = overwrite;
       run.stop_after = stop_after;
-      run_training(load_config(config_path, overrides), run);
+      if (run_training(load_config(config_path, overrides), run).stop_signal != 0) return kPreemptedExitStatus;
     } else if (gen->parsed()) {
       LoadedModel m(ckpt);
       std::printf("%s", prompt.c_str());
