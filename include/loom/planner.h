@@ -170,6 +170,13 @@ struct GemmSample {
   double flops_per_s = 0.0;
 };
 
+// Causal attention of one head over one sequence of seq_len tokens, forward
+// and backward (loom's attention kernels, not GEMMs), and their times.
+struct AttentionSample {
+  int64_t seq_len = 0, head_dim = 0;
+  double forward_s = 0.0, backward_s = 0.0;
+};
+
 // A collective over `group` ranks, its cost fitted against the bytes of each
 // rank's buffer (all_reduce: the buffer; reduce_scatter: the input;
 // all_gather: the output; send_recv: the message).
@@ -189,6 +196,9 @@ struct MachineRates {
   // fp32 GEMM rates on a grid of shapes (calibration); empty for a
   // hardware file, which prices a GEMM at peak_flops * gemm_efficiency.
   std::vector<GemmSample> gemm;
+  // Attention kernel times on a grid of (seq_len, head_dim) (calibration);
+  // empty: attention is priced at its products' GEMM rate.
+  std::vector<AttentionSample> attention;
   double peak_flops_fp32 = 0.0, peak_flops_bf16 = 0.0;
   double gemm_efficiency = 1.0;      // the fraction of peak large GEMMs reach
   double memory_bytes_per_s = 0.0;   // streaming copy within device memory
@@ -208,6 +218,10 @@ struct MachineRates {
   // precision's GEMMs in fp32, which is what was measured), or, from a
   // hardware file, the precision's peak * gemm_efficiency.
   double gemm_seconds(int64_t m, int64_t n, int64_t k, DType precision = DType::f32) const;
+  // Seconds of causal attention of one head over one sequence, forward or
+  // backward: interpolated like GEMMs between the measured (seq_len,
+  // head_dim), or at the rate of a (seq_len, seq_len, head_dim) GEMM.
+  double attention_seconds(int64_t seq_len, int64_t head_dim, bool backward, DType precision = DType::f32) const;
   // Seconds of a collective over `group` ranks moving a buffer of `bytes`
   // per rank: the measured fit for that op and group where there is one,
   // else a ring over the intra-node link (group <= ranks_per_node) or the
@@ -218,6 +232,7 @@ struct MachineRates {
 
 struct CalibrationOptions {
   std::vector<int64_t> gemm_sizes{128, 512, 2048};  // each of m, n, k takes every size
+  std::vector<int64_t> attention_seq_lens{64, 256, 1024}, attention_head_dims{32, 64, 128};
   std::vector<int> groups{2, 4};                     // local ranks the collectives are timed on
   int64_t memory_bytes = int64_t(256) << 20;         // the buffer the copy rate is timed on
   std::filesystem::path nvme_dir;                    // empty: the NVMe rates are not measured
@@ -275,7 +290,7 @@ struct StepTimePrediction {
 };
 
 // Prices every piece of a step with `rates`: each GEMM by its rank-local
-// shape, attention at the rate of a (T, T, head_dim) GEMM, memory-bound
+// shape, attention by MachineRates::attention_seconds, memory-bound
 // kernels by the bytes they read and write, each collective by its alpha-beta
 // cost over its group, and the pipeline by simulating its schedule. Local
 // ranks that share the device (rates.shared_by_local_ranks) get 1 / ranks of
