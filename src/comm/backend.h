@@ -106,4 +106,12 @@ void check_options(const CommOptions& options);
 // The message of the exception being handled (inside a catch block).
 std::string current_exception_message();
 
+// Brackets a wait of the calling rank thread on the other ranks: its
+// watchdog does not count it as a stall, and its end is progress.
+void begin_communication_wait();
+void end_communication_wait();
+
+// Writes to stderr without stdio, whose lock a hung thread may hold.
+void write_to_stderr(const std::string& text);
+
 }  // namespace loom::detail

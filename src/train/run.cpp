@@ -345,6 +345,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
         t_window += seconds_now() - t;
       }
       const TraceStep trace_step(traced ? recorder.get() : nullptr, done);
+      report_progress("data load", done);
       {
         const TraceScope load(TraceCategory::data, "load batch");
         for (int64_t m = 0; m < plan.accumulation; ++m) {
@@ -492,10 +493,12 @@ EvalResult run_training(const Config& cfg, const RunOptions& run) {
     return train_rank(cfg, plan, run, nullptr);
   }
   EvalResult result;
+  CommOptions options;
+  options.watchdog_timeout = plan.watchdog_timeout;
   launch(plan.backend, plan.nproc, [&](Communicator& world) {
     const EvalResult r = train_rank(cfg, plan, run, plan.reference() ? nullptr : &world);
     if (world.rank() == 0) result = r;
-  });
+  }, options);
   return result;
 }
 
