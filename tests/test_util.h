@@ -7,6 +7,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -127,6 +129,72 @@ inline double max_rel_diff(const float* a, const float* b, int64_t n, double flo
     worst = std::max(worst, d);
   }
   return worst;
+}
+
+// Watchdog death tests. The ranks that see the failure report it on stderr
+// with print_rank_failure ("rank K failed after S s: MESSAGE", S counted from
+// the stalled rank's last progress) before the process ends; on the dead
+// process's stderr, rank_failures_match checks that each of `ranks` reported
+// once with min_s <= S < max_s and a MESSAGE containing every one of `parts`,
+// and that the whole output contains every one of `output_parts`.
+inline void print_rank_failure(int rank, double seconds, const std::string& message) {
+  std::fprintf(stderr, "rank %d failed after %.3f s: %s\n", rank, seconds, message.c_str());
+}
+
+class RankFailuresMatcher : public ::testing::MatcherInterface<const std::string&> {
+ public:
+  RankFailuresMatcher(std::vector<int> ranks, double min_s, double max_s, std::vector<std::string> parts,
+                      std::vector<std::string> output_parts)
+      : ranks_(std::move(ranks)),
+        min_s_(min_s),
+        max_s_(max_s),
+        parts_(std::move(parts)),
+        output_parts_(std::move(output_parts)) {}
+
+  bool MatchAndExplain(const std::string& out, ::testing::MatchResultListener* listener) const override {
+    for (const std::string& part : output_parts_)
+      if (out.find(part) == std::string::npos) {
+        *listener << "the output lacks '" << part << "'";
+        return false;
+      }
+    for (int rank : ranks_) {
+      const std::string head = "rank " + std::to_string(rank) + " failed after ";
+      const size_t at = out.find(head);
+      if (at == std::string::npos || out.find(head, at + 1) != std::string::npos) {
+        *listener << "rank " << rank << " did not report its failure exactly once";
+        return false;
+      }
+      char* end = nullptr;
+      const double seconds = std::strtod(out.c_str() + at + head.size(), &end);
+      const std::string line = out.substr(at, out.find('\n', at) - at);
+      if (!(seconds >= min_s_ && seconds < max_s_)) {
+        *listener << "rank " << rank << " failed after " << seconds << " s, outside [" << min_s_ << ", " << max_s_
+                  << "): " << line;
+        return false;
+      }
+      for (const std::string& part : parts_)
+        if (line.find(part) == std::string::npos) {
+          *listener << "rank " << rank << "'s message lacks '" << part << "': " << line;
+          return false;
+        }
+    }
+    return true;
+  }
+  void DescribeTo(std::ostream* os) const override {
+    *os << "a failure report of each of the ranks within [" << min_s_ << ", " << max_s_ << ") s";
+  }
+
+ private:
+  std::vector<int> ranks_;
+  double min_s_, max_s_;
+  std::vector<std::string> parts_, output_parts_;
+};
+
+inline ::testing::Matcher<const std::string&> rank_failures_match(std::vector<int> ranks, double min_s, double max_s,
+                                                                  std::vector<std::string> parts,
+                                                                  std::vector<std::string> output_parts = {}) {
+  return ::testing::MakeMatcher(
+      new RankFailuresMatcher(std::move(ranks), min_s, max_s, std::move(parts), std::move(output_parts)));
 }
 
 }  // namespace loom::testing
