@@ -233,9 +233,9 @@ double blocked_seconds();
 // enters, "<what>[ step <step>][ <item> <index>]" ("forward step 12
 // micro-batch 3"; a negative step or a null item is left out), and plain
 // reports that the phase is still advancing (a tensor written). `what` and
-// `item` must have static storage: a report is a thread-local load and a few
-// relaxed atomic stores, no allocation, no lock, no clock read. Without a
-// watchdog on the thread they do nothing.
+// `item` must have static storage: a report is a thread-local load, a clock
+// read and a few relaxed atomic stores, with no allocation and no lock.
+// Without a watchdog on the thread they do nothing.
 void report_progress(const char* what, int64_t step = -1, const char* item = nullptr, int64_t index = -1);
 void report_progress();
 
