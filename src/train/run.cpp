@@ -318,6 +318,7 @@ EvalResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions
   int64_t window_steps = 0;
   // Writing the trace is not step time.
   auto write_timeline = [&] {
+    report_progress("trace write", last_traced);
     const double t = seconds_now();
     write_trace(plan.trace_path, *recorder, world);
     if (tty) std::printf("\n");
