@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -131,14 +132,34 @@ inline double max_rel_diff(const float* a, const float* b, int64_t n, double flo
   return worst;
 }
 
-// Watchdog death tests. The ranks that see the failure report it on stderr
-// with print_rank_failure ("rank K failed after S s: MESSAGE", S counted from
-// the stalled rank's last progress) before the process ends; on the dead
-// process's stderr, rank_failures_match checks that each of `ranks` reported
+// Watchdog death tests. The stalled rank starts a StallClock as it stops; the
+// ranks that see the failure report it on stderr through reporting_failure
+// ("rank K failed after S s: MESSAGE", S on that clock) before the process
+// ends; on the dead process's stderr, rank_failures_match checks that each of
+// `ranks` reported
 // once with min_s <= S < max_s and a MESSAGE containing every one of `parts`,
 // and that the whole output contains every one of `output_parts`.
-inline void print_rank_failure(int rank, double seconds, const std::string& message) {
-  std::fprintf(stderr, "rank %d failed after %.3f s: %s\n", rank, seconds, message.c_str());
+class StallClock {
+ public:
+  void start() { since_ = std::chrono::steady_clock::now().time_since_epoch().count(); }
+  double seconds() const {
+    const std::chrono::steady_clock::time_point since{std::chrono::steady_clock::duration(since_.load())};
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+  }
+
+ private:
+  std::atomic<std::chrono::steady_clock::rep> since_{0};
+};
+
+// Runs `fn`; an Error it throws is reported for `rank` and rethrown.
+template <typename Fn>
+void reporting_failure(int rank, const StallClock& stall, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    std::fprintf(stderr, "rank %d failed after %.3f s: %s\n", rank, stall.seconds(), e.what());
+    throw;
+  }
 }
 
 class RankFailuresMatcher : public ::testing::MatcherInterface<const std::string&> {

@@ -149,21 +149,15 @@ TEST(Watchdog, WaitingForASlowButAdvancingRankIsNotAStall) {
 void stall_rank_one() {
   CommOptions options;
   options.watchdog_timeout = 1s;
-  std::atomic<Clock::rep> stalled_since{0};
+  testing::StallClock stall;
   run_local(3, [&](Communicator& comm) {
     float x = 1.0f;
     comm.all_reduce(&x, 1, DType::f32);
-    if (comm.rank() == 1) stalled_since = Clock::now().time_since_epoch().count();
+    if (comm.rank() == 1) stall.start();
     report_progress("forward", 2, "micro-batch", 0);
     if (comm.rank() == 1)
       for (;;) std::this_thread::sleep_for(1h);
-    try {
-      comm.all_reduce(&x, 1, DType::f32);
-    } catch (const Error& e) {
-      const Clock::time_point since{Clock::duration(stalled_since.load())};
-      testing::print_rank_failure(comm.rank(), std::chrono::duration<double>(Clock::now() - since).count(), e.what());
-      throw;
-    }
+    testing::reporting_failure(comm.rank(), stall, [&] { comm.all_reduce(&x, 1, DType::f32); });
   }, options);
 }
 

@@ -12,33 +12,25 @@
 namespace loom {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 // Two data-parallel ranks train; in step 2, once its gradients are reduced,
 // rank 1 sleeps forever. Rank 0 reports what it caught.
 void train_with_rank_one_stalled() {
   CommOptions options;
   options.watchdog_timeout = std::chrono::seconds(2);
-  std::atomic<Clock::rep> stalled_since{0};
+  testing::StallClock stall;
   run_local(2, [&](Communicator& world) {
     TrainOptions opts = testing::small_options(testing::layout(2, 1, DType::f32, 2));
     int step = 0;
     opts.on_gradients = [&](GradStore&) {
       if (world.rank() != 1 || step != 1) return;
-      stalled_since = Clock::now().time_since_epoch().count();
+      stall.start();
       for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
     };
     Trainer trainer(testing::small_gpt(0.0f), opts, &world);
     for (step = 0; step < 3; ++step) {
       const std::vector<int32_t> data = testing::step_tokens(step, trainer.model().config().vocab_size);
-      try {
-        trainer.step(testing::rank_micro_batches(data, 2, world.rank(), 2));
-      } catch (const Error& e) {
-        const Clock::time_point since{Clock::duration(stalled_since.load())};
-        testing::print_rank_failure(world.rank(), std::chrono::duration<double>(Clock::now() - since).count(),
-                                    e.what());
-        throw;
-      }
+      testing::reporting_failure(world.rank(), stall,
+                                 [&] { trainer.step(testing::rank_micro_batches(data, 2, world.rank(), 2)); });
     }
   }, options);
 }
