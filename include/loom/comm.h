@@ -286,6 +286,13 @@ class Watchdog {
   std::thread thread_;
 };
 
+// Runs `fn` on the calling thread, watched as rank 0 alone (a run without
+// ranks, such as the single-rank reference): if it stalls for `timeout`,
+// "loom: rank 0 failed: made no progress for ..." goes to stderr and the
+// process ends with exit status 1, since nothing else could stop the thread.
+// A zero timeout runs `fn` unwatched.
+void run_watched(std::chrono::milliseconds timeout, const std::function<void()>& fn);
+
 // ---------------------------------------------------------------------------
 // Launching ranks
 // ---------------------------------------------------------------------------

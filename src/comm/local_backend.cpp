@@ -19,8 +19,6 @@
 // collective runs on every rank or on none.
 #include <algorithm>
 #include <condition_variable>
-#include <cstdio>
-#include <cstdlib>
 #include <deque>
 #include <map>
 #include <numeric>
@@ -430,22 +428,6 @@ class LocalBackend : public Backend {
 }  // namespace
 }  // namespace detail
 
-namespace {
-
-// A thread that does not return cannot be stopped: what is left is ending
-// the process, as mpirun ends a failed job's processes.
-[[noreturn]] void end_process(const std::string& failure, const std::vector<int>& running) {
-  detail::write_to_stderr(str("loom: ", failure, "\nloom: rank(s) ", detail::format_ranks(running),
-                              " did not return after the failure and cannot be stopped; ending the process\n"));
-  if (ftrylockfile(stdout) == 0) {
-    std::fflush(stdout);
-    funlockfile(stdout);
-  }
-  std::_Exit(1);
-}
-
-}  // namespace
-
 void run_local(int nproc, const RankFunction& fn, const CommOptions& options) {
   if (nproc < 1) throw Error(str("run_local: the number of ranks must be at least 1, not ", nproc));
   detail::check_options(options);
@@ -508,7 +490,8 @@ void run_local(int nproc, const RankFunction& fn, const CommOptions& options) {
       }
       const auto deadline = stalled_at + watchdog.timeout();
       if (running == std::vector<int>{stalled} || std::chrono::steady_clock::now() >= deadline)
-        end_process(world->failure(), running);
+        detail::end_process(str("loom: ", world->failure(), "\nloom: rank(s) ", detail::format_ranks(running),
+                                " did not return after the failure and cannot be stopped; ending the process\n"));
       returned.wait_until(lock, deadline);
     }
   }

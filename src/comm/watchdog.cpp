@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "comm/backend.h"
 
@@ -62,6 +63,15 @@ void write_to_stderr(const std::string& text) {
   }
 }
 
+void end_process(const std::string& text) {
+  write_to_stderr(text);
+  if (ftrylockfile(stdout) == 0) {
+    std::fflush(stdout);
+    funlockfile(stdout);
+  }
+  std::_Exit(1);
+}
+
 }  // namespace detail
 
 void report_progress(const char* what, int64_t step, const char* item, int64_t index) {
@@ -106,6 +116,14 @@ Watchdog::Watch::Watch(Watchdog& watchdog, size_t i) : previous_(detail::t_activ
 Watchdog::Watch::~Watch() {
   if (mine_) mine_->finished.store(true);
   detail::t_activity = previous_;
+}
+
+void run_watched(std::chrono::milliseconds timeout, const std::function<void()>& fn) {
+  Watchdog watchdog({0}, timeout, [](int rank, const std::string& message) {
+    detail::end_process(str("loom: rank ", rank, " failed: ", message, "\n"));
+  });
+  Watchdog::Watch watch(watchdog, 0);
+  fn();
 }
 
 void Watchdog::run() {

@@ -491,7 +491,9 @@ EvalResult run_training(const Config& cfg, const RunOptions& run) {
   if (plan.reference() && plan.backend == "local") {
     MemoryContext memory;
     MemoryContext::Install install(memory);
-    return train_rank(cfg, plan, run, nullptr);
+    EvalResult result;
+    run_watched(plan.watchdog_timeout, [&] { result = train_rank(cfg, plan, run, nullptr); });
+    return result;
   }
   EvalResult result;
   CommOptions options;

@@ -172,5 +172,29 @@ TEST(WatchdogDeathTest, StalledRankEndsEveryRankNamingItsPhase) {
                    "loom: rank(s) [1] did not return after the failure and cannot be stopped; ending the process"}));
 }
 
+// The calling thread alone, as the single-rank reference run is watched: its
+// stall ends the process, naming the phase.
+TEST(WatchdogDeathTest, StalledRunWithoutRanksEndsTheProcess) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(run_watched(200ms,
+                          [] {
+                            report_progress("optimizer", 4);
+                            for (;;) std::this_thread::sleep_for(1h);
+                          }),
+              ::testing::ExitedWithCode(1),
+              "loom: rank 0 failed: made no progress for 0\\.[2-4] s while in 'optimizer step 4' \\(watchdog "
+              "timeout 0\\.2 s\\)");
+  // Unwatched with a zero timeout; a run that returns is not ended.
+  int runs = 0;
+  run_watched(0ms, [&] {
+    report_progress("optimizer", 4);
+    std::this_thread::sleep_for(300ms);
+    ++runs;
+  });
+  run_watched(100ms, [&] { ++runs; });
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(runs, 2);
+}
+
 }  // namespace
 }  // namespace loom
