@@ -38,12 +38,12 @@ struct Stalls {
 
 TEST(Watchdog, AdvancingRanksAreNotStalled) {
   Stalls stalls;
-  Watchdog watchdog({0, 1}, 200ms, stalls.callback());
+  Watchdog watchdog({0, 1}, 300ms, stalls.callback());
   // One rank changes phase, the other stays in one phase and reports that it
-  // advances (a checkpoint writing tensor after tensor); both for 4 timeouts.
+  // advances (a checkpoint writing tensor after tensor); both for 3 timeouts.
   std::thread phases([&] {
     Watchdog::Watch watch(watchdog, 0);
-    for (int i = 0; i < 40; ++i) {
+    for (int i = 0; i < 45; ++i) {
       report_progress("forward", i, "micro-batch", 0);
       std::this_thread::sleep_for(20ms);
     }
@@ -51,7 +51,7 @@ TEST(Watchdog, AdvancingRanksAreNotStalled) {
   std::thread advancing([&] {
     Watchdog::Watch watch(watchdog, 1);
     report_progress("checkpoint write", 3);
-    for (int i = 0; i < 40; ++i) {
+    for (int i = 0; i < 45; ++i) {
       std::this_thread::sleep_for(20ms);
       report_progress();
     }
@@ -132,11 +132,11 @@ TEST(Watchdog, ZeroTimeoutWatchesNothingAndANegativeOneIsRefused) {
 // rank 0 waits for it in a barrier: waiting on another rank is not a stall.
 TEST(Watchdog, WaitingForASlowButAdvancingRankIsNotAStall) {
   CommOptions options;
-  options.watchdog_timeout = 200ms;
+  options.watchdog_timeout = 300ms;
   run_local(2, [](Communicator& comm) {
     report_progress("forward", 1, "micro-batch", 0);
     if (comm.rank() == 1)
-      for (int i = 0; i < 30; ++i) {
+      for (int i = 0; i < 45; ++i) {
         std::this_thread::sleep_for(20ms);
         report_progress();
       }
