@@ -445,12 +445,14 @@ void run_local(int nproc, const RankFunction& fn, const CommOptions& options) {
   std::condition_variable returned;
   int stalled = -1;
   std::chrono::steady_clock::time_point stalled_at;
+  std::string stall;
   Watchdog watchdog(ranks, options.watchdog_timeout, [&](int rank, const std::string& message) {
     world->fail(rank, message);
     {
       std::lock_guard lock(mu);
       stalled = rank;
       stalled_at = std::chrono::steady_clock::now();
+      stall = str("rank ", rank, " failed: ", message);
     }
     returned.notify_all();
   });
@@ -489,9 +491,13 @@ void run_local(int nproc, const RankFunction& fn, const CommOptions& options) {
         continue;
       }
       const auto deadline = stalled_at + watchdog.timeout();
-      if (running == std::vector<int>{stalled} || std::chrono::steady_clock::now() >= deadline)
-        detail::end_process(str("loom: ", world->failure(), "\nloom: rank(s) ", detail::format_ranks(running),
+      if (running == std::vector<int>{stalled} || std::chrono::steady_clock::now() >= deadline) {
+        // The stall may have come after another rank's failure: both are told.
+        const std::string first = world->failure();
+        detail::end_process(str("loom: ", first, "\n", first == stall ? "" : str("loom: ", stall, "\n"),
+                                "loom: rank(s) ", detail::format_ranks(running),
                                 " did not return after the failure and cannot be stopped; ending the process\n"));
+      }
       returned.wait_until(lock, deadline);
     }
   }
