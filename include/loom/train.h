@@ -293,6 +293,8 @@ struct TrainPlan {
   // trace.path (empty: no trace) and the steps it records, within train.steps.
   std::filesystem::path trace_path;
   TraceSteps trace_steps;
+  // train.watchdog_timeout: how long a rank may stall (CommOptions); 0: off.
+  std::chrono::milliseconds watchdog_timeout{0};
   // Whether the run is the single-rank fp32 reference (a Trainer without a
   // communicator); anything else runs every rank with one.
   bool reference() const {

@@ -92,6 +92,7 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
   const ParamLayout& layout = t.state_layout();
   // The state streams from the Trainer (collective) into the files on rank
   // 0: in one piece, or a chunk at a time under a memory policy.
+  report_progress("checkpoint write", t.steps_done());
   std::optional<AtomicDirWriter> dir;
   std::optional<SafetensorsWriter> model_file, optimizer_file;
   if (writes) {
@@ -102,8 +103,10 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
     optimizer_file.emplace(dir->path(kOptimizerFile), optimizer_specs(layout), metadata);
   }
   t.visit_state([&](FlatRange r, const float* params, const float* exp_avg, const float* exp_avg_sq) {
+    report_progress();
     if (!writes) return;
     for_each_param_in(layout, r, [&](const ParamSpec& p, int64_t at) {
+      report_progress();
       model_file->write(p.name, params + at);
       optimizer_file->write("exp_avg." + p.name, exp_avg + at);
       optimizer_file->write("exp_avg_sq." + p.name, exp_avg_sq + at);

@@ -386,6 +386,13 @@ TrainPlan plan_training(const Config& cfg) {
   p.nproc = static_cast<int>(ranks);
   p.backend = cfg.get<std::string>("parallel.backend");
   check_launcher(cfg, p.backend, ranks, tp * pp);
+  const double watchdog = cfg.get<double>("train.watchdog_timeout");
+  // The watchdog samples every tenth of its timeout: below 0.1 s it would
+  // wake more often than every 10 ms and trip on scheduling noise.
+  if (watchdog > 0 && watchdog < 0.1)
+    throw ConfigError(cfg, "train.watchdog_timeout", str("is ", watchdog, " s, shorter than the 0.1 s minimum"),
+                      "set train.watchdog_timeout to at least a few seconds, or to 0 to turn the watchdog off");
+  p.watchdog_timeout = std::chrono::milliseconds(std::llround(watchdog * 1000.0));
 
   if (p.seq_len > p.model.block_size)
     throw ConfigError(cfg, "train.seq_len", str("may not exceed the model's context block_size = ", p.model.block_size),

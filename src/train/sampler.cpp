@@ -3,6 +3,7 @@
 #include <numeric>
 #include <vector>
 
+#include "loom/comm.h"
 #include "loom/data.h"
 #include "loom/train.h"
 
@@ -59,6 +60,7 @@ std::string generate(GPT& model, ParamStore& params, const Tokenizer& tok, const
   // the cache is full, so arbitrarily long samples work with learned positions.
   std::vector<int32_t> pending = context;
   for (int64_t i = 0; i < max_tokens; ++i) {
+    report_progress("sampling", -1, "token", i);
     if (cache.length() + static_cast<int64_t>(pending.size()) > cfg.block_size) {
       cache.clear();
       const size_t keep = static_cast<size_t>(cfg.block_size / 2);
