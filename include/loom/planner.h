@@ -148,6 +148,52 @@ std::vector<Layout> layout_candidates(const LayoutProblem& problem, int64_t worl
 // ("parallel.tp=2", ...), one per Layout field.
 std::vector<std::string> layout_settings(const Layout& layout);
 
+// ---------------------------------------------------------------------------
+// Memory model
+// ---------------------------------------------------------------------------
+
+// What a layout leaves open that changes a step's memory.
+struct StepMemoryOptions {
+  DType precision = DType::f32;           // zero.precision
+  int64_t bucket_bytes = int64_t(25) << 20;  // zero.bucket_bytes
+  // Chunk placement (memory.*): its policy is Layout::memory_policy, the
+  // rest (offload fractions, chunk size, prefetch, micro_batches) is read
+  // from here.
+  MemoryOptions memory;
+};
+
+// One tier's high-water mark in a step: the bytes, where in the step it
+// falls, and what is live then, term by term.
+struct TierPeak {
+  double bytes = 0.0;
+  std::string phase;
+  std::vector<MemoryTerm> terms;
+};
+
+// One rank's peaks (rank: its world rank in DeviceMesh order, pp outermost,
+// then dp, tp innermost).
+struct RankMemory {
+  int pp_stage = 0, dp_rank = 0, tp_rank = 0;
+  TierPeak tiers[3];  // by Tier
+  double peak(Tier t) const { return tiers[static_cast<int>(t)].bytes; }
+  // "device peak 1.2 MiB in h.3 backward: parameters 300 KiB, ..."
+  std::string describe(Tier t) const;
+};
+
+// The peak bytes per rank and tier of one steady-state training step (the
+// second: the first learns ZeRO-3's acquisition order) of `layout`, as the
+// allocators count them (Allocator::peak, bytes requested). Built from how
+// loom allocates, not from running it: the parameter groups each rank
+// holds (its pipeline stage's layers, tensor-parallel shards), the ZeRO
+// stores' buffers (working parameters, gradients, fp32 masters and moments,
+// bucket scratch, gathered groups), the tensors each module keeps from its
+// forward to its backward and the temporaries of each, the pipeline
+// schedule's order of forwards and backwards, and the optimizer step. The
+// allocations are replayed in the step's order and the live bytes' maximum
+// taken, so the peak's terms are the tensors live at that moment.
+std::vector<RankMemory> predict_step_memory(const LayoutProblem& problem, const Layout& layout,
+                                            const StepMemoryOptions& options);
+
 // "3,3,2": n_layer layers over `parts` virtual stages as evenly as they go,
 // in parallel.stage_layers' syntax.
 std::string even_stage_layers(int64_t n_layer, int64_t parts);
