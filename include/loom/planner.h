@@ -32,22 +32,6 @@ double head_training_flops(const GPTConfig& cfg, int64_t seq_len);
 // SwiGLU 3 h I).
 double layer_matmul_weights(const GPTConfig& cfg);
 
-struct MemoryTerm {
-  std::string name;
-  double bytes;
-};
-
-// Peak device bytes of one fp32 single-rank training step, term by term:
-// model state (parameters, gradients, AdamW moments: 16 bytes/parameter) and
-// what loom's modules hold at the moment of the peak, which is either the
-// output head's backward (large vocabularies) or the last block's backward.
-struct StepMemoryEstimate {
-  std::string phase;  // where the peak occurs
-  std::vector<MemoryTerm> terms;
-  double total() const;
-};
-StepMemoryEstimate estimate_step_memory(const GPTConfig& cfg, int64_t B, int64_t T, bool checkpoint_activations);
-
 // Activation bytes one transformer block keeps from its forward to its
 // backward, per rank, for a micro-batch of B x T tokens: Korthikanti et al.'s
 // s b h (34 + 5 a s / h) adapted to what loom stores. With N = B T tokens,
@@ -162,6 +146,12 @@ struct StepMemoryOptions {
   MemoryOptions memory;
 };
 
+// One named part of a peak: the bytes of the tensors of one kind live then.
+struct MemoryTerm {
+  std::string name;
+  double bytes;
+};
+
 // One tier's high-water mark in a step: the bytes, where in the step it
 // falls, and what is live then, term by term.
 struct TierPeak {
@@ -191,8 +181,15 @@ struct RankMemory {
 // schedule's order of forwards and backwards, and the optimizer step. The
 // allocations are replayed in the step's order and the live bytes' maximum
 // taken, so the peak's terms are the tensors live at that moment.
+// Under a memory policy the chunk stores' part is plan_memory's (placement
+// and needs); the rest is replayed.
 std::vector<RankMemory> predict_step_memory(const LayoutProblem& problem, const Layout& layout,
                                             const StepMemoryOptions& options);
+// The most device bytes any rank's step holds outside the chunk stores of a
+// memory policy (activations and their temporaries, frozen weights and their
+// fp32 copies): what plan_memory is given besides the model state.
+double device_bytes_beside_chunks(const LayoutProblem& problem, const Layout& layout,
+                                  const StepMemoryOptions& options);
 
 // "3,3,2": n_layer layers over `parts` virtual stages as evenly as they go,
 // in parallel.stage_layers' syntax.

@@ -2,6 +2,7 @@
 // order loom's modules, stores and pipeline executor make them. Each
 // function below names the code whose tensors it accounts for.
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <memory>
 
@@ -263,8 +264,12 @@ RankModel rank_model(const Geometry& geo, const std::vector<LayerRange>& chunks,
 
 class StoreModel {
  public:
-  StoreModel(Timeline& tl, const RankModel& m, int stage, DType precision, int64_t bucket_bytes, int ranks, int rank)
-      : tl_(tl), m_(m), stage_(stage), w_(precision), wsize_(static_cast<double>(dtype_size(precision))) {
+  // chunked: a memory policy's chunk stores hold the trainable state, which
+  // plan_memory accounts for; only the frozen weights are replayed here.
+  StoreModel(Timeline& tl, const RankModel& m, int stage, DType precision, int64_t bucket_bytes, int ranks, int rank,
+             bool chunked)
+      : tl_(tl), m_(m), stage_(stage), w_(precision), wsize_(static_cast<double>(dtype_size(precision))),
+        chunked_(chunked) {
     // The trainable layout (FrozenParams::trainable): groups with a trainable
     // element, in order; one flat parameter per group stands for its elements.
     ParamLayout trainable;
@@ -294,6 +299,7 @@ class StoreModel {
     double frozen = 0.0;
     for (const Group& g : m.groups) frozen += g.frozen;
     tl.alloc(kFrozen, frozen * wsize_);
+    if (chunked) return;
     // ZeroParamStore: the padded working copy, or stage 3's shard.
     const double padded = static_cast<double>(p.padded_numel()), shard = static_cast<double>(p.shard_numel());
     tl.alloc(kParams, (stage == 3 ? shard : padded) * wsize_);
@@ -316,12 +322,12 @@ class StoreModel {
   // FrozenParamStore::acquire / release, then ZeroParamStore's.
   void acquire(int group) {
     const size_t g = static_cast<size_t>(group);
-    if (to_trainable_[g] >= 0) acquire_trainable(to_trainable_[g]);
+    if (to_trainable_[g] >= 0 && !chunked_) acquire_trainable(to_trainable_[g]);
     if (frozen_refs_[g]++ == 0 && w_ != DType::f32) frozen_copy_[g] = tl_.alloc(kCompute, m_.groups[g].frozen * kF32);
   }
   void release(int group) {
     const size_t g = static_cast<size_t>(group);
-    if (to_trainable_[g] >= 0) release_trainable(to_trainable_[g]);
+    if (to_trainable_[g] >= 0 && !chunked_) release_trainable(to_trainable_[g]);
     if (--frozen_refs_[g] == 0) tl_.free(frozen_copy_[g]);
   }
   // The first grad() of a group's parameters in a micro-batch's backward:
@@ -329,14 +335,14 @@ class StoreModel {
   // 0-1 in fp32 accumulate straight into the gradients.
   void touch_grads(int group) {
     const int t = to_trainable_[static_cast<size_t>(group)];
-    if (t < 0 || (stage_ <= 1 && w_ == DType::f32)) return;
+    if (t < 0 || chunked_ || (stage_ <= 1 && w_ == DType::f32)) return;
     const size_t b = static_cast<size_t>(part_->bucket_index(t));
     if (scratch_[b] < 0) scratch_[b] = tl_.alloc(kBuckets, padded(b) * kF32);
   }
   // ZeroGradStore::group_ready and launch.
   void group_ready(int group) {
     const int t = to_trainable_[static_cast<size_t>(group)];
-    if (t < 0) return;
+    if (t < 0 || chunked_) return;
     const size_t b = static_cast<size_t>(part_->bucket_index(t));
     const ZeroBucket& bucket = part_->buckets()[b];
     if (--groups_left_[b] > 0) return;
@@ -383,6 +389,7 @@ class StoreModel {
   // ZeroOptimizer::step: gradients in a 2-byte precision (stages 0-1) are
   // widened range by range into one buffer that grows to the largest.
   void optimizer_step() {
+    if (chunked_) return;
     if (stage_ <= 1 && w_ != DType::f32) {
       int converted = -1;
       int64_t size = 0;
@@ -475,6 +482,7 @@ class StoreModel {
   int stage_;
   DType w_;
   double wsize_;
+  bool chunked_;
   std::vector<int> to_trainable_;
   std::unique_ptr<ParamLayout> layout_;
   std::unique_ptr<ZeroPartition> part_;
@@ -931,8 +939,12 @@ std::string RankMemory::describe(Tier t) const {
   return s;
 }
 
-std::vector<RankMemory> predict_step_memory(const LayoutProblem& problem, const Layout& layout,
-                                            const StepMemoryOptions& options) {
+namespace {
+
+// Every rank's replayed step: the ZeRO stores, or under a memory policy all
+// but the chunk stores.
+std::vector<RankMemory> replay_ranks(const LayoutProblem& problem, const Layout& layout,
+                                     const StepMemoryOptions& options) {
   const GPTConfig& cfg = problem.model;
   const int pp = static_cast<int>(layout.pp), tp = static_cast<int>(layout.tp), dp = static_cast<int>(layout.dp);
   const int chunks = static_cast<int>(layout.virtual_stages);
@@ -975,7 +987,8 @@ std::vector<RankMemory> predict_step_memory(const LayoutProblem& problem, const 
     r.defer = pp > 1 || (tp > 1 && partial > 0.0);
 
     Timeline tl;
-    StoreModel st(tl, r.model, layout.zero_stage, options.precision, options.bucket_bytes, dp, mem.dp_rank);
+    StoreModel st(tl, r.model, layout.zero_stage, options.precision, options.bucket_bytes, dp, mem.dp_rank,
+                  layout.memory_policy != MemoryPolicy::none);
     // The first step learns ZeRO-3's order; the second is the steady state.
     replay_step(tl, st, r);
     tl.reset_peaks();
@@ -984,6 +997,49 @@ std::vector<RankMemory> predict_step_memory(const LayoutProblem& problem, const 
     out.push_back(std::move(mem));
   }
   return out;
+}
+
+void add_term(TierPeak& p, const char* name, double bytes) {
+  if (bytes <= 0.0) return;
+  p.bytes += bytes;
+  p.terms.push_back({name, bytes});
+}
+
+}  // namespace
+
+double device_bytes_beside_chunks(const LayoutProblem& problem, const Layout& layout,
+                                  const StepMemoryOptions& options) {
+  LOOM_CHECK(layout.memory_policy != MemoryPolicy::none, "device_bytes_beside_chunks needs a memory policy");
+  double most = 0.0;
+  for (const RankMemory& r : replay_ranks(problem, layout, options)) most = std::max(most, r.peak(Tier::device));
+  return most;
+}
+
+std::vector<RankMemory> predict_step_memory(const LayoutProblem& problem, const Layout& layout,
+                                            const StepMemoryOptions& options) {
+  std::vector<RankMemory> ranks = replay_ranks(problem, layout, options);
+  if (layout.memory_policy == MemoryPolicy::none) return ranks;
+  // The chunk stores: plan_memory's placement and needs (the payloads where
+  // the placement puts them, the gathered and staged chunks, the host's
+  // staging), over the trainable parameters, which the chunk manager packs.
+  const GPT whole(problem.model);
+  std::vector<bool> frozen;
+  for (const ParamSpec& p : whole.layout().params()) frozen.push_back(!p.trainable);
+  const bool any_frozen = std::find(frozen.begin(), frozen.end(), true) != frozen.end();
+  MemoryOptions memory = options.memory;
+  memory.policy = layout.memory_policy;
+  TierBytes unlimited;
+  for (Tier t : {Tier::device, Tier::host, Tier::nvme}) unlimited[t] = std::numeric_limits<int64_t>::max() / 4;
+  const MemoryPlan plan = plan_memory(any_frozen ? trainable_layout(whole.layout(), frozen) : whole.layout(), memory,
+                                      options.precision, static_cast<int>(layout.dp), 0, unlimited);
+  for (RankMemory& r : ranks) {
+    for (Tier t : {Tier::device, Tier::host, Tier::nvme})
+      add_term(r.tiers[static_cast<int>(t)], "chunk payloads", static_cast<double>(plan.needs.model_state[t]));
+    add_term(r.tiers[static_cast<int>(Tier::device)], "chunk working buffers",
+             static_cast<double>(plan.needs.device_working));
+    add_term(r.tiers[static_cast<int>(Tier::host)], "chunk staging buffers", static_cast<double>(plan.needs.host_working));
+  }
+  return ranks;
 }
 
 }  // namespace loom

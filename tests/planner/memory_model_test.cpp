@@ -2,6 +2,7 @@
 // trains a tiny model on local ranks for two steps, and the second step's
 // peak per rank and tier (the first learns ZeRO-3's acquisition order and
 // the auto policy's trace) is compared with the prediction.
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 
@@ -190,6 +191,12 @@ std::vector<Case> cases() {
   return out;
 }
 
+std::string test_name(const Case& c) {
+  std::string n;
+  for (char ch : c.name) n += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+  return n;
+}
+
 class MemoryModel : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MemoryModel, PredictedPeaksAreWithinTwoPercentOfTheAllocators) {
@@ -213,11 +220,48 @@ TEST_P(MemoryModel, PredictedPeaksAreWithinTwoPercentOfTheAllocators) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MemoryModel, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           std::string n;
-                           for (char ch : info.param.name) n += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
-                           return n;
-                         });
+                         [](const ::testing::TestParamInfo<Case>& info) { return test_name(info.param); });
+
+// memory.policy = "static": the chunk stores' part of the prediction is
+// plan_memory's needs, which bound the chunk manager's buffers rather than
+// replay them (the host's staging is counted whether or not a chunk is
+// placed there), so these layouts are held only to a bound, short of the 2%
+// target: the prediction may not fall below the measured peak on any tier.
+// "auto" is not covered: its steady-state placement is the traced one, not
+// plan_memory's warm-up placement.
+std::vector<Case> chunk_cases() {
+  std::vector<Case> out;
+  Layout l = dp_layout(1, 3);
+  l.memory_policy = MemoryPolicy::fixed;
+  out.push_back({.name = "static fp32", .layout = l});
+  out.push_back({.name = "static bf16 LoRA", .layout = l, .precision = DType::bf16, .lora = true});
+  out.push_back({.name = "static half offloaded", .layout = l, .offload_param = 0.5, .offload_optim = 0.5});
+  l.dp = 2;
+  out.push_back({.name = "static dp2 bf16", .layout = l, .precision = DType::bf16});
+  out.push_back({.name = "static dp2 bf16 optimizer offloaded", .layout = l, .precision = DType::bf16,
+                 .offload_optim = 1.0});
+  return out;
+}
+
+class ChunkPolicyMemoryModel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ChunkPolicyMemoryModel, PredictedPeaksBoundTheAllocators) {
+  const Case c = GetParam();
+  const std::vector<Peaks> measured = measure(c);
+  const std::vector<RankMemory> predicted = predict_step_memory(problem_of(c), c.layout, options_of(c));
+  ASSERT_EQ(predicted.size(), measured.size());
+  for (size_t r = 0; r < measured.size(); ++r) {
+    for (Tier t : {Tier::device, Tier::host, Tier::nvme}) {
+      const double m = measured[r].tier[static_cast<int>(t)], p = predicted[r].peak(t);
+      std::printf("%-40s rank %zu %-6s predicted %10.0f measured %10.0f error %+.2f%%\n", c.name.c_str(), r,
+                  tier_name(t), p, m, m > 0 ? 100.0 * (p / m - 1.0) : 0.0);
+      EXPECT_GE(p, m) << c.name << ", rank " << r << ", " << tier_name(t) << "\n" << predicted[r].describe(t);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ChunkPolicyMemoryModel, ::testing::ValuesIn(chunk_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return test_name(info.param); });
 
 }  // namespace
 }  // namespace loom
