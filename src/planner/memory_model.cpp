@@ -8,6 +8,7 @@
 
 #include "loom/planner.h"
 #include "loom/zero.h"
+#include "memory/chunk_sizes.h"
 
 namespace loom {
 
@@ -259,17 +260,340 @@ RankModel rank_model(const Geometry& geo, const std::vector<LayerRange>& chunks,
 }
 
 // ---------------------------------------------------------------------------
+// The chunk stores of a memory policy (memory/chunk_*.cpp) over the
+// trainable layout: payloads where the placement puts them, whole chunks
+// gathered on the device while acquired and prefetched, gradient chunks,
+// and the optimizer's staging.
+// ---------------------------------------------------------------------------
+
+class ChunkModel {
+ public:
+  ChunkModel(Timeline& tl, const ParamLayout& layout, const MemoryOptions& opts, DType precision, int ranks, int rank)
+      : tl_(tl),
+        layout_(layout),
+        opts_(opts),
+        w_(static_cast<double>(dtype_size(precision))),
+        precision_(precision),
+        ranks_(ranks),
+        rank_(rank),
+        plan_(plan_memory(layout, opts, precision, ranks, 0, unlimited())),
+        chunks_(layout, plan_.search.chunk_numel, ranks),
+        cs_(static_cast<size_t>(chunks_.num_chunks())),
+        group_refs_(static_cast<size_t>(layout.num_groups()), 0),
+        group_compute_(static_cast<size_t>(layout.num_groups()), -1),
+        reuse_(opts.micro_batches == 1) {
+    const double S = shard();
+    // ChunkManager::Impl::initialize: each payload on its tier; NVMe ones
+    // in slots of one scratch file, reserved whole (NvmeFile).
+    double file = 0.0;
+    for (int c = 0; c < chunks_.num_chunks(); ++c) {
+      Chunk& s = cs_[static_cast<size_t>(c)];
+      s.param_tier = plan_.placement.param[static_cast<size_t>(c)];
+      s.optim_tier = plan_.placement.optim[static_cast<size_t>(c)];
+      s.not_ready = chunks_.chunk(c).end_param - chunks_.chunk(c).first_param;
+      for (auto [tier, bytes] : {std::pair{s.param_tier, S * w_}, {s.optim_tier, optim_bytes()}})
+        if (tier == Tier::nvme) file += io_bytes(bytes);
+      s.param = payload(s.param_tier, S * w_);
+      s.optim = payload(s.optim_tier, optim_bytes());
+      if (!reuse_) s.grad_shard = tl_.alloc(s.optim_tier == Tier::device ? Tier::device : Tier::host, kGrads, S * kF32);
+    }
+    tl_.alloc(Tier::nvme, "chunk payloads on NVMe", file);
+  }
+
+  void acquire(int group) {
+    for (int c : chunks_.chunks_of_group(group)) {
+      Chunk& s = cs_[static_cast<size_t>(c)];
+      if (in_step_) {
+        if (recording_) {
+          recorded_.push_back(c);
+        } else if (cursor_ < order_.size() && order_[cursor_] == c) {
+          ++cursor_;
+        } else {
+          order_.clear();
+          cursor_ = 0;
+        }
+      }
+      materialize(c, true);
+      ++s.refs;
+    }
+    // Kernels compute in fp32: a 2-byte group is converted once per acquire.
+    if (group_refs_[static_cast<size_t>(group)]++ == 0 && precision_ != DType::f32) {
+      const auto [begin, end] = layout_.group_range(group);
+      group_compute_[static_cast<size_t>(group)] = tl_.alloc(kCompute, static_cast<double>(end - begin) * kF32);
+    }
+    if (in_step_ && !recording_)
+      for (size_t i = cursor_; i < std::min(order_.size(), cursor_ + static_cast<size_t>(opts_.prefetch)); ++i)
+        materialize(order_[i], false);
+  }
+  void release(int group) {
+    if (--group_refs_[static_cast<size_t>(group)] == 0) tl_.free(group_compute_[static_cast<size_t>(group)]);
+    for (int c : chunks_.chunks_of_group(group)) {
+      Chunk& s = cs_[static_cast<size_t>(c)];
+      if (--s.refs > 0) continue;
+      if (s.write_pending) retire(c);
+      if (!s.aliased && !wanted_soon(c)) drop(c);
+    }
+  }
+  // ChunkManager::Impl::grad: a whole fp32 chunk per chunk a gradient is
+  // written into, at the first write of one of its parameters: the group's
+  // parameters [first, first + count).
+  void touch_grads(int group, int first, int count) {
+    std::vector<int> ids;
+    for (int id = 0; id < static_cast<int>(layout_.params().size()); ++id)
+      if (layout_.param(id).group == group) ids.push_back(id);
+    for (int i = first; i < std::min<int>(first + count, static_cast<int>(ids.size())); ++i) {
+      const int c = chunks_.chunk_of_param(ids[static_cast<size_t>(i)]);
+      Chunk& s = cs_[static_cast<size_t>(c)];
+      if (s.reduced >= 0) {
+        in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), c));
+        retire(c);
+      }
+      if (s.grad < 0) s.grad = tl_.alloc(kBuckets, chunk_numel() * kF32);
+    }
+  }
+  void group_ready(int group) {
+    const auto [begin, end] = layout_.group_range(group);
+    for (int id = 0; id < static_cast<int>(layout_.params().size()); ++id) {
+      if (layout_.param(id).group != group) continue;
+      const int c = chunks_.chunk_of_param(id);
+      if (--cs_[static_cast<size_t>(c)].not_ready == 0) reduce(c);
+    }
+    (void)begin;
+    (void)end;
+  }
+  void finish() {
+    while (!in_flight_.empty()) {
+      const int c = in_flight_.front();
+      in_flight_.erase(in_flight_.begin());
+      retire(c);
+    }
+  }
+  void begin_step() {
+    in_step_ = true;
+    cursor_ = 0;
+    recording_ = order_.empty();
+    recorded_.clear();
+  }
+  void end_step() {
+    if (recording_) order_ = recorded_;
+    in_step_ = false;
+    for (int c = 0; c < chunks_.num_chunks(); ++c)
+      if (cs_[static_cast<size_t>(c)].refs == 0 && !cs_[static_cast<size_t>(c)].aliased) drop(c);
+  }
+  // ChunkManager::Impl::step: per chunk, the update where its optimizer
+  // state lives, with an fp32 gradient buffer per tier, parameters staged
+  // there when they live elsewhere, NVMe state read two ahead and written
+  // behind, and the rounded parameters stored back.
+  void step() {
+    const double S = shard();
+    int grads[kNumTiers] = {-1, -1, -1}, staged[kNumTiers] = {-1, -1, -1};
+    std::vector<int> ahead;
+    int next_read = 0;
+    const int n = chunks_.num_chunks();
+    for (int c = 0; c < n; ++c) {
+      Chunk& s = cs_[static_cast<size_t>(c)];
+      if (chunks_.owned(c, rank_).numel() == 0) continue;
+      for (; next_read < n && ahead.size() < 2; ++next_read)
+        if (cs_[static_cast<size_t>(next_read)].optim_tier == Tier::nvme &&
+            chunks_.owned(next_read, rank_).numel() > 0)
+          ahead.push_back(tl_.alloc(Tier::host, kTransient, io_bytes(optim_bytes())));
+      const Tier on = s.optim_tier == Tier::device ? Tier::device : Tier::host;
+      int state = -1;
+      if (s.optim_tier == Tier::nvme) {
+        state = ahead.front();
+        ahead.erase(ahead.begin());
+      }
+      int& g = grads[static_cast<int>(on)];
+      if (g < 0) g = tl_.alloc(on, kTransient, S * kF32);
+      if (reuse_ && s.param_tier != on) {
+        int& st = staged[static_cast<int>(on)];
+        if (st < 0) st = tl_.alloc(on, kTransient, S * w_);
+        if (s.param_tier == Tier::nvme) {
+          int read = tl_.alloc(Tier::host, kTransient, io_bytes(S * w_));
+          tl_.free(read);
+        }
+      }
+      // publish: rounded into the payload, or through a zeroed buffer on `on`.
+      if (s.param_tier != on) {
+        int rounded = tl_.alloc(on, kTransient, S * w_);
+        if (s.param_tier == Tier::nvme) write_behind(tl_.alloc(Tier::host, kTransient, io_bytes(S * w_)));
+        tl_.free(rounded);
+      }
+      if (state >= 0) write_behind(state);
+    }
+    for (int& g : grads) tl_.free(g);
+    for (int& st : staged) tl_.free(st);
+    for (int c = 0; c < n; ++c)
+      if (!cs_[static_cast<size_t>(c)].aliased) drop(c);
+    if (++steps_seen_ == 1 && opts_.policy == MemoryPolicy::automatic) place_after_warm_up();
+  }
+
+ private:
+  struct Chunk {
+    Tier param_tier = Tier::device, optim_tier = Tier::device;
+    int param = -1, optim = -1, grad_shard = -1;
+    int full = -1, staged = -1, read_buffer = -1;
+    bool aliased = false;
+    int refs = 0, not_ready = 0;
+    int grad = -1, reduced = -1;
+    bool write_pending = false;
+  };
+  static TierBytes unlimited() {
+    TierBytes b;
+    for (int t = 0; t < kNumTiers; ++t) b.bytes[static_cast<size_t>(t)] = std::numeric_limits<int64_t>::max() / 4;
+    return b;
+  }
+  double shard() const { return static_cast<double>(chunks_.shard_numel()); }
+  double chunk_numel() const { return static_cast<double>(chunks_.chunk_numel()); }
+  double optim_bytes() const { return static_cast<double>(optim_payload_bytes(chunks_.shard_numel())); }
+  static double io_bytes(double bytes) { return static_cast<double>(round_up(static_cast<int64_t>(bytes), int64_t(kIoAlign))); }
+  int payload(Tier tier, double bytes) {
+    return tier == Tier::nvme ? -1 : tl_.alloc(tier, tier == Tier::device ? kParams : "chunk payloads on the host", bytes);
+  }
+  bool wanted_soon(int c) const {
+    if (!in_step_ || recording_) return false;
+    const size_t end = std::min(order_.size(), cursor_ + static_cast<size_t>(opts_.prefetch) + 1);
+    for (size_t i = cursor_; i < end; ++i)
+      if (order_[i] == c) return true;
+    return false;
+  }
+  // ChunkManager::Impl::materialize: one rank computes on a device payload
+  // in place, else copies the shard (an NVMe one read ahead into a host
+  // buffer); several ranks stage an off-device shard and all-gather the
+  // whole chunk.
+  void materialize(int c, bool wait) {
+    Chunk& s = cs_[static_cast<size_t>(c)];
+    if (s.full >= 0 || s.aliased) return;
+    if (opts_.policy == MemoryPolicy::automatic && steps_seen_ > 0 && s.param_tier == Tier::host) cache(s);
+    const double S = shard();
+    if (ranks_ == 1) {
+      if (s.param_tier == Tier::device) {
+        s.aliased = true;
+        return;
+      }
+      if (s.param_tier == Tier::nvme) {
+        if (s.read_buffer < 0) s.read_buffer = tl_.alloc(Tier::host, kTransient, io_bytes(S * w_));
+        if (!wait) return;
+        s.full = tl_.alloc(kGathered, S * w_);
+        tl_.free(s.read_buffer);
+        return;
+      }
+      s.full = tl_.alloc(kGathered, S * w_);
+      return;
+    }
+    if (s.param_tier != Tier::device) s.staged = tl_.alloc(kGathered, S * w_);
+    s.full = tl_.alloc(kGathered, chunk_numel() * w_);
+  }
+  void drop(int c) {
+    Chunk& s = cs_[static_cast<size_t>(c)];
+    tl_.free(s.full);
+    tl_.free(s.staged);
+    tl_.free(s.read_buffer);
+    s.aliased = false;
+  }
+  // auto after its warm-up, with budgets that hold every chunk
+  // (place_after_warm_up): the optimizer state moves to the device, and
+  // each chunk's parameters follow at their first use (cache).
+  void place_after_warm_up() {
+    for (Chunk& s : cs_) {
+      if (s.optim_tier == Tier::device) continue;
+      const int moved = tl_.alloc(kMoments, optim_bytes());
+      tl_.free(s.optim);
+      s.optim = moved;
+      s.optim_tier = Tier::device;
+      if (s.grad_shard >= 0) {
+        const int g = tl_.alloc(kGrads, shard() * kF32);
+        tl_.free(s.grad_shard);
+        s.grad_shard = g;
+      }
+    }
+  }
+  void cache(Chunk& s) {
+    const int moved = tl_.alloc(kParams, shard() * w_);
+    tl_.free(s.param);
+    s.param = moved;
+    s.param_tier = Tier::device;
+  }
+  // ChunkManager::Impl::reduce: one rank writes the gradient at once,
+  // several reduce-scatter it into an fp32 shard, two chunks in flight.
+  void reduce(int c) {
+    Chunk& s = cs_[static_cast<size_t>(c)];
+    s.not_ready = chunks_.chunk(c).end_param - chunks_.chunk(c).first_param;
+    if (s.grad < 0) s.grad = tl_.alloc(kBuckets, chunk_numel() * kF32);
+    if (ranks_ == 1) {
+      retire(c);
+      return;
+    }
+    s.reduced = tl_.alloc(kBuckets, shard() * kF32);
+    in_flight_.push_back(c);
+    while (in_flight_.size() > 2) {
+      const int oldest = in_flight_.front();
+      in_flight_.erase(in_flight_.begin());
+      retire(oldest);
+    }
+  }
+  // ChunkManager::Impl::retire and write_gradient: with one micro-batch the
+  // gradient, rounded to the working precision, overwrites the parameter
+  // payload once no group of the chunk is acquired; with several it is
+  // added into the gradient shard, moved there first when that is on the host.
+  void retire(int c) {
+    Chunk& s = cs_[static_cast<size_t>(c)];
+    if (reuse_ && s.refs > 0) {
+      s.write_pending = true;
+      return;
+    }
+    s.write_pending = false;
+    const double S = shard();
+    if (reuse_) {
+      int rounded = precision_ != DType::f32 ? tl_.alloc(kTransient, S * w_) : -1;
+      if (s.param_tier == Tier::nvme) write_behind(tl_.alloc(Tier::host, kTransient, io_bytes(S * w_)));
+      tl_.free(rounded);
+    } else if (s.optim_tier != Tier::device) {
+      int moved = tl_.alloc(Tier::host, kTransient, S * kF32);
+      tl_.free(moved);
+    }
+    tl_.free(s.grad);
+    tl_.free(s.reduced);
+  }
+  // write_behind: one NVMe write's buffer stays in flight.
+  void write_behind(int buffer) {
+    writes_.push_back(buffer);
+    while (writes_.size() > 1) {
+      tl_.free(writes_.front());
+      writes_.erase(writes_.begin());
+    }
+  }
+
+  Timeline& tl_;
+  const ParamLayout& layout_;
+  MemoryOptions opts_;
+  double w_;
+  DType precision_;
+  int ranks_, rank_;
+  MemoryPlan plan_;
+  ChunkLayout chunks_;
+  std::vector<Chunk> cs_;
+  std::vector<int> group_refs_, group_compute_;
+  bool reuse_;
+  bool in_step_ = false, recording_ = true;
+  std::vector<int> order_, recorded_;
+  size_t cursor_ = 0;
+  std::vector<int> in_flight_, writes_;
+  int steps_seen_ = 0;
+};
+
+// ---------------------------------------------------------------------------
 // The ZeRO stores (zero/*.cpp, store/frozen.cpp) over the trainable groups.
 // ---------------------------------------------------------------------------
 
 class StoreModel {
  public:
-  // chunked: a memory policy's chunk stores hold the trainable state, which
-  // plan_memory accounts for; only the frozen weights are replayed here.
+  // chunks: under a memory policy, the trainable layout the chunk stores
+  // hold (they replace the ZeRO stores; the frozen weights stay beside them).
   StoreModel(Timeline& tl, const RankModel& m, int stage, DType precision, int64_t bucket_bytes, int ranks, int rank,
-             bool chunked)
+             const ParamLayout* chunks, const MemoryOptions& memory)
       : tl_(tl), m_(m), stage_(stage), w_(precision), wsize_(static_cast<double>(dtype_size(precision))),
-        chunked_(chunked) {
+        chunked_(chunks != nullptr || memory.policy != MemoryPolicy::none) {
     // The trainable layout (FrozenParams::trainable): groups with a trainable
     // element, in order; one flat parameter per group stands for its elements.
     ParamLayout trainable;
@@ -299,7 +623,8 @@ class StoreModel {
     double frozen = 0.0;
     for (const Group& g : m.groups) frozen += g.frozen;
     tl.alloc(kFrozen, frozen * wsize_);
-    if (chunked) return;
+    if (chunks) chunk_ = std::make_unique<ChunkModel>(tl, *chunks, memory, precision, ranks, rank);
+    if (chunked_) return;
     // ZeroParamStore: the padded working copy, or stage 3's shard.
     const double padded = static_cast<double>(p.padded_numel()), shard = static_cast<double>(p.shard_numel());
     tl.alloc(kParams, (stage == 3 ? shard : padded) * wsize_);
@@ -322,19 +647,23 @@ class StoreModel {
   // FrozenParamStore::acquire / release, then ZeroParamStore's.
   void acquire(int group) {
     const size_t g = static_cast<size_t>(group);
+    if (to_trainable_[g] >= 0 && chunk_) chunk_->acquire(to_trainable_[g]);
     if (to_trainable_[g] >= 0 && !chunked_) acquire_trainable(to_trainable_[g]);
     if (frozen_refs_[g]++ == 0 && w_ != DType::f32) frozen_copy_[g] = tl_.alloc(kCompute, m_.groups[g].frozen * kF32);
   }
   void release(int group) {
     const size_t g = static_cast<size_t>(group);
+    if (to_trainable_[g] >= 0 && chunk_) chunk_->release(to_trainable_[g]);
     if (to_trainable_[g] >= 0 && !chunked_) release_trainable(to_trainable_[g]);
     if (--frozen_refs_[g] == 0) tl_.free(frozen_copy_[g]);
   }
-  // The first grad() of a group's parameters in a micro-batch's backward:
-  // ZeroGradStore::grad allocates its bucket's fp32 scratch unless stages
+  // ZeroGradStore::grad allocates the bucket's fp32 scratch unless stages
   // 0-1 in fp32 accumulate straight into the gradients.
-  void touch_grads(int group) {
+  // The first grad() of the group's trainable parameters [first, first +
+  // count) in a micro-batch's backward.
+  void touch_grads(int group, int first = 0, int count = std::numeric_limits<int>::max()) {
     const int t = to_trainable_[static_cast<size_t>(group)];
+    if (t >= 0 && chunk_) chunk_->touch_grads(t, first, count);
     if (t < 0 || chunked_ || (stage_ <= 1 && w_ == DType::f32)) return;
     const size_t b = static_cast<size_t>(part_->bucket_index(t));
     if (scratch_[b] < 0) scratch_[b] = tl_.alloc(kBuckets, padded(b) * kF32);
@@ -342,6 +671,7 @@ class StoreModel {
   // ZeroGradStore::group_ready and launch.
   void group_ready(int group) {
     const int t = to_trainable_[static_cast<size_t>(group)];
+    if (t >= 0 && chunk_) chunk_->group_ready(t);
     if (t < 0 || chunked_) return;
     const size_t b = static_cast<size_t>(part_->bucket_index(t));
     const ZeroBucket& bucket = part_->buckets()[b];
@@ -368,6 +698,7 @@ class StoreModel {
     for (size_t b = 0; b < scratch_.size(); ++b) communicate(b);
   }
   void finish() {
+    if (chunk_) chunk_->finish();
     while (!in_flight_.empty()) retire();
   }
   void zero() {
@@ -375,12 +706,14 @@ class StoreModel {
     reduce_ = true;
   }
   void begin_step() {
+    if (chunk_) chunk_->begin_step();
     in_step_ = true;
     cursor_ = 0;
     recording_ = order_.empty();
     recorded_.clear();
   }
   void end_step() {
+    if (chunk_) chunk_->end_step();
     if (recording_) order_ = recorded_;
     in_step_ = false;
     for (size_t g = 0; g < resident_.size(); ++g)
@@ -389,6 +722,7 @@ class StoreModel {
   // ZeroOptimizer::step: gradients in a 2-byte precision (stages 0-1) are
   // widened range by range into one buffer that grows to the largest.
   void optimizer_step() {
+    if (chunk_) chunk_->step();
     if (chunked_) return;
     if (stage_ <= 1 && w_ != DType::f32) {
       int converted = -1;
@@ -483,6 +817,7 @@ class StoreModel {
   DType w_;
   double wsize_;
   bool chunked_;
+  std::unique_ptr<ChunkModel> chunk_;
   std::vector<int> to_trainable_;
   std::unique_ptr<ParamLayout> layout_;
   std::unique_ptr<ZeroPartition> part_;
@@ -586,6 +921,7 @@ class ModelReplay {
   void linear_backward(const LinearShape& l) {
     const double out = static_cast<double>(l.out()), in = static_cast<double>(l.in);
     int w = l.stacked() ? tl_.alloc(kTransient, out * in * kF32) : -1;
+    st_.touch_grads(touch_.group, touch_.first, touch_.count);
     for (bool bias : {false, true}) {
       if (bias && !l.bias) continue;
       const double width = bias ? 1.0 : in;
@@ -701,32 +1037,48 @@ class ModelReplay {
     saved.push_back(x);
     return y;
   }
+  // Trainable parameters of a norm and of a linear layer, in ParamLayout
+  // order (Linear: per part its weight and bias, then its adapter's two).
+  int norm_params() const { return geo_.lora() ? 0 : (geo_.cfg.norm == NormKind::layernorm ? 2 : 1); }
+  int linear_params(const LinearShape& l) const {
+    int n = 0;
+    for (const LinearPart& p : l.parts) n += (geo_.lora() ? 0 : 1 + (l.bias ? 1 : 0)) + (p.lora_r > 0 ? 2 : 0);
+    return n;
+  }
   // Block::backward: dres is updated in place; everything the block kept,
-  // its input included, is freed at the end.
+  // its input included, is freed at the end. Gradients are first written
+  // module by module (mlp.c_proj, c_fc, ln_2, attn.c_proj, c_attn, ln_1),
+  // which matters where a chunk's gradient appears at its first write.
   void block_backward(int group, std::vector<int>& saved) {
     if (recompute_) block_body(saved, false);
-    st_.touch_grads(group);
+    const LinearShape qkv = geo_.c_attn(), attn_proj = geo_.attn_proj(), fc = geo_.c_fc(), mlp_proj = geo_.mlp_proj();
+    const int ln_1 = 0, c_attn = ln_1 + norm_params(), c_proj = c_attn + linear_params(qkv);
+    const int ln_2 = c_proj + linear_params(attn_proj), c_fc = ln_2 + norm_params(), mlp_c_proj = c_fc + linear_params(fc);
     int dm = dropout() ? tl_.alloc(kTransient, rows() * C() * kF32) : -1;
     {
-      int dact = row_backward(geo_.mlp_proj());
-      const LinearShape fc = geo_.c_fc();
+      touch_ = {group, mlp_c_proj, linear_params(mlp_proj)};
+      int dact = row_backward(mlp_proj);
       int dfc = tl_.alloc(kTransient, N() * static_cast<double>(fc.out()) * kF32);
       tl_.free(dact);
+      touch_ = {group, c_fc, linear_params(fc)};
       int dln = column_backward(fc);
       tl_.free(dfc);
       tl_.free(dm);
+      st_.touch_grads(group, ln_2, norm_params());
       tl_.free(dln);
     }
     dm = dropout() ? tl_.alloc(kTransient, rows() * C() * kF32) : -1;
     {
-      int datt = row_backward(geo_.attn_proj());
-      const LinearShape qkv = geo_.c_attn();
+      touch_ = {group, c_proj, linear_params(attn_proj)};
+      int datt = row_backward(attn_proj);
       int dqkv = tl_.alloc(kTransient, N() * static_cast<double>(qkv.out()) * kF32);
       tl_.free(datt);
       rope_tables();
+      touch_ = {group, c_attn, linear_params(qkv)};
       int dln = column_backward(qkv);
       tl_.free(dqkv);
       tl_.free(dm);
+      st_.touch_grads(group, ln_1, norm_params());
       tl_.free(dln);
     }
     tl_.free_all(saved);
@@ -788,7 +1140,7 @@ class ModelReplay {
     st_.acquire(m_.head);
     st_.acquire(m_.ln_f);
     int dh = tl_.alloc(kTransient, N() * C() * kF32);
-    st_.touch_grads(m_.head);
+    st_.touch_grads(m_.head, 0, 1);  // the token table, first in its group
     // head: x_final, ln_f out, stats, head_input, logits, lse.
     tl_.free(s.head[3]);
     tl_.free(s.head[4]);
@@ -814,6 +1166,10 @@ class ModelReplay {
   const Geometry& geo_;
   const RankModel& m_;
   bool recompute_;
+  // The parameters whose gradients the next linear layer's backward writes.
+  struct {
+    int group = 0, first = 0, count = 0;
+  } touch_;
 };
 
 // ---------------------------------------------------------------------------
@@ -944,7 +1300,21 @@ namespace {
 // Every rank's replayed step: the ZeRO stores, or under a memory policy all
 // but the chunk stores.
 std::vector<RankMemory> replay_ranks(const LayoutProblem& problem, const Layout& layout,
-                                     const StepMemoryOptions& options) {
+                                     const StepMemoryOptions& options, bool with_chunks) {
+  // A memory policy's chunks pack the trainable parameters whole (GPT's
+  // constructor declares the layout and allocates nothing); chunk placement
+  // runs on dp alone, so the layout is the whole model's.
+  std::unique_ptr<ParamLayout> chunk_layout;
+  MemoryOptions memory = options.memory;
+  memory.policy = layout.memory_policy;
+  if (layout.memory_policy != MemoryPolicy::none && with_chunks) {
+    const GPT whole(problem.model);
+    std::vector<bool> frozen;
+    for (const ParamSpec& p : whole.layout().params()) frozen.push_back(!p.trainable);
+    chunk_layout = std::make_unique<ParamLayout>(std::find(frozen.begin(), frozen.end(), true) != frozen.end()
+                                                     ? trainable_layout(whole.layout(), frozen)
+                                                     : whole.layout());
+  }
   const GPTConfig& cfg = problem.model;
   const int pp = static_cast<int>(layout.pp), tp = static_cast<int>(layout.tp), dp = static_cast<int>(layout.dp);
   const int chunks = static_cast<int>(layout.virtual_stages);
@@ -988,7 +1358,7 @@ std::vector<RankMemory> replay_ranks(const LayoutProblem& problem, const Layout&
 
     Timeline tl;
     StoreModel st(tl, r.model, layout.zero_stage, options.precision, options.bucket_bytes, dp, mem.dp_rank,
-                  layout.memory_policy != MemoryPolicy::none);
+                  chunk_layout.get(), memory);
     // The first step learns ZeRO-3's order; the second is the steady state.
     replay_step(tl, st, r);
     tl.reset_peaks();
@@ -999,47 +1369,19 @@ std::vector<RankMemory> replay_ranks(const LayoutProblem& problem, const Layout&
   return out;
 }
 
-void add_term(TierPeak& p, const char* name, double bytes) {
-  if (bytes <= 0.0) return;
-  p.bytes += bytes;
-  p.terms.push_back({name, bytes});
-}
-
 }  // namespace
 
 double device_bytes_beside_chunks(const LayoutProblem& problem, const Layout& layout,
                                   const StepMemoryOptions& options) {
   LOOM_CHECK(layout.memory_policy != MemoryPolicy::none, "device_bytes_beside_chunks needs a memory policy");
   double most = 0.0;
-  for (const RankMemory& r : replay_ranks(problem, layout, options)) most = std::max(most, r.peak(Tier::device));
+  for (const RankMemory& r : replay_ranks(problem, layout, options, false)) most = std::max(most, r.peak(Tier::device));
   return most;
 }
 
 std::vector<RankMemory> predict_step_memory(const LayoutProblem& problem, const Layout& layout,
                                             const StepMemoryOptions& options) {
-  std::vector<RankMemory> ranks = replay_ranks(problem, layout, options);
-  if (layout.memory_policy == MemoryPolicy::none) return ranks;
-  // The chunk stores: plan_memory's placement and needs (the payloads where
-  // the placement puts them, the gathered and staged chunks, the host's
-  // staging), over the trainable parameters, which the chunk manager packs.
-  const GPT whole(problem.model);
-  std::vector<bool> frozen;
-  for (const ParamSpec& p : whole.layout().params()) frozen.push_back(!p.trainable);
-  const bool any_frozen = std::find(frozen.begin(), frozen.end(), true) != frozen.end();
-  MemoryOptions memory = options.memory;
-  memory.policy = layout.memory_policy;
-  TierBytes unlimited;
-  for (Tier t : {Tier::device, Tier::host, Tier::nvme}) unlimited[t] = std::numeric_limits<int64_t>::max() / 4;
-  const MemoryPlan plan = plan_memory(any_frozen ? trainable_layout(whole.layout(), frozen) : whole.layout(), memory,
-                                      options.precision, static_cast<int>(layout.dp), 0, unlimited);
-  for (RankMemory& r : ranks) {
-    for (Tier t : {Tier::device, Tier::host, Tier::nvme})
-      add_term(r.tiers[static_cast<int>(t)], "chunk payloads", static_cast<double>(plan.needs.model_state[t]));
-    add_term(r.tiers[static_cast<int>(Tier::device)], "chunk working buffers",
-             static_cast<double>(plan.needs.device_working));
-    add_term(r.tiers[static_cast<int>(Tier::host)], "chunk staging buffers", static_cast<double>(plan.needs.host_working));
-  }
-  return ranks;
+  return replay_ranks(problem, layout, options, true);
 }
 
 }  // namespace loom
