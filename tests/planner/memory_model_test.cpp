@@ -25,6 +25,7 @@ struct Case {
   double offload_param = 0.0, offload_optim = 0.0;  // memory.offload_*_frac (static policy)
   int64_t micro_batches = 1;                        // per step and data-parallel rank
   bool nvme = false;                                // offloaded payloads on NVMe (memory.nvme_dir)
+  float dropout = 0.0f;                             // model.dropout, and LoRA's
 };
 
 GPTConfig model_of(const Case& c) {
@@ -44,8 +45,10 @@ GPTConfig model_of(const Case& c) {
     cfg.packed_qkv = tiny.packed_qkv;
     cfg.attention_bias = cfg.mlp_bias = cfg.tied_embeddings = false;
   }
+  cfg.dropout = c.dropout;
   if (c.lora) {
     cfg.lora.r = 4;
+    cfg.lora.dropout = c.dropout;
     cfg.lora.targets = c.llama ? std::vector<std::string>{"q", "v", "down"} : std::vector<std::string>{"c_attn", "c_fc"};
   }
   return cfg;
@@ -176,6 +179,9 @@ std::vector<Case> cases() {
   out.push_back({.name = "dp2 zero2 bf16 recompute accumulate", .layout = dp_layout(2, 2, true),
                  .precision = DType::bf16, .micro_batches = 2});
   out.push_back({.name = "dp2 zero0 LoRA", .layout = dp_layout(2, 0), .lora = true});
+  out.push_back({.name = "dp2 zero1 dropout", .layout = dp_layout(2, 1), .dropout = 0.1f});
+  out.push_back({.name = "single LoRA dropout recompute", .layout = dp_layout(1, 0, true), .lora = true,
+                 .dropout = 0.1f});
   out.push_back({.name = "dp2 zero3 bf16 LoRA llama", .layout = dp_layout(2, 3), .precision = DType::bf16,
                  .lora = true, .llama = true});
   out.push_back({.name = "tp2", .layout = mp_layout(2, 1)});
