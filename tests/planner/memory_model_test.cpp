@@ -11,7 +11,7 @@
 #include "loom/comm.h"
 #include "loom/planner.h"
 #include "loom/train.h"
-#include "test_util.h"
+#include "zero/zero_test_util.h"
 
 namespace loom {
 namespace {
@@ -28,24 +28,11 @@ struct Case {
   float dropout = 0.0f;                             // model.dropout, and LoRA's
 };
 
+// small_gpt's odd vocabulary pads the token table under tp and the ZeRO
+// buckets under dp.
 GPTConfig model_of(const Case& c) {
-  GPTConfig cfg;
-  cfg.n_layer = 4;
-  cfg.n_head = 4;
-  cfg.n_embd = 64;
-  cfg.vocab_size = 512;
-  cfg.block_size = 32;
-  if (c.llama) {
-    const GPTConfig tiny = GPTConfig::preset("llama-tiny");
-    cfg.norm = tiny.norm;
-    cfg.positions = tiny.positions;
-    cfg.mlp = tiny.mlp;
-    cfg.intermediate_size = 128;
-    cfg.n_kv_head = 2;
-    cfg.packed_qkv = tiny.packed_qkv;
-    cfg.attention_bias = cfg.mlp_bias = cfg.tied_embeddings = false;
-  }
-  cfg.dropout = c.dropout;
+  GPTConfig cfg = testing::small_gpt(c.dropout, 4, 4);
+  if (c.llama) testing::llama_variant(2)(cfg);
   if (c.lora) {
     cfg.lora.r = 4;
     cfg.lora.dropout = c.dropout;
@@ -54,7 +41,7 @@ GPTConfig model_of(const Case& c) {
   return cfg;
 }
 
-constexpr int64_t kT = 32;
+constexpr int64_t kT = testing::kT;
 
 LayoutProblem problem_of(const Case& c) {
   LayoutProblem p;
