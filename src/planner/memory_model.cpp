@@ -352,14 +352,11 @@ class ChunkModel {
     }
   }
   void group_ready(int group) {
-    const auto [begin, end] = layout_.group_range(group);
     for (int id = 0; id < static_cast<int>(layout_.params().size()); ++id) {
       if (layout_.param(id).group != group) continue;
       const int c = chunks_.chunk_of_param(id);
       if (--cs_[static_cast<size_t>(c)].not_ready == 0) reduce(c);
     }
-    (void)begin;
-    (void)end;
   }
   void finish() {
     while (!in_flight_.empty()) {
@@ -888,7 +885,7 @@ class ModelReplay {
       st_.group_ready(*it);
     }
     if (chunk != 0 || !m_.first) return dres;
-    embedding_backward(dres);
+    embedding_backward();
     tl_.free(dres);
     return -1;
   }
@@ -1099,9 +1096,10 @@ class ModelReplay {
     st_.release(m_.embedding);
     return out;
   }
-  void embedding_backward(int dres) {
+  // Embedding::backward: scatters into the table's gradient; the gathered
+  // rows under sequence parallelism.
+  void embedding_backward() {
     tl_.set_phase("embedding backward");
-    (void)dres;
     int demb = dropout() ? tl_.alloc(kTransient, rows() * C() * kF32) : -1;
     st_.touch_grads(m_.embedding);
     const bool whole = geo_.tp == 1 && geo_.cfg.positions == PositionKind::learned;
