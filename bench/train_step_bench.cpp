@@ -98,7 +98,8 @@ int main(int argc, char** argv) {
     const double measured = static_cast<double>(device.peak() - base);
     std::printf("peak device memory: measured %s, predicted from shapes %s (measured/predicted = %.3f)\n",
                 format_bytes(measured).c_str(), format_bytes(est.bytes).c_str(), measured / est.bytes);
-    std::printf("  peak phase: %s\n", est.phase.c_str());
+    std::printf("  peak phase: %s; reserved: measured %s, predicted %s\n", est.phase.c_str(),
+                format_bytes(static_cast<double>(device.peak_reserved())).c_str(), format_bytes(est.reserved).c_str());
     for (const MemoryTerm& t : est.terms) std::printf("  %-30s %s\n", t.name.c_str(), format_bytes(t.bytes).c_str());
     std::printf("device allocator: %.2f system allocations and %.2f frees per step after the first (%llu until "
                 "then), reserved %s at the peak of %s in use (reserved/in use = %.3f)\n",

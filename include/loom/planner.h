@@ -156,6 +156,9 @@ struct MemoryTerm {
 // falls, and what is live then, term by term.
 struct TierPeak {
   double bytes = 0.0;
+  // The allocator's reserved high-water mark (Allocator::peak_reserved):
+  // blocks rounded up to their size class, cached free blocks included.
+  double reserved = 0.0;
   std::string phase;
   std::vector<MemoryTerm> terms;
 };
@@ -166,7 +169,8 @@ struct RankMemory {
   int pp_stage = 0, dp_rank = 0, tp_rank = 0;
   TierPeak tiers[3];  // by Tier
   double peak(Tier t) const { return tiers[static_cast<int>(t)].bytes; }
-  // "device peak 1.2 MiB in h.3 backward: parameters 300 KiB, ..."
+  // "device peak 1.2 MiB (reserved 1.3 MiB) in h.3 backward:", then a line
+  // per term.
   std::string describe(Tier t) const;
 };
 

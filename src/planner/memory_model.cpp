@@ -8,6 +8,7 @@
 
 #include "loom/planner.h"
 #include "loom/zero.h"
+#include "core/size_class.h"
 #include "memory/chunk_sizes.h"
 
 namespace loom {
@@ -18,19 +19,18 @@ constexpr double kF32 = 4.0;
 
 // The live bytes of one rank per tier, and what was live at each tier's
 // highest point. Every tensor of the replay is one allocation; a handle of
-// -1 is a tensor that allocates nothing.
+// -1 is a tensor that allocates nothing. The caching allocator is replayed
+// alongside (core/caching_allocator.cpp): a tensor takes a cached free block
+// of its size class or a new one, and gives it back to the cache, so the
+// tier's reserved bytes only grow; bytes accounted without memory
+// (Allocator::reserve, IoBuffer and NvmeFile) are reserved as they are.
 class Timeline {
  public:
-  int alloc(Tier tier, const char* term, double bytes) {
-    if (bytes <= 0.0) return -1;
-    entries_.push_back({tier, term, bytes, true});
-    const int t = static_cast<int>(tier);
-    live_[t] += bytes;
-    by_term_[t][term] += bytes;
-    if (live_[t] > peak_[t].bytes) snapshot(t);
-    return static_cast<int>(entries_.size()) - 1;
-  }
+  int alloc(Tier tier, const char* term, double bytes) { return bytes <= 0.0 ? -1 : add(tier, term, bytes, false); }
   int alloc(const char* term, double bytes) { return alloc(Tier::device, term, bytes); }
+  // A tensor of no elements still takes the smallest block.
+  int alloc_empty(Tier tier, const char* term) { return add(tier, term, 0.0, false); }
+  int reserve(Tier tier, const char* term, double bytes) { return bytes <= 0.0 ? -1 : add(tier, term, bytes, true); }
   void free(int& id) {
     if (id < 0) return;
     Entry& e = entries_.at(static_cast<size_t>(id));
@@ -39,6 +39,10 @@ class Timeline {
     const int t = static_cast<int>(e.tier);
     live_[t] -= e.bytes;
     by_term_[t][e.term] -= e.bytes;
+    if (e.raw)
+      reserved_[t] -= e.bytes;
+    else
+      ++cached_[t][e.block];
     id = -1;
   }
   void free_all(std::vector<int>& ids) {
@@ -48,7 +52,10 @@ class Timeline {
   void set_phase(std::string phase) { phase_ = std::move(phase); }
   // Allocator::reset_peak: the high-water marks start again from what is live.
   void reset_peaks() {
-    for (int t = 0; t < 3; ++t) snapshot(t);
+    for (int t = 0; t < 3; ++t) {
+      snapshot(t);
+      peak_[t].reserved = reserved_[t];
+    }
   }
   const TierPeak& peak(Tier tier) const { return peak_[static_cast<int>(tier)]; }
 
@@ -57,8 +64,27 @@ class Timeline {
     Tier tier;
     const char* term;
     double bytes;
+    size_t block;
+    bool raw;
     bool live;
   };
+  int add(Tier tier, const char* term, double bytes, bool raw) {
+    const int t = static_cast<int>(tier);
+    const size_t block = raw ? 0 : detail::size_class(static_cast<size_t>(bytes));
+    if (raw) {
+      reserved_[t] += bytes;
+    } else if (auto it = cached_[t].find(block); it != cached_[t].end() && it->second > 0) {
+      --it->second;
+    } else {
+      reserved_[t] += static_cast<double>(block);
+    }
+    entries_.push_back({tier, term, bytes, block, raw, true});
+    live_[t] += bytes;
+    by_term_[t][term] += bytes;
+    if (live_[t] > peak_[t].bytes) snapshot(t);
+    peak_[t].reserved = std::max(peak_[t].reserved, reserved_[t]);
+    return static_cast<int>(entries_.size()) - 1;
+  }
   void snapshot(int t) {
     TierPeak& p = peak_[t];
     p.bytes = live_[t];
@@ -68,8 +94,9 @@ class Timeline {
       if (bytes > 0.0) p.terms.push_back({term, bytes});
   }
   std::vector<Entry> entries_;
-  double live_[3] = {0.0, 0.0, 0.0};
+  double live_[3] = {0.0, 0.0, 0.0}, reserved_[3] = {0.0, 0.0, 0.0};
   std::map<std::string, double> by_term_[3];
+  std::map<size_t, int> cached_[3];  // free blocks by size
   TierPeak peak_[3];
   std::string phase_ = "start of step";
 };
@@ -181,6 +208,7 @@ struct Geometry {
 struct Group {
   std::string name;
   double trainable = 0.0, frozen = 0.0;
+  std::vector<double> frozen_params;  // each frozen parameter's elements: each is a tensor of its own
   double partial = 0.0;
 };
 
@@ -193,14 +221,23 @@ struct RankModel {
 
 void add_params(Group& g, const Geometry& geo, double numel, bool partial) {
   (geo.lora() ? g.frozen : g.trainable) += numel;
+  if (geo.lora()) g.frozen_params.push_back(numel);
   if (partial && !geo.lora()) g.partial += numel;
 }
 
+// A Norm's weight and LayerNorm's bias, C each.
+void add_norm(Group& g, const Geometry& geo) {
+  for (double n = 0.0; n < geo.norm_numel(); n += static_cast<double>(geo.C()))
+    add_params(g, geo, static_cast<double>(geo.C()), geo.sp);
+}
+
 Group block_group(const Geometry& geo, int layer) {
-  Group g{"h." + std::to_string(layer)};
-  // Norm: weight (and bias); under sequence parallelism partial sums.
-  add_params(g, geo, 2.0 * geo.norm_numel(), geo.sp);
-  for (const LinearShape& l : geo.block_linears()) {
+  Group g{"h." + std::to_string(layer), 0.0, 0.0, {}, 0.0};
+  const std::vector<LinearShape> linears = geo.block_linears();
+  for (size_t i = 0; i < linears.size(); ++i) {
+    // Block: ln_1, attention's two linears, ln_2, the MLP's two.
+    if (i % 2 == 0) add_norm(g, geo);
+    const LinearShape& l = linears[i];
     for (const LinearPart& p : l.parts) {
       const double w = static_cast<double>(p.stored_rows) * static_cast<double>(l.in);
       const double b = l.bias ? static_cast<double>(p.stored_rows) : 0.0;
@@ -227,7 +264,7 @@ RankModel rank_model(const Geometry& geo, const std::vector<LayerRange>& chunks,
   const GPTConfig& cfg = geo.cfg;
   const double table = static_cast<double>(geo.local_vocab() * geo.C());
   if (first) {
-    Group g{"embedding"};
+    Group g{"embedding", 0.0, 0.0, {}, 0.0};
     add_params(g, geo, table, pp > 1 && last == false && cfg.tied_embeddings);
     if (cfg.positions == PositionKind::learned)
       add_params(g, geo, static_cast<double>(cfg.block_size * geo.C()), geo.sp);
@@ -243,12 +280,12 @@ RankModel rank_model(const Geometry& geo, const std::vector<LayerRange>& chunks,
     m.chunks.push_back(ids);
   }
   if (last) {
-    Group g{"ln_f"};
-    add_params(g, geo, geo.norm_numel(), geo.sp);
+    Group g{"ln_f", 0.0, 0.0, {}, 0.0};
+    add_norm(g, geo);
     m.ln_f = static_cast<int>(m.groups.size());
     m.groups.push_back(g);
     if (!cfg.tied_embeddings || !first) {
-      Group h{"head"};
+      Group h{"head", 0.0, 0.0, {}, 0.0};
       add_params(h, geo, table, cfg.tied_embeddings);
       m.head = static_cast<int>(m.groups.size());
       m.groups.push_back(h);
@@ -283,8 +320,11 @@ class ChunkModel {
         group_compute_(static_cast<size_t>(layout.num_groups()), -1),
         reuse_(opts.micro_batches == 1) {
     const double S = shard();
+    // The manager's AdamW keeps its moments in the payloads: its own are empty.
+    for (int moment = 0; moment < 2; ++moment) tl_.alloc_empty(Tier::device, kMoments);
     // ChunkManager::Impl::initialize: each payload on its tier; NVMe ones
-    // in slots of one scratch file, reserved whole (NvmeFile).
+    // in slots of one scratch file, reserved whole (NvmeFile); the initial
+    // values staged on the host a shard at a time.
     double file = 0.0;
     for (int c = 0; c < chunks_.num_chunks(); ++c) {
       Chunk& s = cs_[static_cast<size_t>(c)];
@@ -293,11 +333,16 @@ class ChunkModel {
       s.not_ready = chunks_.chunk(c).end_param - chunks_.chunk(c).first_param;
       for (auto [tier, bytes] : {std::pair{s.param_tier, S * w_}, {s.optim_tier, optim_bytes()}})
         if (tier == Tier::nvme) file += io_bytes(bytes);
+    }
+    tl_.reserve(Tier::nvme, "chunk payloads on NVMe", file);
+    int values = tl_.alloc(Tier::host, kTransient, 3.0 * S * kF32), working = tl_.alloc(Tier::host, kTransient, S * w_);
+    for (Chunk& s : cs_) {
       s.param = payload(s.param_tier, S * w_);
       s.optim = payload(s.optim_tier, optim_bytes());
       if (!reuse_) s.grad_shard = tl_.alloc(s.optim_tier == Tier::device ? Tier::device : Tier::host, kGrads, S * kF32);
     }
-    tl_.alloc(Tier::nvme, "chunk payloads on NVMe", file);
+    tl_.free(values);
+    tl_.free(working);
   }
 
   void acquire(int group) {
@@ -393,7 +438,7 @@ class ChunkModel {
       for (; next_read < n && ahead.size() < 2; ++next_read)
         if (cs_[static_cast<size_t>(next_read)].optim_tier == Tier::nvme &&
             chunks_.owned(next_read, rank_).numel() > 0)
-          ahead.push_back(tl_.alloc(Tier::host, kTransient, io_bytes(optim_bytes())));
+          ahead.push_back(tl_.reserve(Tier::host, kTransient, io_bytes(optim_bytes())));
       const Tier on = s.optim_tier == Tier::device ? Tier::device : Tier::host;
       int state = -1;
       if (s.optim_tier == Tier::nvme) {
@@ -406,14 +451,14 @@ class ChunkModel {
         int& st = staged[static_cast<int>(on)];
         if (st < 0) st = tl_.alloc(on, kTransient, S * w_);
         if (s.param_tier == Tier::nvme) {
-          int read = tl_.alloc(Tier::host, kTransient, io_bytes(S * w_));
+          int read = tl_.reserve(Tier::host, kTransient, io_bytes(S * w_));
           tl_.free(read);
         }
       }
       // publish: rounded into the payload, or through a zeroed buffer on `on`.
       if (s.param_tier != on) {
         int rounded = tl_.alloc(on, kTransient, S * w_);
-        if (s.param_tier == Tier::nvme) write_behind(tl_.alloc(Tier::host, kTransient, io_bytes(S * w_)));
+        if (s.param_tier == Tier::nvme) write_behind(tl_.reserve(Tier::host, kTransient, io_bytes(S * w_)));
         tl_.free(rounded);
       }
       if (state >= 0) write_behind(state);
@@ -469,7 +514,7 @@ class ChunkModel {
         return;
       }
       if (s.param_tier == Tier::nvme) {
-        if (s.read_buffer < 0) s.read_buffer = tl_.alloc(Tier::host, kTransient, io_bytes(S * w_));
+        if (s.read_buffer < 0) s.read_buffer = tl_.reserve(Tier::host, kTransient, io_bytes(S * w_));
         if (!wait) return;
         s.full = tl_.alloc(kGathered, S * w_);
         tl_.free(s.read_buffer);
@@ -543,7 +588,7 @@ class ChunkModel {
     const double S = shard();
     if (reuse_) {
       int rounded = precision_ != DType::f32 ? tl_.alloc(kTransient, S * w_) : -1;
-      if (s.param_tier == Tier::nvme) write_behind(tl_.alloc(Tier::host, kTransient, io_bytes(S * w_)));
+      if (s.param_tier == Tier::nvme) write_behind(tl_.reserve(Tier::host, kTransient, io_bytes(S * w_)));
       tl_.free(rounded);
     } else if (s.optim_tier != Tier::device) {
       int moved = tl_.alloc(Tier::host, kTransient, S * kF32);
@@ -614,17 +659,22 @@ class StoreModel {
     for (size_t b = 0; b < p.buckets().size(); ++b)
       groups_left_[b] = p.buckets()[b].end_group - p.buckets()[b].first_group;
     frozen_refs_.assign(m.groups.size(), 0);
-    frozen_copy_.assign(m.groups.size(), -1);
+    frozen_copies_.resize(m.groups.size());
 
-    // FrozenParams: the frozen elements in the working precision.
-    double frozen = 0.0;
-    for (const Group& g : m.groups) frozen += g.frozen;
-    tl.alloc(kFrozen, frozen * wsize_);
+    // FrozenParams: each frozen parameter in the working precision.
+    for (const Group& g : m.groups)
+      for (double n : g.frozen_params) tl.alloc(kFrozen, n * wsize_);
     if (chunks) chunk_ = std::make_unique<ChunkModel>(tl, *chunks, memory, precision, ranks, rank);
     if (chunked_) return;
     // ZeroParamStore: the padded working copy, or stage 3's shard.
     const double padded = static_cast<double>(p.padded_numel()), shard = static_cast<double>(p.shard_numel());
     tl.alloc(kParams, (stage == 3 ? shard : padded) * wsize_);
+    // Its initial values are drawn bucket by bucket in fp32.
+    for (const ZeroBucket& b : p.buckets()) {
+      const FlatRange r = stage == 3 ? p.owned(b) : FlatRange{b.begin, b.end};
+      int init = tl.alloc(kTransient, static_cast<double>(r.numel()) * kF32);
+      tl.free(init);
+    }
     // ZeroGradStore: stages 2-3 accumulate an fp32 shard, 0-1 the padded
     // gradient in the working precision.
     tl.alloc(kGrads, stage >= 2 ? shard * kF32 : padded * wsize_);
@@ -638,7 +688,7 @@ class StoreModel {
     double owned = 0.0;
     for (const FlatRange& r : ranges_) owned += static_cast<double>(r.numel());
     if (precision != DType::f32) tl.alloc(kMaster, owned * kF32);
-    tl.alloc(kMoments, 2.0 * owned * kF32);
+    for (int moment = 0; moment < 2; ++moment) tl.alloc(kMoments, owned * kF32);
   }
 
   // FrozenParamStore::acquire / release, then ZeroParamStore's.
@@ -646,13 +696,14 @@ class StoreModel {
     const size_t g = static_cast<size_t>(group);
     if (to_trainable_[g] >= 0 && chunk_) chunk_->acquire(to_trainable_[g]);
     if (to_trainable_[g] >= 0 && !chunked_) acquire_trainable(to_trainable_[g]);
-    if (frozen_refs_[g]++ == 0 && w_ != DType::f32) frozen_copy_[g] = tl_.alloc(kCompute, m_.groups[g].frozen * kF32);
+    if (frozen_refs_[g]++ == 0 && w_ != DType::f32)
+      for (double n : m_.groups[g].frozen_params) frozen_copies_[g].push_back(tl_.alloc(kCompute, n * kF32));
   }
   void release(int group) {
     const size_t g = static_cast<size_t>(group);
     if (to_trainable_[g] >= 0 && chunk_) chunk_->release(to_trainable_[g]);
     if (to_trainable_[g] >= 0 && !chunked_) release_trainable(to_trainable_[g]);
-    if (--frozen_refs_[g] == 0) tl_.free(frozen_copy_[g]);
+    if (--frozen_refs_[g] == 0) tl_.free_all(frozen_copies_[g]);
   }
   // ZeroGradStore::grad allocates the bucket's fp32 scratch unless stages
   // 0-1 in fp32 accumulate straight into the gradients.
@@ -821,7 +872,8 @@ class StoreModel {
   std::vector<FlatRange> ranges_;
   std::vector<Resident> resident_;
   std::vector<int> scratch_, groups_left_;
-  std::vector<int> frozen_refs_, frozen_copy_;
+  std::vector<int> frozen_refs_;
+  std::vector<std::vector<int>> frozen_copies_;
   std::vector<std::pair<size_t, int>> in_flight_;
   bool reduce_ = true, in_step_ = false, recording_ = true;
   std::vector<int> order_, recorded_;
@@ -1288,7 +1340,8 @@ void replay_step(Timeline& tl, StoreModel& st, const RankSetup& r) {
 
 std::string RankMemory::describe(Tier t) const {
   const TierPeak& p = tiers[static_cast<int>(t)];
-  std::string s = str(tier_name(t), " peak ", format_bytes(p.bytes), " in ", p.phase, ":");
+  std::string s = str(tier_name(t), " peak ", format_bytes(p.bytes), " (reserved ", format_bytes(p.reserved), ") in ",
+                      p.phase, ":");
   for (const MemoryTerm& term : p.terms) s += str("\n  ", term.name, " ", format_bytes(term.bytes));
   return s;
 }
