@@ -175,18 +175,23 @@ struct RankMemory {
 };
 
 // The peak bytes per rank and tier of one steady-state training step (the
-// second: the first learns ZeRO-3's acquisition order) of `layout`, as the
-// allocators count them (Allocator::peak, bytes requested). Built from how
-// loom allocates, not from running it: the parameter groups each rank
-// holds (its pipeline stage's layers, tensor-parallel shards), the ZeRO
-// stores' buffers (working parameters, gradients, fp32 masters and moments,
-// bucket scratch, gathered groups), the tensors each module keeps from its
-// forward to its backward and the temporaries of each, the pipeline
-// schedule's order of forwards and backwards, and the optimizer step. The
-// allocations are replayed in the step's order and the live bytes' maximum
-// taken, so the peak's terms are the tensors live at that moment.
-// Under a memory policy the chunk stores' part is plan_memory's (placement
-// and needs); the rest is replayed.
+// second: the first learns ZeRO-3's acquisition order and auto's placement)
+// of `layout`, as the allocators count them: Allocator::peak (bytes
+// requested) and peak_reserved (blocks of the caching allocator). Built
+// from how loom allocates, not from running it: the parameter groups each
+// rank holds (its pipeline stage's layers, tensor-parallel shards, LoRA's
+// frozen base), the ZeRO stores' buffers (working parameters, gradients,
+// fp32 masters and moments, bucket scratch, gathered groups) or a memory
+// policy's chunk stores (payloads on their tiers, gathered and prefetched
+// chunks, gradient chunks, the optimizer's staging, NVMe buffers), the
+// tensors each module keeps from its forward to its backward and the
+// temporaries of each, the pipeline schedule's order and its pending sends,
+// and the optimizer step. The allocations are replayed in the step's order
+// and the live bytes' maximum taken, so the peak's terms are the tensors
+// live at that moment. Assumed: the pipeline's layers balanced as
+// model_parallel_for balances them without parallel.stage_layers; a send
+// held until the schedules guarantee its delivery (a run may free it
+// sooner); auto with budgets that hold every chunk on the device.
 std::vector<RankMemory> predict_step_memory(const LayoutProblem& problem, const Layout& layout,
                                             const StepMemoryOptions& options);
 // The most device bytes any rank's step holds outside the chunk stores of a
