@@ -34,22 +34,6 @@ double head_training_flops(const GPTConfig& cfg, int64_t seq_len);
 // SwiGLU 3 h I).
 double layer_matmul_weights(const GPTConfig& cfg);
 
-struct MemoryTerm {
-  std::string name;
-  double bytes;
-};
-
-// Peak device bytes of one fp32 single-rank training step, term by term:
-// model state (parameters, gradients, AdamW moments: 16 bytes/parameter) and
-// what loom's modules hold at the moment of the peak, which is either the
-// output head's backward (large vocabularies) or the last block's backward.
-struct StepMemoryEstimate {
-  std::string phase;  // where the peak occurs
-  std::vector<MemoryTerm> terms;
-  double total() const;
-};
-StepMemoryEstimate estimate_step_memory(const GPTConfig& cfg, int64_t B, int64_t T, bool checkpoint_activations);
-
 // Activation bytes one transformer block keeps from its forward to its
 // backward, per rank, for a micro-batch of B x T tokens: Korthikanti et al.'s
 // s b h (34 + 5 a s / h) adapted to what loom stores. With N = B T tokens,
@@ -308,6 +292,74 @@ MachineRates load_machine_rates(const std::filesystem::path& path);
 // $XDG_CACHE_HOME/loom/calibration.json, else ~/.cache/loom/calibration.json,
 // else calibration.json in the working directory.
 std::filesystem::path default_calibration_path();
+
+// ---------------------------------------------------------------------------
+// Memory model
+// ---------------------------------------------------------------------------
+
+// What a layout leaves open that changes a step's memory.
+struct StepMemoryOptions {
+  DType precision = DType::f32;           // zero.precision
+  int64_t bucket_bytes = int64_t(25) << 20;  // zero.bucket_bytes
+  // Chunk placement (memory.*): its policy is Layout::memory_policy, the
+  // rest (offload fractions, chunk size, prefetch, micro_batches) is read
+  // from here.
+  MemoryOptions memory;
+};
+
+// One named part of a peak: the bytes of the tensors of one kind live then.
+struct MemoryTerm {
+  std::string name;
+  double bytes;
+};
+
+// One tier's high-water mark in a step: the bytes, where in the step it
+// falls, and what is live then, term by term.
+struct TierPeak {
+  double bytes = 0.0;
+  // The allocator's reserved high-water mark (Allocator::peak_reserved):
+  // blocks rounded up to their size class, cached free blocks included.
+  double reserved = 0.0;
+  std::string phase;
+  std::vector<MemoryTerm> terms;
+};
+
+// One rank's peaks (rank: its world rank in DeviceMesh order, pp outermost,
+// then dp, tp innermost).
+struct RankMemory {
+  int pp_stage = 0, dp_rank = 0, tp_rank = 0;
+  TierPeak tiers[3];  // by Tier
+  double peak(Tier t) const { return tiers[static_cast<int>(t)].bytes; }
+  // "device peak 1.2 MiB (reserved 1.3 MiB) in h.3 backward:", then a line
+  // per term.
+  std::string describe(Tier t) const;
+};
+
+// The peak bytes per rank and tier of one steady-state training step (the
+// second: the first learns ZeRO-3's acquisition order and auto's placement)
+// of `layout`, as the allocators count them: Allocator::peak (bytes
+// requested) and peak_reserved (blocks of the caching allocator). Built
+// from how loom allocates, not from running it: the parameter groups each
+// rank holds (its pipeline stage's layers, tensor-parallel shards, LoRA's
+// frozen base), the ZeRO stores' buffers (working parameters, gradients,
+// fp32 masters and moments, bucket scratch, gathered groups) or a memory
+// policy's chunk stores (payloads on their tiers, gathered and prefetched
+// chunks, gradient chunks, the optimizer's staging, NVMe buffers), the
+// tensors each module keeps from its forward to its backward and the
+// temporaries of each, the pipeline schedule's order and its pending sends,
+// and the optimizer step. The allocations are replayed in the step's order
+// and the live bytes' maximum taken, so the peak's terms are the tensors
+// live at that moment. Assumed: the pipeline's layers balanced as
+// model_parallel_for balances them without parallel.stage_layers; a send
+// held until the schedules guarantee its delivery (a run may free it
+// sooner); auto with budgets that hold every chunk on the device.
+std::vector<RankMemory> predict_step_memory(const LayoutProblem& problem, const Layout& layout,
+                                            const StepMemoryOptions& options);
+// The most device bytes any rank's step holds outside the chunk stores of a
+// memory policy (activations and their temporaries, frozen weights and their
+// fp32 copies): what plan_memory is given besides the model state.
+double device_bytes_beside_chunks(const LayoutProblem& problem, const Layout& layout,
+                                  const StepMemoryOptions& options);
 
 // "3,3,2": n_layer layers over `parts` virtual stages as evenly as they go,
 // in parallel.stage_layers' syntax.
