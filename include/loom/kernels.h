@@ -229,11 +229,22 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
                         int64_t B, int64_t T, int64_t C, int64_t NH, int64_t NKV,
                         GradWrite dqkv_write = GradWrite::accumulate);
-// Sampling with a KV cache ([B, NKV, block_size, hs] each): appends the keys
-// and values of the n new positions pos0.. (from qkv [B, n, C + 2 NKV hs]) and
-// writes out[B, n, C], each new query attending to every position up to its own.
-void attention_cached(float* out, float* k_cache, float* v_cache, const float* qkv, int64_t B, int64_t n, int64_t pos0,
-                      int64_t block_size, int64_t C, int64_t NH, int64_t NKV);
+// Generation: the new positions of S sequences against their KV caches, the
+// sequences' rows packed into one batch. Sequence s owns rows
+// [row_offsets[s], row_offsets[s + 1]) of qkv (the layout above, N =
+// row_offsets[S] rows) and of out [N, C]; its cache holds cache_lens[s]
+// earlier positions, and k_cache[s], v_cache[s] point to its keys and values
+// [NKV, max_len, hs] (one layer's; cache_lens[s] + its rows <= max_len). The
+// new rows' keys and values are written at positions cache_lens[s].., then
+// row i of sequence s (position cache_lens[s] + i) attends to positions
+// [0, cache_lens[s] + i] with the heads, scale and grouping of
+// attention_forward, which a whole sequence's rows over an empty cache
+// reproduce. lse [N, NH] (may be null): each row's log-sum-exp as there.
+// Every array is device memory; a sequence's result does not depend on the
+// other sequences of the batch.
+void attention_decode(float* out, float* lse, float* const* k_cache, float* const* v_cache, const float* qkv,
+                      const int32_t* cache_lens, const int32_t* row_offsets, int64_t S, int64_t C, int64_t NH,
+                      int64_t NKV, int64_t max_len);
 
 // ---------------------------------------------------------------------------
 // Fused softmax + cross-entropy over V classes.

@@ -134,9 +134,10 @@ void attention_backward(float* dqkv, const float* dout, const float* out, const 
   LOOM_LAUNCH(attention_backward, dqkv, dout, out, lse, qkv, B, T, C, NH, NKV, dqkv_write);
 }
 
-void attention_cached(float* out, float* k_cache, float* v_cache, const float* qkv, int64_t B, int64_t n, int64_t pos0,
-                      int64_t block_size, int64_t C, int64_t NH, int64_t NKV) {
-  LOOM_LAUNCH(attention_cached, out, k_cache, v_cache, qkv, B, n, pos0, block_size, C, NH, NKV);
+void attention_decode(float* out, float* lse, float* const* k_cache, float* const* v_cache, const float* qkv,
+                      const int32_t* cache_lens, const int32_t* row_offsets, int64_t S, int64_t C, int64_t NH,
+                      int64_t NKV, int64_t max_len) {
+  LOOM_LAUNCH(attention_decode, out, lse, k_cache, v_cache, qkv, cache_lens, row_offsets, S, C, NH, NKV, max_len);
 }
 
 void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
