@@ -22,6 +22,7 @@
 #include "test_util.h"
 #include "loom/config.h"
 #include "loom/data.h"
+#include "loom/inference.h"
 #include "loom/io.h"
 #include "loom/train.h"
 
