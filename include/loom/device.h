@@ -183,8 +183,8 @@ void attention_backward(float* dqkv, const float* dout, const float* out, const 
                         int64_t B, int64_t T, int64_t C, int64_t NH, int64_t NKV,
                         GradWrite dqkv_write = GradWrite::accumulate);
 void attention_decode(float* out, float* lse, float* const* k_cache, float* const* v_cache, const float* qkv,
-                      const int32_t* cache_lens, const int32_t* row_offsets, int64_t S, int64_t C, int64_t NH,
-                      int64_t NKV, int64_t max_len);
+                      const int32_t* cache_lens, const int32_t* row_offsets, int64_t S, int64_t N, int64_t C,
+                      int64_t NH, int64_t NKV, int64_t max_len);
 
 void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
                            int64_t V);

@@ -232,7 +232,7 @@ void attention_backward(float* dqkv, const float* dout, const float* out, const 
 // Generation: the new positions of S sequences against their KV caches, the
 // sequences' rows packed into one batch. Sequence s owns rows
 // [row_offsets[s], row_offsets[s + 1]) of qkv (the layout above, N =
-// row_offsets[S] rows) and of out [N, C]; its cache holds cache_lens[s]
+// row_offsets[S] rows, also passed for the launch) and of out [N, C]; its cache holds cache_lens[s]
 // earlier positions, and k_cache[s], v_cache[s] point to its keys and values
 // [NKV, max_len, hs] (one layer's; cache_lens[s] + its rows <= max_len). The
 // new rows' keys and values are written at positions cache_lens[s].., then
@@ -243,8 +243,8 @@ void attention_backward(float* dqkv, const float* dout, const float* out, const 
 // Every array is device memory; a sequence's result does not depend on the
 // other sequences of the batch.
 void attention_decode(float* out, float* lse, float* const* k_cache, float* const* v_cache, const float* qkv,
-                      const int32_t* cache_lens, const int32_t* row_offsets, int64_t S, int64_t C, int64_t NH,
-                      int64_t NKV, int64_t max_len);
+                      const int32_t* cache_lens, const int32_t* row_offsets, int64_t S, int64_t N, int64_t C,
+                      int64_t NH, int64_t NKV, int64_t max_len);
 
 // ---------------------------------------------------------------------------
 // Fused softmax + cross-entropy over V classes.

@@ -135,9 +135,10 @@ void attention_backward(float* dqkv, const float* dout, const float* out, const 
 }
 
 void attention_decode(float* out, float* lse, float* const* k_cache, float* const* v_cache, const float* qkv,
-                      const int32_t* cache_lens, const int32_t* row_offsets, int64_t S, int64_t C, int64_t NH,
-                      int64_t NKV, int64_t max_len) {
-  LOOM_LAUNCH(attention_decode, out, lse, k_cache, v_cache, qkv, cache_lens, row_offsets, S, C, NH, NKV, max_len);
+                      const int32_t* cache_lens, const int32_t* row_offsets, int64_t S, int64_t N, int64_t C,
+                      int64_t NH, int64_t NKV, int64_t max_len) {
+  LOOM_LAUNCH(attention_decode, out, lse, k_cache, v_cache, qkv, cache_lens, row_offsets, S, N, C, NH, NKV,
+              max_len);
 }
 
 void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,

@@ -94,7 +94,7 @@ void CausalSelfAttention::forward_decode(const ParamStore& ps, float* out, const
   rotate(qkv.data<float>(), batch);
   Tensor att = Tensor::empty({batch.N, C});
   ops::attention_decode(att.data<float>(), nullptr, batch.keys(layer), batch.values(layer), qkv.data<float>(),
-                        batch.cache_lens.data<int32_t>(), batch.row_offsets.data<int32_t>(), batch.S, C, n_head_,
+                        batch.cache_lens.data<int32_t>(), batch.row_offsets.data<int32_t>(), batch.S, batch.N, C, n_head_,
                         local_kv_heads_, batch.max_len);
   c_proj_.local().forward(ps, out, att.data<float>(), batch.N);
 }

@@ -279,8 +279,8 @@ DecodeRun decode_in_two_calls(const std::vector<std::vector<float>>& qkv, const 
     }
     const int64_t N = offsets.back();
     std::vector<float> o(static_cast<size_t>(N * C)), l(static_cast<size_t>(N * NH));
-    attention_decode(o.data(), l.data(), kp.data(), vp.data(), packed.data(), lens.data(), offsets.data(), S, C, NH,
-                     NKV, max_len);
+    attention_decode(o.data(), l.data(), kp.data(), vp.data(), packed.data(), lens.data(), offsets.data(), S, N, C,
+                     NH, NKV, max_len);
     for (size_t s = 0; s < seqs.size(); ++s) {
       out[s].insert(out[s].end(), o.begin() + offsets[s] * C, o.begin() + offsets[s + 1] * C);
       lse[s].insert(lse[s].end(), l.begin() + offsets[s] * NH, l.begin() + offsets[s + 1] * NH);

@@ -19,8 +19,9 @@ constexpr int64_t kQueryTile = 64;
 }  // namespace
 
 void attention_decode(float* out, float* lse, float* const* k_cache, float* const* v_cache, const float* qkv,
-                      const int32_t* cache_lens, const int32_t* row_offsets, int64_t S, int64_t C, int64_t NH,
-                      int64_t NKV, int64_t max_len) {
+                      const int32_t* cache_lens, const int32_t* row_offsets, int64_t S, int64_t N, int64_t C,
+                      int64_t NH, int64_t NKV, int64_t max_len) {
+  LOOM_CHECK(row_offsets[S] == N, "attention_decode: ", N, " rows but the offsets end at ", row_offsets[S]);
   const int64_t hs = C / NH, group = NH / NKV, C3 = C + 2 * NKV * hs;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   // The new keys and values enter the cache first; every query head of the
