@@ -4,10 +4,9 @@
 // against the keys it may see go through GEMMs into a per-thread buffer.
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
-#include "kernels/cpu/simd_exp.h"
+#include "kernels/cpu/causal_softmax.h"
 #include "loom/kernels.h"
 
 namespace loom::cpu {
@@ -65,22 +64,8 @@ void attention_decode(float* out, float* lse, float* const* k_cache, float* cons
       float* P = scores.data();  // rows x keys
       gemm(false, true, rows, keys, hs, scale, qkv + r0 * C3 + h * hs, C3, K, hs, 0.0f, P, keys);
       for (int64_t r = 0; r < rows; ++r) {
-        float* __restrict__ row = P + r * keys;
-        const int64_t visible = pos0 + r + 1;
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < visible; ++j) m = row[j] > m ? row[j] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < visible; ++j) {
-          row[j] = simd_exp(row[j] - m);
-          sum += row[j];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < visible; ++j) row[j] *= inv;
-        for (int64_t j = visible; j < keys; ++j) row[j] = 0.0f;
-        if (lse) lse[(r0 + r) * NH + h] = m + std::log(sum);
+        const float l = causal_softmax_row(P + r * keys, pos0 + r + 1, keys);
+        if (lse) lse[(r0 + r) * NH + h] = l;
       }
       gemm(false, false, rows, hs, keys, 1.0f, P, keys, V, hs, 0.0f, out + r0 * C + h * hs, C);
     }
