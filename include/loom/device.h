@@ -100,6 +100,20 @@ class StreamGuard {
   std::shared_ptr<detail::StreamImpl> previous_;
 };
 
+// While one lives, the calling thread's ops::gemm and ops::linear_forward
+// run with RowBlocking::fixed (kernels.h): generation's forward, where a
+// sequence's rows must come out the same whatever else is in the batch.
+class FixedRowBlocks {
+ public:
+  FixedRowBlocks();
+  ~FixedRowBlocks();
+  FixedRowBlocks(const FixedRowBlocks&) = delete;
+  FixedRowBlocks& operator=(const FixedRowBlocks&) = delete;
+
+ private:
+  bool previous_;
+};
+
 // Host code that works on the CPU device's memory directly (the chunk
 // manager's moves and CPU optimizer): the rank's streams are drained at
 // entry, and device-layer calls inside run at once on the calling thread, so

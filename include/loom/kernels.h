@@ -39,12 +39,22 @@ void set_num_threads(int n);
 // GEMM
 // ---------------------------------------------------------------------------
 
+// How a GEMM groups the rows of C into BLAS calls. by_shape: as the shape
+// suits BLAS (training). fixed: in blocks of kFixedRowBlock rows whatever M,
+// the last one padded, every block one call of the same shape: BLAS picks its
+// kernels by shape (and a row's bits with them), so only then is a row of C a
+// function of its own row of op(A) alone, whatever M and the other rows
+// (generation, where a sequence's logits must not depend on the batch). B is
+// packed again per block.
+enum class RowBlocking { by_shape, fixed };
+inline constexpr int64_t kFixedRowBlock = 8;
+
 // C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, row-major, through CBLAS.
 // BLAS runs single-threaded on tiles of C fixed by the shape, the tiles in
 // parallel under the caller's budget: BLAS's own threading rounds differently
 // for different thread counts. Inside a parallel region it runs on the caller.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-          const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+          const float* B, int64_t ldb, float beta, float* C, int64_t ldc, RowBlocking rows = RowBlocking::by_shape);
 
 // This machine's cblas_sgemm GFLOP/s with the calling thread's budget on an
 // n x n x n product (best of `reps` after a warm-up): the baseline that MFU
@@ -59,7 +69,7 @@ double measure_sgemm_gflops(int64_t n = 2048, int reps = 5);
 // ---------------------------------------------------------------------------
 
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
-                    int64_t OC);
+                    int64_t OC, RowBlocking rows = RowBlocking::by_shape);
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t N, int64_t C, int64_t OC,
                      GradWrite dinp_write = GradWrite::accumulate);

@@ -119,6 +119,9 @@ Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const De
   LOOM_CHECK(pool.n_layer_ == cfg_.n_layer && pool.kv_heads_ == cfg_.kv_heads() && pool.head_dim_ == cfg_.head_dim(),
              "the KV cache pool was built for another model");
   const int64_t C = cfg_.n_embd, V = cfg_.vocab_size;
+  // Every product computes each sequence's rows alone: its tokens do not
+  // depend on the batch around it.
+  const FixedRowBlocks fixed_rows;
   DecodeBatch batch;
   batch.S = static_cast<int64_t>(inputs.size());
   batch.max_len = pool.max_length();

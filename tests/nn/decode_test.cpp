@@ -2,6 +2,8 @@
 // logits of the training forward over each whole sequence.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -103,6 +105,41 @@ TEST_P(Decode, RefusesToOutgrowTheContext) {
   EXPECT_CONTAINS(error_of([&] { model.forward_decode(ps, pool, {&more, 1}); }), "more than the KV cache's 16");
   pool.reset(slot);
   EXPECT_EQ(model.forward_decode(ps, pool, {&more, 1}).numel(), cfg.vocab_size);
+}
+
+// Bit for bit: a sequence's logits do not depend on what else is in the
+// batch (other prompts prefilling, others decoding), so its samples do not.
+TEST_P(Decode, ASequenceGetsTheSameBitsAloneAndInABatch) {
+  const GPTConfig cfg = decode_config(GetParam());
+  const GPT model(cfg);
+  ParamStore ps(model.layout(), 11);
+  const std::vector<int32_t> mine = random_tokens(9, cfg.vocab_size, 5), other = random_tokens(12, cfg.vocab_size, 6);
+  // Steps of (my new tokens, the other sequences' new tokens).
+  auto run = [&](bool batched) {
+    KVCachePool pool(cfg, 3);
+    const int a = pool.allocate(), b = pool.allocate(), c = pool.allocate();
+    std::vector<float> logits;
+    const std::span<const int32_t> m(mine), o(other);
+    const std::vector<std::vector<DecodeInput>> steps{
+        {{a, m.first(5)}, {b, o.first(7)}},
+        {{b, o.subspan(7, 1)}, {a, m.subspan(5, 1)}, {c, o.first(10)}},
+        {{c, o.subspan(10, 1)}, {a, m.subspan(6, 3)}, {b, o.subspan(8, 1)}}};
+    for (const auto& step : steps) {
+      std::vector<DecodeInput> batch;
+      for (const DecodeInput& in : step)
+        if (batched || in.slot == a) batch.push_back(in);
+      const Tensor out = model.forward_decode(ps, pool, batch).clone(Tier::host);
+      const size_t at = static_cast<size_t>(std::find_if(batch.begin(), batch.end(),
+                                                         [&](const DecodeInput& in) { return in.slot == a; }) -
+                                            batch.begin());
+      const float* row = out.data<float>() + at * static_cast<size_t>(cfg.vocab_size);
+      logits.insert(logits.end(), row, row + cfg.vocab_size);
+    }
+    return logits;
+  };
+  const std::vector<float> alone = run(false), together = run(true);
+  ASSERT_EQ(alone.size(), together.size());
+  EXPECT_EQ(std::memcmp(alone.data(), together.data(), alone.size() * sizeof(float)), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, Decode, ::testing::Values("tiny", "llama-tiny"),
