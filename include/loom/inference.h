@@ -73,8 +73,8 @@ class Generator {
   Generator(const GPT& model, ParamStore& params, int64_t max_batch, const Tokenizer* tok = nullptr);
 
   // Queues a request and returns its id (0, 1, ... in submission order). May
-  // be called from any thread. Throws Error for stop strings without a
-  // tokenizer or a negative max_tokens.
+  // be called from any thread. Throws Error for prompt tokens outside the
+  // vocabulary, stop strings without a tokenizer or a negative max_tokens.
   int64_t submit(GenerationRequest request);
   // One step (call it from one thread, in a loop): admits waiting requests
   // into free slots, runs one forward over every active sequence and samples

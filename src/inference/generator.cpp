@@ -18,6 +18,11 @@ int64_t Generator::submit(GenerationRequest request) {
   if (request.max_tokens < 0)
     throw Error(str("max_tokens = ", request.max_tokens, " is negative: ask for 0 or more tokens"));
   if (!request.stop.empty() && !tok_) throw Error("stop strings need a tokenizer to decode the generated text");
+  const int64_t V = model_.config().vocab_size;
+  for (size_t i = 0; i < request.prompt.size(); ++i)
+    if (request.prompt[i] < 0 || request.prompt[i] >= V)
+      throw Error(str("prompt token ", i, " is ", request.prompt[i], ", outside the model's vocabulary [0, ", V,
+                      "): the tokenizer does not match the model"));
   for (const std::string& stop : request.stop)
     if (stop.empty()) throw Error("a stop string is empty: every text contains it; remove it");
   std::lock_guard<std::mutex> lock(mutex_);

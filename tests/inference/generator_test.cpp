@@ -138,6 +138,9 @@ TEST(Generator, RefusesWhatItCannotDo) {
   r.max_tokens = -1;
   EXPECT_CONTAINS(error_of([&] { gen.submit(r); }), "max_tokens = -1");
   r.max_tokens = 0;
+  r.prompt = {1, static_cast<int32_t>(cfg.vocab_size)};
+  EXPECT_CONTAINS(error_of([&] { gen.submit(r); }), "prompt token 1 is 256, outside the model's vocabulary");
+  r.prompt.clear();
   const GenerationResult none = gen.run({r}).front();
   EXPECT_TRUE(none.tokens.empty());
   EXPECT_EQ(none.finish, FinishReason::length);
