@@ -64,7 +64,7 @@ size_t KVCachePool::bytes_in_use() const {
 }
 
 float* const* DecodeBatch::keys(int layer) const {
-  return reinterpret_cast<float* const*>(caches.data<int64_t>()) + static_cast<int64_t>(layer) * 2 * S;
+  return static_cast<float* const*>(caches.raw()) + static_cast<int64_t>(layer) * 2 * S;
 }
 
 float* const* DecodeBatch::values(int layer) const { return keys(layer) + S; }
@@ -127,7 +127,7 @@ Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const De
   batch.max_len = pool.max_length();
   batch.offsets.push_back(0);
   std::vector<int32_t> tokens;
-  std::vector<int64_t> addresses(static_cast<size_t>(cfg_.n_layer * 2 * batch.S));
+  std::vector<float*> addresses(static_cast<size_t>(cfg_.n_layer * 2 * batch.S));
   std::vector<bool> seen(static_cast<size_t>(pool.capacity()));
   for (int64_t s = 0; s < batch.S; ++s) {
     const DecodeInput& in = inputs[static_cast<size_t>(s)];
@@ -144,17 +144,17 @@ Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const De
     batch.offsets.push_back(static_cast<int32_t>(batch.offsets.back() + n));
     tokens.insert(tokens.end(), in.tokens.begin(), in.tokens.end());
     float* base = slot.kv.data<float>();
-    const int64_t half = slot.kv.numel() / (2 * cfg_.n_layer);  // one layer's keys
+    const int64_t part = slot.kv.numel() / (2 * cfg_.n_layer);  // one layer's keys (or values)
     for (int64_t l = 0; l < cfg_.n_layer; ++l)
       for (int64_t kv = 0; kv < 2; ++kv)
-        addresses[static_cast<size_t>((l * 2 + kv) * batch.S + s)] =
-            reinterpret_cast<int64_t>(base + (l * 2 + kv) * half);
+        addresses[static_cast<size_t>((l * 2 + kv) * batch.S + s)] = base + (l * 2 + kv) * part;
   }
   batch.N = batch.offsets.back();
   LOOM_CHECK(batch.S > 0, "an empty decode batch");
   embedding_.check_tokens(tokens.data(), batch.N);
   batch.cache_lens = Tensor::from_host(batch.lengths.data(), {batch.S}, DType::i32);
   batch.row_offsets = Tensor::from_host(batch.offsets.data(), {batch.S + 1}, DType::i32);
+  static_assert(sizeof(float*) == sizeof(int64_t), "addresses travel as i64 elements");
   batch.caches = Tensor::from_host(addresses.data(), {cfg_.n_layer, 2, batch.S}, DType::i64);
 
   ps.acquire(embedding_group_);

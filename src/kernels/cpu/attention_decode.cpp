@@ -41,16 +41,17 @@ void attention_decode(float* out, float* lse, float* const* k_cache, float* cons
     int64_t s, tile;
   };
   std::vector<Unit> units;
-  int64_t max_keys = 0;
+  int64_t max_keys = 0, max_rows = 0;  // the score buffer's extent
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = row_offsets[s + 1] - row_offsets[s];
     for (int64_t tile = 0; tile * kQueryTile < n; ++tile) units.push_back({s, tile});
     max_keys = std::max<int64_t>(max_keys, cache_lens[s] + n);
+    max_rows = std::max(max_rows, std::min(n, kQueryTile));
   }
   const int64_t tasks = static_cast<int64_t>(units.size()) * NH;
 #pragma omp parallel if (tasks > 1)
   {
-    std::vector<float> scores(static_cast<size_t>(kQueryTile * max_keys));
+    std::vector<float> scores(static_cast<size_t>(max_rows * max_keys));
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < tasks; ++task) {
       const Unit u = units[static_cast<size_t>(task / NH)];
