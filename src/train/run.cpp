@@ -15,6 +15,7 @@
 #include "loom/comm.h"
 #include "loom/config.h"
 #include "loom/data.h"
+#include "loom/inference.h"
 #include "loom/io.h"
 #include "loom/device.h"
 #include "loom/planner.h"
