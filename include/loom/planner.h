@@ -210,7 +210,10 @@ struct MachineRates {
   // per rank: the measured fit for that op and group where there is one,
   // else a ring over the intra-node link (group <= ranks_per_node) or the
   // inter-node link: all_reduce 2 (g-1) (a + b / (g B)), reduce_scatter and
-  // all_gather (g-1) (a + b / (g B)), send_recv a + b / B.
+  // all_gather (g-1) (a + b / (g B)), send_recv a + b / B. For send_recv,
+  // `group` is the number of ranks exchanging messages at once (a message
+  // waits longer when they outnumber the cores), and the measurement with
+  // the nearest count is used.
   double collective_seconds(Collective op, double bytes, int group) const;
 };
 
@@ -224,8 +227,9 @@ struct CalibrationOptions {
   std::function<void(const std::string&)> progress;  // one line per measurement
 };
 
-// Measures this machine: GEMM rates on the grid, the copy rate, each
-// collective at two sizes per group on local ranks (fitted to alpha-beta),
+// Measures this machine: GEMM rates on the grid, the attention kernels, the
+// copy rate, each collective at two sizes per group on local ranks (fitted
+// to alpha-beta; send_recv between pairs of ranks, all pairs at once),
 // and the NVMe rates when a directory is given. About half a minute with the
 // defaults on a small CPU.
 MachineRates calibrate_machine(const CalibrationOptions& options);

@@ -157,16 +157,20 @@ std::vector<CollectiveCost> measure_collectives(int group) {
     fit(Collective::reduce_scatter,
         [&](int64_t n) { comm.reduce_scatter(b, o, n / comm.size(), DType::f32); });
     fit(Collective::all_gather, [&](int64_t n) { comm.all_gather(b, o, n / comm.size(), DType::f32); });
-    // Point to point: rank 0 sends to rank 1 and waits for its answer, so
-    // half the round trip is one message.
+    // Point to point: every even rank sends to the next odd one and waits
+    // for its answer (half the round trip is one message), all pairs at
+    // once, as a pipeline's stages exchange activations while every rank
+    // of the machine is busy.
+    const int peer = comm.rank() ^ 1;
     fit(Collective::send_recv, [&](int64_t n) {
       const size_t bytes = static_cast<size_t>(n) * 4;
-      if (comm.rank() == 0) {
-        comm.send(b, bytes, 1, 0);
-        comm.recv(o, bytes, 1, 1);
-      } else if (comm.rank() == 1) {
-        comm.recv(o, bytes, 0, 0);
-        comm.send(b, bytes, 0, 1);
+      if (peer >= comm.size()) return;
+      if (comm.rank() % 2 == 0) {
+        comm.send(b, bytes, peer, 0);
+        comm.recv(o, bytes, peer, 1);
+      } else {
+        comm.recv(o, bytes, peer, 0);
+        comm.send(b, bytes, peer, 1);
       }
     });
   });
@@ -217,8 +221,11 @@ MachineRates calibrate_machine(const CalibrationOptions& options) {
   // memory, priced by the measured point-to-point fit.
   rates.ranks_per_node = *std::max_element(options.groups.begin(), options.groups.end());
   rates.shared_by_local_ranks = true;
+  // The link is the one pair's, with no other rank competing for the cores.
+  const CollectiveCost* pair = nullptr;
   for (const CollectiveCost& c : rates.collectives)
-    if (c.op == Collective::send_recv) rates.intra_node = rates.inter_node = c.cost;
+    if (c.op == Collective::send_recv && (!pair || c.group < pair->group)) pair = &c;
+  if (pair) rates.intra_node = rates.inter_node = pair->cost;
   if (!options.nvme_dir.empty()) {
     const DiskThroughput disk = measure_sequential_throughput(options.nvme_dir, options.nvme_bytes);
     rates.nvme_read_bytes_per_s = disk.read_bytes_per_s;

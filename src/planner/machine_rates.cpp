@@ -144,7 +144,15 @@ double MachineRates::attention_seconds(int64_t seq_len, int64_t head_dim, bool b
 double MachineRates::collective_seconds(Collective op, double bytes, int group) const {
   if (group <= 1) return 0.0;
   for (const CollectiveCost& c : collectives)
-    if (c.op == op && (c.group == group || op == Collective::send_recv)) return c.cost.seconds(bytes);
+    if (c.op == op && c.group == group) return c.cost.seconds(bytes);
+  // A message's cost depends on how many ranks share the machine, not on a
+  // group: the measurement with the nearest number of ranks.
+  const CollectiveCost* nearest = nullptr;
+  for (const CollectiveCost& c : collectives)
+    if (c.op == Collective::send_recv && op == Collective::send_recv &&
+        (!nearest || std::abs(c.group - group) < std::abs(nearest->group - group)))
+      nearest = &c;
+  if (nearest) return nearest->cost.seconds(bytes);
   const LinkCost& link = group <= ranks_per_node ? intra_node : inter_node;
   const double g = group;
   switch (op) {

@@ -172,7 +172,8 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
   }
   const double activation_bytes =
       kF32 * static_cast<double>(s.N * m.n_embd) / (layout.sequence_parallel ? static_cast<double>(layout.tp) : 1.0);
-  costs.transfer_s = rates.collective_seconds(Collective::send_recv, activation_bytes, 2);
+  // Every pipeline pair exchanges at once.
+  costs.transfer_s = rates.collective_seconds(Collective::send_recv, activation_bytes, static_cast<int>(world));
   p.pipeline = simulate_pipeline(layout.pp > 1 ? layout.schedule : PipelineSchedule::gpipe,
                                  static_cast<int>(layout.pp), static_cast<int>(accumulation),
                                  static_cast<int>(layout.virtual_stages), costs);

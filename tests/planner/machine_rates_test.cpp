@@ -83,6 +83,12 @@ TEST(MachineRates, CollectivesUseTheMeasuredFitElseARingOverTheRightLink) {
   // Past a node: the inter-node link.
   EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::reduce_scatter, 8e6, 8), 7 * (5e-6 + 1e6 / 1e9));
   EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::send_recv, 1e6, 8), 5e-6 + 1e6 / 1e9);
+  // Measured messages: the measurement with the nearest number of ranks.
+  MachineRates m = r;
+  m.collectives = {{Collective::send_recv, 2, {1e-6, 1e10}}, {Collective::send_recv, 4, {1e-3, 5e9}}};
+  EXPECT_DOUBLE_EQ(m.collective_seconds(Collective::send_recv, 1e6, 2), 1e-6 + 1e6 / 1e10);
+  EXPECT_DOUBLE_EQ(m.collective_seconds(Collective::send_recv, 1e6, 3), 1e-6 + 1e6 / 1e10);
+  EXPECT_DOUBLE_EQ(m.collective_seconds(Collective::send_recv, 1e6, 8), 1e-3 + 1e6 / 5e9);
 }
 
 TEST(MachineRates, FileRoundTripsEveryField) {
