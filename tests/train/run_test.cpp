@@ -762,6 +762,31 @@ void expect_same_weights(const fs::path& a, const fs::path& b) {
   EXPECT_TRUE(testing::bit_equal(wa.ps.flat(), wb.ps.flat()));
 }
 
+// Starts `loom train` (LOOM_CLI) with the suite's data, `out` as
+// train.out_dir and `sets` on top, its output to `log`; returns its pid.
+pid_t spawn_loom_train(const fs::path& data_dir, const fs::path& out, const std::vector<std::string>& sets,
+                       const std::vector<std::string>& extra, const std::string& log) {
+  std::vector<std::string> args = {LOOM_CLI, "train", "--config", LOOM_SOURCE_DIR "/configs/tiny-test.toml"};
+  std::vector<std::string> all = {"data.dir=" + (data_dir / "data").string(),
+                                  "data.text=" + (data_dir / "corpus.txt").string(), "train.out_dir=" + out.string(),
+                                  "train.eval_interval=0", "train.sample_tokens=0"};
+  all.insert(all.end(), sets.begin(), sets.end());
+  for (const std::string& o : all) args.insert(args.end(), {"--set", o});
+  args.insert(args.end(), extra.begin(), extra.end());
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, STDOUT_FILENO);
+    dup2(fd, STDERR_FILENO);
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
 TEST_F(MainJob, SignalStopsEveryRankAfterTheSameStepWithACheckpointAndResumesBitExactly) {
   // Two rank threads (data-parallel, or two pipeline stages); the second to
   // finish step 7 raises the signal on its own thread once the first has gone
@@ -836,25 +861,8 @@ TEST_F(MainJob, TheCommandExitsWithThePreemptedStatusOnSigtermAndResumes) {
   // `loom train` with config("cli-run")'s settings, `layout` and `extra`:
   // its exit status (128 + the signal if one ended it).
   auto loom_train = [&](const std::vector<std::string>& extra, bool terminate_once_training) {
-    std::vector<std::string> args = {LOOM_CLI, "train", "--config", LOOM_SOURCE_DIR "/configs/tiny-test.toml"};
-    std::vector<std::string> sets = {"data.dir=" + (*dir_ / "data").string(),
-                                     "data.text=" + (*dir_ / "corpus.txt").string(), "train.out_dir=" + run.string(),
-                                     "train.eval_interval=0", "train.sample_tokens=0"};
-    sets.insert(sets.end(), layout.begin(), layout.end());
-    for (const std::string& o : sets) args.insert(args.end(), {"--set", o});
-    args.insert(args.end(), extra.begin(), extra.end());
     const std::string log = (*dir_ / "cli.log").string();
-    const pid_t pid = fork();
-    if (pid == 0) {
-      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      dup2(fd, STDOUT_FILENO);
-      dup2(fd, STDERR_FILENO);
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
+    const pid_t pid = spawn_loom_train(dir_->path(), run, layout, extra, log);
     if (terminate_once_training) {
       // The first step's record says training is under way.
       auto training = [&] {
@@ -894,6 +902,65 @@ TEST_F(MainJob, TheCommandExitsWithThePreemptedStatusOnSigtermAndResumes) {
   ASSERT_EQ(continued.size(), whole.size());
   for (size_t i = 0; i < whole.size(); ++i) EXPECT_EQ(continued[i], whole[i]) << "step " << i + 1;
   expect_same_weights(*dir_ / "cli-whole", run);
+}
+
+// `loom train --max-restarts 2` on two data-parallel ranks: the run's process
+// is killed with SIGKILL twice, at whatever moment it has reached once step 7
+// and then step 23 are logged; each time the supervisor starts it again from
+// the newest checkpoint (every 5 steps), says so and records it. The run
+// finishes with the losses (the last record of each step: the steps after a
+// checkpoint run again) and the weights of an uninterrupted run, bit for bit.
+TEST_F(MainJob, MaxRestartsContinuesAKilledRunFromItsCheckpointBitExactly) {
+  const std::vector<std::string> layout = {"parallel.dp=2", "train.steps=40"};
+  const fs::path run = *dir_ / "restarted";
+  std::vector<std::string> sets = layout;
+  sets.push_back("train.checkpoint_interval=5");
+  const std::string log = (*dir_ / "restarts.log").string();
+  const pid_t supervisor = spawn_loom_train(dir_->path(), run, sets, {"--max-restarts", "2"}, log);
+  // The supervisor's child running the training, once `step` is logged.
+  auto child_once_logged = [&](int64_t step) -> pid_t {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (std::chrono::steady_clock::now() < deadline) {
+      std::error_code ec;
+      if (fs::exists(run / "metrics.jsonl", ec)) {
+        const std::vector<nlohmann::json> records = step_records(run / "metrics.jsonl");
+        if (!records.empty() && records.back().at("step").get<int64_t>() >= step) {
+          std::ifstream children(str("/proc/", supervisor, "/task/", supervisor, "/children"));
+          pid_t child = 0;
+          if (children >> child) return child;
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    return 0;
+  };
+  for (int64_t step : {7, 23}) {
+    const pid_t child = child_once_logged(step);
+    ASSERT_GT(child, 0) << read_file(log);
+    kill(child, SIGKILL);
+  }
+  int status = 0;
+  waitpid(supervisor, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_file(log);
+
+  const std::vector<nlohmann::json> restarts = records_with(run / "metrics.jsonl", "restart");
+  ASSERT_EQ(restarts.size(), 2u) << read_file(log);
+  for (size_t i = 0; i < restarts.size(); ++i) {
+    EXPECT_EQ(restarts[i].at("restart"), static_cast<int>(i) + 1);
+    EXPECT_EQ(restarts[i].at("cause"), "killed by SIGKILL");
+    EXPECT_EQ(restarts[i].at("resume_step").get<int64_t>() % 5, 0);
+  }
+  EXPECT_NE(read_file(log).find("the run killed by SIGKILL; restart 2 of 2 from step"), std::string::npos);
+
+  Config c = config("restarted-whole");
+  for (const std::string& o : layout) c.set_override(o);
+  run_training(c, quiet());
+  std::map<int64_t, double> last;
+  for (const nlohmann::json& r : step_records(run / "metrics.jsonl")) last[r.at("step")] = r.at("loss");
+  const std::vector<double> whole = losses(*dir_ / "restarted-whole" / "metrics.jsonl");
+  ASSERT_EQ(last.size(), whole.size());
+  for (size_t i = 0; i < whole.size(); ++i) EXPECT_EQ(last.at(static_cast<int64_t>(i) + 1), whole[i]) << "step " << i + 1;
+  expect_same_weights(*dir_ / "restarted-whole", run);
 }
 
 // Data gone bad mid-run: a run on two data-parallel ranks resumes on a

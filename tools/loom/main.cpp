@@ -13,6 +13,7 @@
 #include "loom/io.h"
 #include "loom/planner.h"
 #include "loom/train.h"
+#include "supervise.h"
 
 namespace fs = std::filesystem;
 using namespace loom;
@@ -107,6 +108,10 @@ int main(int argc, char** argv) {
                   "delete the checkpoints of a run already in train.out_dir and start afresh (without it such a "
                   "directory is refused)");
   train->add_option("--stop-after", stop_after, "stop after this step as if interrupted (checkpoints first)");
+  int max_restarts = 0;
+  train->add_option("--max-restarts", max_restarts,
+                    "when the run fails (a rank died, was killed or stalled), start it again from its newest "
+                    "checkpoint, up to this many times (local ranks)");
 
   // generate
   auto* gen = app.add_subcommand("generate", "sample text from a checkpoint");
@@ -199,6 +204,7 @@ int main(int argc, char** argv) {
       run.resume = resume;
       run.overwrite = overwrite;
       run.stop_after = stop_after;
+      if (max_restarts > 0) return run_training_with_restarts(load_config(config_path, overrides), run, max_restarts);
       if (run_training(load_config(config_path, overrides), run).stop_signal != 0) return kPreemptedExitStatus;
     } else if (gen->parsed() && !prompts_path.empty()) {
       PromptSpec defaults;

@@ -1,0 +1,120 @@
+#include "supervise.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/io.h"
+
+namespace loom {
+
+namespace {
+
+// The child the supervisor waits for, which its signal handler passes
+// SIGTERM and SIGINT to; 0 while none runs.
+volatile sig_atomic_t g_child = 0;
+
+void forward_signal(int signal) {
+  if (g_child > 0) ::kill(static_cast<pid_t>(g_child), signal);
+}
+
+// Forwarding for the supervisor's lifetime, the previous handlers restored
+// afterwards.
+class ForwardSignals {
+ public:
+  ForwardSignals() {
+    struct sigaction action {};
+    action.sa_handler = forward_signal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART;
+    sigaction(SIGTERM, &action, &previous_term_);
+    sigaction(SIGINT, &action, &previous_int_);
+  }
+  ~ForwardSignals() {
+    sigaction(SIGTERM, &previous_term_, nullptr);
+    sigaction(SIGINT, &previous_int_, nullptr);
+  }
+  ForwardSignals(const ForwardSignals&) = delete;
+  ForwardSignals& operator=(const ForwardSignals&) = delete;
+
+ private:
+  struct sigaction previous_term_ {}, previous_int_ {};
+};
+
+// The child: one attempt of the run, its outcome as an exit status.
+[[noreturn]] void run_child(const Config& cfg, const RunOptions& run) {
+  int status = 0;
+  try {
+    status = run_training(cfg, run).stop_signal != 0 ? kPreemptedExitStatus : 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    status = 1;
+  }
+  std::fflush(nullptr);
+  // Not exit(): the parent's atexit handlers and static destructors are
+  // the supervisor's, not this attempt's.
+  ::_exit(status);
+}
+
+// "exited with status 1", "killed by SIGKILL".
+std::string describe(int wait_status) {
+  if (WIFEXITED(wait_status)) return str("exited with status ", WEXITSTATUS(wait_status));
+  if (WIFSIGNALED(wait_status)) {
+    const char* name = sigabbrev_np(WTERMSIG(wait_status));
+    return str("killed by ", name ? str("SIG", name) : str("signal ", WTERMSIG(wait_status)));
+  }
+  return str("ended with wait status ", wait_status);
+}
+
+}  // namespace
+
+int run_training_with_restarts(const Config& cfg, const RunOptions& run, int max_restarts) {
+  if (max_restarts < 0) throw Error("--max-restarts must be 0 or more");
+  const TrainPlan plan = plan_training(cfg);
+  if (plan.backend != "local")
+    throw Error(str("--max-restarts restarts the local backend's ranks; under parallel.backend = \"", plan.backend,
+                    "\" each process is one rank: restart mpirun itself (e.g. in the job script) with --resume"));
+  const ForwardSignals forwarding;
+  RunOptions attempt = run;
+  for (int restarts = 0;; ++restarts) {
+    std::fflush(nullptr);
+    const pid_t pid = ::fork();
+    if (pid < 0) throw Error(str("--max-restarts: cannot start the run's process: ", std::strerror(errno)));
+    if (pid == 0) run_child(cfg, attempt);
+    g_child = pid;
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    g_child = 0;
+    if (WIFEXITED(status) && (WEXITSTATUS(status) == 0 || WEXITSTATUS(status) == kPreemptedExitStatus))
+      return WEXITSTATUS(status);
+    const std::string cause = describe(status);
+    if (restarts == max_restarts) {
+      std::fprintf(stderr, "error: the run %s; giving up after %d restart%s (--max-restarts %d)\n", cause.c_str(),
+                   restarts, restarts == 1 ? "" : "s", max_restarts);
+      return 1;
+    }
+    // The next attempt continues the newest complete checkpoint, or, before
+    // the first one, starts the run afresh.
+    const std::vector<CheckpointEntry> checkpoints = list_checkpoints(plan.out_dir);
+    attempt.resume = !checkpoints.empty();
+    attempt.overwrite = false;
+    const int64_t from = checkpoints.empty() ? 0 : checkpoints.back().step;
+    std::printf("\nthe run %s; restart %d of %d from %s\n", cause.c_str(), restarts + 1, max_restarts,
+                checkpoints.empty() ? "the beginning" : str("step ", from).c_str());
+    std::error_code ec;
+    if (std::filesystem::is_directory(plan.out_dir, ec)) {
+      std::ofstream metrics(plan.out_dir / "metrics.jsonl", std::ios::app);
+      metrics << nlohmann::json{{"restart", restarts + 1}, {"cause", cause}, {"resume_step", from}}.dump() << "\n";
+    }
+  }
+}
+
+}  // namespace loom

@@ -1,0 +1,23 @@
+// `loom train --max-restarts N`: the run in a child process, started again
+// from its newest complete checkpoint when it fails.
+#pragma once
+
+#include "loom/config.h"
+#include "loom/train.h"
+
+namespace loom {
+
+// Validates `cfg` (plan_training: a config error fails here, once, and is
+// never retried), then runs run_training in a child process. When the child
+// fails (an Error, a rank that died or was killed, the watchdog), the run
+// starts again in a new child, resuming from train.out_dir's newest complete
+// checkpoint (from the beginning when there is none yet), up to
+// `max_restarts` times. Each restart and its cause are printed and appended
+// to metrics.jsonl. SIGTERM and SIGINT are passed to the child, which stops
+// with a checkpoint (kPreemptedExitStatus) and is not restarted. Returns the
+// process's exit status: 0, kPreemptedExitStatus, or 1 once the restarts
+// are spent. Runs on the local backend's ranks: under mpirun each process is
+// one rank and mpirun itself would have to be restarted.
+int run_training_with_restarts(const Config& cfg, const RunOptions& run, int max_restarts);
+
+}  // namespace loom
