@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Kill/restart loop: a two-rank run under `loom train --max-restarts` has its
+# process killed with SIGKILL CYCLES times at random moments (in a step, in a
+# checkpoint write, in the optimizer, at start-up); the supervisor restarts it
+# from its newest checkpoint each time. The finished run must have lost no
+# step and end bit-identical to an uninterrupted run: the same loss at every
+# step (the last record of each: steps after a checkpoint run again) and the
+# same bytes in its final checkpoint's tensor files.
+#
+#   tests/train/kill_loop.sh [CYCLES] [LOOM]     (defaults: 50, build/loom)
+#
+# CI runs a short version (ctest train_kill_loop, 3 cycles).
+set -euo pipefail
+cycles=${1:-50}
+loom=${2:-build/loom}
+root=$(cd "$(dirname "$0")/../.." && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# Long enough that every kill lands before the run ends.
+steps=$((2 * cycles + 20))
+corpus="$work/corpus.txt"
+head -c 200000 "$root/../shared/data/tinyshakespeare.txt" > "$corpus"
+common=(--config "$root/configs/tiny-test.toml"
+        --set "data.text=$corpus" --set "data.dir=$work/data" --set parallel.dp=2
+        --set "train.steps=$steps" --set train.checkpoint_interval=2 --set train.keep_last=2
+        --set train.eval_interval=0 --set train.sample_tokens=0)
+
+"$loom" train "${common[@]}" --set "train.out_dir=$work/whole" > "$work/whole.log" 2>&1
+
+"$loom" train "${common[@]}" --set "train.out_dir=$work/killed" --max-restarts "$cycles" > "$work/killed.log" 2>&1 &
+supervisor=$!
+killed=0
+while ((killed < cycles)) && kill -0 "$supervisor" 2>/dev/null; do
+  # Somewhere in the next 0.05 to 0.6 s of the run.
+  sleep "0.$((RANDOM % 55 + 5))"
+  child=$(cat "/proc/$supervisor/task/$supervisor/children" 2>/dev/null | awk '{print $1}' || true)
+  if [[ -n "$child" ]] && kill -KILL "$child" 2>/dev/null; then
+    killed=$((killed + 1))
+  fi
+done
+status=0
+wait "$supervisor" || status=$?
+if ((status != 0)); then
+  echo "kill loop: the supervised run exited $status after $killed kills"; tail -20 "$work/killed.log"; exit 1
+fi
+if ((killed < cycles)); then echo "kill loop: the run finished after only $killed of $cycles kills"; exit 1; fi
+
+# step -> loss, the last record of each step.
+losses() {
+  grep '"loss"' "$1" | sed -E 's/.*"loss":([^,}]*).*"step":([0-9]+).*/\2 \1/;t;s/.*"step":([0-9]+).*"loss":([^,}]*).*/\1 \2/' |
+    awk '{last[$1] = $2} END {for (s in last) print s, last[s]}' | sort -n
+}
+if ! diff <(losses "$work/whole/metrics.jsonl") <(losses "$work/killed/metrics.jsonl") > "$work/diff.txt"; then
+  echo "kill loop: losses differ from the uninterrupted run after $killed kills:"; head -20 "$work/diff.txt"; exit 1
+fi
+logged=$(losses "$work/killed/metrics.jsonl" | wc -l)
+if ((logged != steps)); then echo "kill loop: $logged steps logged, expected $steps"; exit 1; fi
+final=$(printf "step_%08d" "$steps")
+for f in "$work/whole/$final"/*.safetensors; do
+  if ! cmp -s "$f" "$work/killed/$final/$(basename "$f")"; then
+    echo "kill loop: $(basename "$f") of the final checkpoint differs from the uninterrupted run's"; exit 1
+  fi
+done
+restarts=$(grep -c '"restart"' "$work/killed/metrics.jsonl" || true)
+echo "kill loop: $killed kills, $restarts restarts, $steps steps, losses and final weights bit-identical"
