@@ -91,6 +91,19 @@ class MainJob : public ::testing::Test {
 
   static std::vector<double> losses(const fs::path& metrics) { return losses_of(step_records(metrics)); }
 
+  // Each step's loss from its last record, in step order: a restarted run
+  // logs the steps after its checkpoint again.
+  static std::vector<double> last_losses(const fs::path& metrics) {
+    std::map<int64_t, double> last;
+    for (const nlohmann::json& r : step_records(metrics)) last[r.at("step")] = r.at("loss");
+    std::vector<double> out;
+    for (const auto& [step, loss] : last) {
+      EXPECT_EQ(step, static_cast<int64_t>(out.size()) + 1) << "a step with no record";
+      out.push_back(loss);
+    }
+    return out;
+  }
+
   // Losses of `a` and `b` agree step by step within `tolerance` (absolute).
   static void expect_losses_near(const std::vector<double>& a, const std::vector<double>& b, double tolerance) {
     ASSERT_EQ(a.size(), b.size());
@@ -904,6 +917,25 @@ TEST_F(MainJob, TheCommandExitsWithThePreemptedStatusOnSigtermAndResumes) {
   expect_same_weights(*dir_ / "cli-whole", run);
 }
 
+// The child process of the `loom train --max-restarts` supervisor, once the
+// run has logged `step` (0 if that does not happen within two minutes).
+pid_t child_once_logged(pid_t supervisor, const fs::path& metrics, int64_t step) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::error_code ec;
+    if (fs::exists(metrics, ec)) {
+      const std::vector<nlohmann::json> records = records_with(metrics, "loss");
+      if (!records.empty() && records.back().at("step").get<int64_t>() >= step) {
+        std::ifstream children(str("/proc/", supervisor, "/task/", supervisor, "/children"));
+        pid_t child = 0;
+        if (children >> child) return child;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return 0;
+}
+
 // `loom train --max-restarts 2` on two data-parallel ranks: the run's process
 // is killed with SIGKILL twice, at whatever moment it has reached once step 7
 // and then step 23 are logged; each time the supervisor starts it again from
@@ -917,25 +949,8 @@ TEST_F(MainJob, MaxRestartsContinuesAKilledRunFromItsCheckpointBitExactly) {
   sets.push_back("train.checkpoint_interval=5");
   const std::string log = (*dir_ / "restarts.log").string();
   const pid_t supervisor = spawn_loom_train(dir_->path(), run, sets, {"--max-restarts", "2"}, log);
-  // The supervisor's child running the training, once `step` is logged.
-  auto child_once_logged = [&](int64_t step) -> pid_t {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-    while (std::chrono::steady_clock::now() < deadline) {
-      std::error_code ec;
-      if (fs::exists(run / "metrics.jsonl", ec)) {
-        const std::vector<nlohmann::json> records = step_records(run / "metrics.jsonl");
-        if (!records.empty() && records.back().at("step").get<int64_t>() >= step) {
-          std::ifstream children(str("/proc/", supervisor, "/task/", supervisor, "/children"));
-          pid_t child = 0;
-          if (children >> child) return child;
-        }
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
-    return 0;
-  };
   for (int64_t step : {7, 23}) {
-    const pid_t child = child_once_logged(step);
+    const pid_t child = child_once_logged(supervisor, run / "metrics.jsonl", step);
     ASSERT_GT(child, 0) << read_file(log);
     kill(child, SIGKILL);
   }
@@ -955,12 +970,39 @@ TEST_F(MainJob, MaxRestartsContinuesAKilledRunFromItsCheckpointBitExactly) {
   Config c = config("restarted-whole");
   for (const std::string& o : layout) c.set_override(o);
   run_training(c, quiet());
-  std::map<int64_t, double> last;
-  for (const nlohmann::json& r : step_records(run / "metrics.jsonl")) last[r.at("step")] = r.at("loss");
-  const std::vector<double> whole = losses(*dir_ / "restarted-whole" / "metrics.jsonl");
-  ASSERT_EQ(last.size(), whole.size());
-  for (size_t i = 0; i < whole.size(); ++i) EXPECT_EQ(last.at(static_cast<int64_t>(i) + 1), whole[i]) << "step " << i + 1;
+  EXPECT_EQ(last_losses(run / "metrics.jsonl"), losses(*dir_ / "restarted-whole" / "metrics.jsonl"));
   expect_same_weights(*dir_ / "restarted-whole", run);
+}
+
+// `--max-restarts 1 --elastic`: a run on 4 data-parallel ranks is killed
+// once step 7 is logged and continues on 3 (12 sequences a step: 3 micro-
+// batches per rank, then 4), as if the failed rank's machine were gone. The
+// same sequences make each step, so the losses stay within 1e-5 of the
+// uninterrupted 4-rank run's (the gradients are summed in another order).
+TEST_F(MainJob, ElasticRestartContinuesOnFewerDataParallelRanks) {
+  const std::vector<std::string> layout = {"parallel.dp=4", "train.batch_size=12", "train.micro_batch_size=1",
+                                           "train.steps=20", "train.checkpoint_interval=5"};
+  const fs::path run = *dir_ / "elastic";
+  const std::string log = (*dir_ / "elastic.log").string();
+  const pid_t supervisor = spawn_loom_train(dir_->path(), run, layout, {"--max-restarts", "1", "--elastic"}, log);
+  const pid_t child = child_once_logged(supervisor, run / "metrics.jsonl", 7);
+  ASSERT_GT(child, 0) << read_file(log);
+  kill(child, SIGKILL);
+  int status = 0;
+  waitpid(supervisor, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_file(log);
+  const std::vector<nlohmann::json> restarts = records_with(run / "metrics.jsonl", "restart");
+  ASSERT_EQ(restarts.size(), 1u);
+  EXPECT_EQ(restarts[0].at("dp"), 3);
+  EXPECT_NE(read_file(log).find("on 3 data-parallel ranks"), std::string::npos) << read_file(log);
+
+  Config c = config("elastic-whole");
+  for (const std::string& o : layout) c.set_override(o);
+  run_training(c, quiet());
+  const std::vector<double> restarted = last_losses(run / "metrics.jsonl");
+  const std::vector<double> whole = losses(*dir_ / "elastic-whole" / "metrics.jsonl");
+  ASSERT_EQ(restarted.size(), whole.size());
+  for (size_t i = 0; i < whole.size(); ++i) EXPECT_NEAR(restarted[i], whole[i], 1e-5 * whole[i]) << "step " << i + 1;
 }
 
 // Data gone bad mid-run: a run on two data-parallel ranks resumes on a

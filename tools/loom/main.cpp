@@ -109,9 +109,13 @@ int main(int argc, char** argv) {
                   "directory is refused)");
   train->add_option("--stop-after", stop_after, "stop after this step as if interrupted (checkpoints first)");
   int max_restarts = 0;
+  bool elastic = false;
   train->add_option("--max-restarts", max_restarts,
                     "when the run fails (a rank died, was killed or stalled), start it again from its newest "
                     "checkpoint, up to this many times (local ranks)");
+  train->add_flag("--elastic", elastic,
+                  "with --max-restarts: restart on fewer data-parallel ranks, the global batch kept by more gradient "
+                  "accumulation");
 
   // generate
   auto* gen = app.add_subcommand("generate", "sample text from a checkpoint");
@@ -204,7 +208,9 @@ int main(int argc, char** argv) {
       run.resume = resume;
       run.overwrite = overwrite;
       run.stop_after = stop_after;
-      if (max_restarts > 0) return run_training_with_restarts(load_config(config_path, overrides), run, max_restarts);
+      if (elastic && max_restarts == 0) throw Error("--elastic applies to restarts: give --max-restarts N too");
+      if (max_restarts > 0)
+        return run_training_with_restarts(load_config(config_path, overrides), run, max_restarts, elastic);
       if (run_training(load_config(config_path, overrides), run).stop_signal != 0) return kPreemptedExitStatus;
     } else if (gen->parsed() && !prompts_path.empty()) {
       PromptSpec defaults;

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -73,9 +74,25 @@ std::string describe(int wait_status) {
   return str("ended with wait status ", wait_status);
 }
 
+// `cfg` on the largest number of data-parallel ranks below its own that
+// plan_training accepts, or nothing when it runs on one.
+std::optional<Config> on_fewer_ranks(const Config& cfg) {
+  for (int64_t dp = cfg.get<int64_t>("parallel.dp") - 1; dp >= 1; --dp) {
+    Config fewer = cfg;
+    fewer.set_override(str("parallel.dp=", dp));
+    if (fewer.get<int64_t>("parallel.nproc") != 0) fewer.set_override("parallel.nproc=0");
+    try {
+      plan_training(fewer);
+      return fewer;
+    } catch (const ConfigError&) {
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
-int run_training_with_restarts(const Config& cfg, const RunOptions& run, int max_restarts) {
+int run_training_with_restarts(const Config& cfg, const RunOptions& run, int max_restarts, bool elastic) {
   if (max_restarts < 0) throw Error("--max-restarts must be 0 or more");
   const TrainPlan plan = plan_training(cfg);
   if (plan.backend != "local")
@@ -83,11 +100,12 @@ int run_training_with_restarts(const Config& cfg, const RunOptions& run, int max
                     "\" each process is one rank: restart mpirun itself (e.g. in the job script) with --resume"));
   const ForwardSignals forwarding;
   RunOptions attempt = run;
+  Config current = cfg;
   for (int restarts = 0;; ++restarts) {
     std::fflush(nullptr);
     const pid_t pid = ::fork();
     if (pid < 0) throw Error(str("--max-restarts: cannot start the run's process: ", std::strerror(errno)));
-    if (pid == 0) run_child(cfg, attempt);
+    if (pid == 0) run_child(current, attempt);
     g_child = pid;
     int status = 0;
     while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
@@ -107,12 +125,23 @@ int run_training_with_restarts(const Config& cfg, const RunOptions& run, int max
     attempt.resume = !checkpoints.empty();
     attempt.overwrite = false;
     const int64_t from = checkpoints.empty() ? 0 : checkpoints.back().step;
-    std::printf("\nthe run %s; restart %d of %d from %s\n", cause.c_str(), restarts + 1, max_restarts,
-                checkpoints.empty() ? "the beginning" : str("step ", from).c_str());
+    std::string ranks;
+    if (elastic)
+      if (std::optional<Config> fewer = on_fewer_ranks(current)) {
+        current = *fewer;
+        ranks = str(" on ", current.get<int64_t>("parallel.dp"), " data-parallel ranks");
+      }
+    std::printf("\nthe run %s; restart %d of %d from %s%s\n", cause.c_str(), restarts + 1, max_restarts,
+                checkpoints.empty() ? "the beginning" : str("step ", from).c_str(), ranks.c_str());
     std::error_code ec;
     if (std::filesystem::is_directory(plan.out_dir, ec)) {
       std::ofstream metrics(plan.out_dir / "metrics.jsonl", std::ios::app);
-      metrics << nlohmann::json{{"restart", restarts + 1}, {"cause", cause}, {"resume_step", from}}.dump() << "\n";
+      metrics << nlohmann::json{{"restart", restarts + 1},
+                                {"cause", cause},
+                                {"resume_step", from},
+                                {"dp", current.get<int64_t>("parallel.dp")}}
+                     .dump()
+              << "\n";
     }
   }
 }

@@ -18,6 +18,11 @@ namespace loom {
 // process's exit status: 0, kPreemptedExitStatus, or 1 once the restarts
 // are spent. Runs on the local backend's ranks: under mpirun each process is
 // one rank and mpirun itself would have to be restarted.
-int run_training_with_restarts(const Config& cfg, const RunOptions& run, int max_restarts);
+//
+// With `elastic`, each restart runs on fewer data-parallel ranks, as if the
+// failed rank's machine were gone: the largest parallel.dp below the last
+// that divides the batch (train.batch_size stays, so more gradient
+// accumulation keeps the trajectory: the same sequences make each step).
+int run_training_with_restarts(const Config& cfg, const RunOptions& run, int max_restarts, bool elastic = false);
 
 }  // namespace loom
