@@ -18,7 +18,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 # Long enough that every kill lands before the run ends.
-steps=$((2 * cycles + 20))
+steps=$((20 * cycles + 20))
 corpus="$work/corpus.txt"
 head -c 200000 "$root/../shared/data/tinyshakespeare.txt" > "$corpus"
 common=(--config "$root/configs/tiny-test.toml"
@@ -30,6 +30,8 @@ common=(--config "$root/configs/tiny-test.toml"
 
 "$loom" train "${common[@]}" --set "train.out_dir=$work/killed" --max-restarts "$cycles" > "$work/killed.log" 2>&1 &
 supervisor=$!
+# Records in the killed run's metrics.jsonl holding "$1" (0 before it exists).
+count() { local n; n=$(grep -c "\"$1\"" "$work/killed/metrics.jsonl" 2>/dev/null); echo "${n:-0}"; }
 killed=0
 while ((killed < cycles)) && kill -0 "$supervisor" 2>/dev/null; do
   # Somewhere in the next 0.05 to 0.6 s of the run.
@@ -37,6 +39,15 @@ while ((killed < cycles)) && kill -0 "$supervisor" 2>/dev/null; do
   child=$(cat "/proc/$supervisor/task/$supervisor/children" 2>/dev/null | awk '{print $1}' || true)
   if [[ -n "$child" ]] && kill -KILL "$child" 2>/dev/null; then
     killed=$((killed + 1))
+    # Time to the supervisor's restart record (the run's ranks all gone) and
+    # to the first step the restarted run logs.
+    t0=$(date +%s.%N)
+    records=$(count loss)
+    until (($(count restart) >= killed)) || ! kill -0 "$supervisor" 2>/dev/null; do sleep 0.002; done
+    t1=$(date +%s.%N)
+    until (($(count loss) > records)) || ! kill -0 "$supervisor" 2>/dev/null; do sleep 0.002; done
+    t2=$(date +%s.%N)
+    echo "$t0 $t1 $t2" >> "$work/times.txt"
   fi
 done
 status=0
@@ -64,3 +75,6 @@ for f in "$work/whole/$final"/*.safetensors; do
 done
 restarts=$(grep -c '"restart"' "$work/killed/metrics.jsonl" || true)
 echo "kill loop: $killed kills, $restarts restarts, $steps steps, losses and final weights bit-identical"
+median() { sort -g | awk '{v[NR] = $1} END {print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2)}'; }
+echo "kill loop: median from the kill to the restart recorded $(awk '{printf "%.3f\n", $2 - $1}' "$work/times.txt" | median) s," \
+  "to the restarted run's first step $(awk '{printf "%.3f\n", $3 - $1}' "$work/times.txt" | median) s"
