@@ -168,6 +168,14 @@ void ZeroOptimizer::visit_state(const StateVisitor& visit) {
   visit({0, p.numel()}, p.data<float>(), m.data<float>(), v.data<float>());
 }
 
+void ZeroOptimizer::visit_owned_state(const StateVisitor& visit) {
+  params_.synchronize();
+  const HostSection host;
+  for (size_t i = 0; i < ranges_.size(); ++i)
+    visit(ranges_[i], master(i), adamw_->exp_avg().data<float>() + adamw_->offset(i),
+          adamw_->exp_avg_sq().data<float>() + adamw_->offset(i));
+}
+
 void ZeroOptimizer::load_state(const StateFiller& fill) {
   Tensor staged;
   for (const ParamSpec& p : layout_.params()) {
