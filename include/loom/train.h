@@ -190,9 +190,6 @@ class Trainer {
   // policy, so that a model larger than the host streams through (checkpoints
   // are written from it).
   void visit_state(const StateVisitor& visit);
-  // Collective: the counters of `counters` (its tensors are not read) and the
-  // weights and moments from `fill`, in the same pieces.
-  void load_state(const State& counters, const StateFiller& fill);
   // Collective: fresh weights (an imported checkpoint's) with the optimizer
   // state of a new run (zero moments, step 0). Unlike load_state, nothing is
   // assembled in the whole model's order: `fill` writes flat elements `range`
@@ -369,9 +366,9 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, Trainer
                                       const nlohmann::json& fields, int64_t keep_last, DeviceMesh* mesh = nullptr,
                                       CheckpointFormat format = CheckpointFormat::sharded);
 // Loads weights, optimizer state, the step counters and (fp16) the loss
-// scaler's state, either format. Sharded, each rank reads only the byte
-// ranges of the pieces its own layout holds, and verifies the checksum of
-// each file it reads from; single file, every file is verified first.
+// scaler's state, either format: each rank reads only the byte ranges of the
+// pieces its own layout holds. Sharded, a rank verifies the checksum of each
+// file it reads from; single file, every file is verified first.
 CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Trainer& trainer);
 // Weights only (generate, eval, export): verifies the checkpoint and returns
 // its info; `load_weights` fills a ParamStore of the model it describes.

@@ -59,21 +59,60 @@ void for_each_param_in(const ParamLayout& layout, FlatRange r, Fn fn) {
     if (p.offset >= r.begin && p.offset < r.end) fn(p, p.offset - r.begin);
 }
 
-void read_param(const SafetensorsReader& r, const ParamSpec& p, const std::string& prefix, float* dst) {
-  const std::string name = prefix + p.name;
-  if (!r.contains(name))
-    throw Error(str("checkpoint file '", r.path().string(), "' has no tensor '", name,
-                    "': it was saved from a different model"));
-  const auto& e = r.entry(name);
-  if (e.dtype != DType::f32 || e.shape != p.shape)
-    throw Error(str("tensor '", name, "' in '", r.path().string(), "' is ", dtype_name(e.dtype), " ",
-                    shape_str(e.shape), ", the model needs f32 ", shape_str(p.shape)));
-  r.read(name, dst, static_cast<size_t>(p.numel()) * 4);
-}
+// A checkpoint's state as the loaders read it: `n` elements of one kind
+// (0 params, 1 exp_avg, 2 exp_avg_sq) of the whole model's flat state from
+// flat element `global`, only their bytes read from the files.
+class SavedState {
+ public:
+  virtual ~SavedState() = default;
+  virtual void read(int kind, int64_t global, int64_t n, float* dst) = 0;
+};
 
-void read_params(const SafetensorsReader& r, const ParamLayout& layout, Tensor& flat, const std::string& prefix) {
-  for (const ParamSpec& p : layout.params()) read_param(r, p, prefix, flat.data<float>() + p.offset);
-}
+// The single-file format: every parameter a tensor of model.safetensors and
+// its moments tensors of optimizer.safetensors, under its global name.
+class SingleFileState final : public SavedState {
+ public:
+  SingleFileState(const fs::path& dir, const ParamLayout& layout)
+      : layout_(layout), model_(dir / kModelFile), optimizer_(dir / kOptimizerFile) {
+    for (const ParamSpec& p : layout.params())
+      for (int kind = 0; kind < 3; ++kind) check(kind, p);
+  }
+
+  void read(int kind, int64_t global, int64_t n, float* dst) override {
+    while (n > 0) {
+      // The parameter holding `global`: the last that starts at or before it.
+      const std::vector<ParamSpec>& params = layout_.params();
+      auto it = std::upper_bound(params.begin(), params.end(), global,
+                                 [](int64_t g, const ParamSpec& q) { return g < q.offset; });
+      LOOM_CHECK(it != params.begin(), "flat element ", global, " before the state");
+      const ParamSpec& p = *--it;
+      const int64_t from = global - p.offset, take = std::min(n, p.numel() - from);
+      (kind == 0 ? model_ : optimizer_)
+          .read_range(name(kind, p), static_cast<uint64_t>(from) * 4, dst, static_cast<size_t>(take) * 4);
+      global += take;
+      dst += take;
+      n -= take;
+    }
+  }
+
+ private:
+  static std::string name(int kind, const ParamSpec& p) { return kind == 0 ? p.name : str(kStateKinds[kind], ".", p.name); }
+
+  void check(int kind, const ParamSpec& p) const {
+    const SafetensorsReader& r = kind == 0 ? model_ : optimizer_;
+    const std::string tensor = name(kind, p);
+    if (!r.contains(tensor))
+      throw Error(str("checkpoint file '", r.path().string(), "' has no tensor '", tensor,
+                      "': it was saved from a different model"));
+    const auto& e = r.entry(tensor);
+    if (e.dtype != DType::f32 || e.shape != p.shape)
+      throw Error(str("tensor '", tensor, "' in '", r.path().string(), "' is ", dtype_name(e.dtype), " ",
+                      shape_str(e.shape), ", the model needs f32 ", shape_str(p.shape)));
+  }
+
+  const ParamLayout& layout_;
+  const SafetensorsReader model_, optimizer_;
+};
 
 // Every rank's `text` in rank order (without ranks: its own).
 std::vector<std::string> all_gather_text(Communicator* ranks, const std::string& text) {
@@ -149,7 +188,7 @@ bool is_sharded(const fs::path& dir, const nlohmann::json& fields) {
 
 // The state of a sharded checkpoint: where each run of the whole model's flat
 // state lies. A file is opened, and its checksum verified, when first read.
-class ShardedState {
+class ShardedState final : public SavedState {
  public:
   ShardedState(const CheckpointInfo& info, const ParamLayout& layout) : dir_(info.dir) {
     const Manifest m = read_manifest(dir_);
@@ -203,7 +242,7 @@ class ShardedState {
 
   // `n` elements of kind `kind` (params, exp_avg, exp_avg_sq) from flat
   // element `global` into `dst`: only their bytes are read.
-  void read(int kind, int64_t global, int64_t n, float* dst) {
+  void read(int kind, int64_t global, int64_t n, float* dst) override {
     auto it = std::upper_bound(runs_.begin(), runs_.end(), global, [](int64_t g, const Run& r) { return g < r.global; });
     LOOM_CHECK(it != runs_.begin(), "flat element ", global, " before the state");
     for (--it; n > 0; ++it) {
@@ -240,6 +279,11 @@ class ShardedState {
   std::vector<std::unique_ptr<SafetensorsReader>> readers_;
   std::vector<Run> runs_;  // by global
 };
+
+std::unique_ptr<SavedState> open_saved_state(const CheckpointInfo& info, const ParamLayout& layout) {
+  if (is_sharded(info.dir, info.fields)) return std::make_unique<ShardedState>(info, layout);
+  return std::make_unique<SingleFileState>(info.dir, layout);
+}
 
 // An integer field of `object` (the manifest or a part of it).
 int64_t manifest_int(const CheckpointInfo& info, const nlohmann::json& object, const char* key) {
@@ -384,11 +428,7 @@ void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& para
   Tensor flat = params.flat();
   // The files are read straight into the parameters.
   const HostSection host;
-  if (is_sharded(info.dir, info.fields)) {
-    ShardedState(info, model.layout()).read(0, 0, flat.numel(), flat.data<float>());
-    return;
-  }
-  read_params(SafetensorsReader(info.dir / kModelFile), model.layout(), flat, "");
+  open_saved_state(info, model.layout())->read(0, 0, flat.numel(), flat.data<float>());
 }
 
 CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
@@ -429,25 +469,14 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
     state.loss_watch.steps = manifest_int(info, *lw, "steps");
     state.loss_watch.skipped_in_a_row = manifest_int(info, *lw, "skipped_in_a_row");
   }
-  if (is_sharded(dir, info.fields)) {
-    // Each rank reads the runs of its own layout's pieces, nothing else.
-    ShardedState saved_state(info, layout);
-    trainer.load_own_state(state, [&](int64_t global, int64_t n, float* params, float* exp_avg, float* exp_avg_sq) {
-      saved_state.read(0, global, n, params);
-      saved_state.read(1, global, n, exp_avg);
-      saved_state.read(2, global, n, exp_avg_sq);
-    });
-    return info;
-  }
-  const SafetensorsReader model_file(dir / kModelFile), optimizer_file(dir / kOptimizerFile);
-  // Read in the pieces the Trainer takes them in (staged on the host tier, so
-  // the device high-water mark stays the training's).
-  trainer.load_state(state, [&](FlatRange r, float* params, float* exp_avg, float* exp_avg_sq) {
-    for_each_param_in(layout, r, [&](const ParamSpec& p, int64_t at) {
-      read_param(model_file, p, "", params + at);
-      read_param(optimizer_file, p, "exp_avg.", exp_avg + at);
-      read_param(optimizer_file, p, "exp_avg_sq.", exp_avg_sq + at);
-    });
+  // Each rank reads the runs of its own layout's pieces, nothing else, in the
+  // pieces its store takes them in (staged on the host tier, so the device
+  // high-water mark stays the training's).
+  const std::unique_ptr<SavedState> saved_state = open_saved_state(info, layout);
+  trainer.load_own_state(state, [&](int64_t global, int64_t n, float* params, float* exp_avg, float* exp_avg_sq) {
+    saved_state->read(0, global, n, params);
+    saved_state->read(1, global, n, exp_avg);
+    saved_state->read(2, global, n, exp_avg_sq);
   });
   return info;
 }

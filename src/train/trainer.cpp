@@ -574,20 +574,6 @@ void Trainer::visit_state(const StateVisitor& visit) {
   optim_->visit_state(visit);
 }
 
-void Trainer::load_state(const State& counters, const StateFiller& fill) {
-  ops::synchronize();
-  if (whole_) {
-    State s = counters;
-    const int64_t n = state_layout().numel();
-    for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq}) *t = Tensor::empty({n}, DType::f32, Tier::host);
-    fill({0, n}, s.params.data<float>(), s.exp_avg.data<float>(), s.exp_avg_sq.data<float>());
-    load_state(s);
-    return;
-  }
-  optim_->load_state(fill);
-  load_counters(counters);
-}
-
 std::optional<std::vector<std::vector<Trainer::StateRun>>> Trainer::own_state_runs() const {
   const std::optional<std::vector<FlatRange>> ranges = optim_->owned_ranges();
   if (!ranges) return std::nullopt;
