@@ -96,7 +96,9 @@ class SingleFileState final : public SavedState {
   }
 
  private:
-  static std::string name(int kind, const ParamSpec& p) { return kind == 0 ? p.name : str(kStateKinds[kind], ".", p.name); }
+  static std::string name(int kind, const ParamSpec& p) {
+    return kind == 0 ? p.name : str(kStateKinds[kind], ".", p.name);
+  }
 
   void check(int kind, const ParamSpec& p) const {
     const SafetensorsReader& r = kind == 0 ? model_ : optimizer_;
@@ -156,7 +158,8 @@ nlohmann::json write_own_shard(const fs::path& staging, int rank, Trainer& t,
       listed.push_back({r.global, r.n});
     }
     if (n == 0) continue;
-    for (int kind = 0; kind < 3; ++kind) specs.push_back({piece_tensor(kind, static_cast<int64_t>(k)), DType::f32, {n}});
+    for (int kind = 0; kind < 3; ++kind)
+      specs.push_back({piece_tensor(kind, static_cast<int64_t>(k)), DType::f32, {n}});
     pieces.push_back({{"piece", k}, {"runs", listed}});
   }
   if (specs.empty()) return nullptr;
@@ -182,7 +185,8 @@ bool is_sharded(const fs::path& dir, const nlohmann::json& fields) {
   const nlohmann::json& f = fields.at(kFormatField);
   if (!f.is_number_integer() || f.get<int64_t>() != kShardedFormat)
     throw Error(str("checkpoint '", dir.string(), "' has ", kFormatField, " ", f.dump(), "; this loom reads ",
-                    kShardedFormat, " (sharded) and checkpoints without the field (single file): a newer loom wrote it"));
+                    kShardedFormat, " (sharded) and checkpoints without the field (single file): ",
+                    "a newer loom wrote it"));
   return true;
 }
 
@@ -243,7 +247,8 @@ class ShardedState final : public SavedState {
   // `n` elements of kind `kind` (params, exp_avg, exp_avg_sq) from flat
   // element `global` into `dst`: only their bytes are read.
   void read(int kind, int64_t global, int64_t n, float* dst) override {
-    auto it = std::upper_bound(runs_.begin(), runs_.end(), global, [](int64_t g, const Run& r) { return g < r.global; });
+    auto it =
+        std::upper_bound(runs_.begin(), runs_.end(), global, [](int64_t g, const Run& r) { return g < r.global; });
     LOOM_CHECK(it != runs_.begin(), "flat element ", global, " before the state");
     for (--it; n > 0; ++it) {
       LOOM_CHECK(it != runs_.end() && it->global <= global && global < it->global + it->n, "flat element ", global,

@@ -55,14 +55,7 @@ Segment run_segment(const DataParallelRun& r, int from, int to, const fs::path& 
   const auto body = [&](Communicator* comm) {
     const GPTConfig cfg = testing::small_gpt(0.0f, r.n_layer, r.n_head);
     const TrainOptions opts = testing::small_options(r);
-    std::unique_ptr<DeviceMesh> mesh;
-    if (r.uses_mesh()) {
-      MeshShape shape;
-      shape[MeshAxis::dp] = r.dp;
-      shape[MeshAxis::tp] = r.tp;
-      shape[MeshAxis::pp] = r.pp;
-      mesh = std::make_unique<DeviceMesh>(*comm, shape);
-    }
+    const std::unique_ptr<DeviceMesh> mesh = testing::mesh_of(comm, r);
     const std::unique_ptr<Trainer> trainer =
         mesh ? std::make_unique<Trainer>(cfg, opts, *mesh) : std::make_unique<Trainer>(cfg, opts, comm);
     Trainer& t = *trainer;
@@ -165,13 +158,16 @@ TEST_P(ShardedCheckpoint, SavesOwnStateAndResumesUnderAnyLayout) {
   EXPECT_TRUE(testing::bit_equal(same.result.exp_avg, whole.result.exp_avg));
   EXPECT_TRUE(testing::bit_equal(same.result.exp_avg_sq, whole.result.exp_avg_sq));
   for (int s = 0; s < kSteps - kSaveAt; ++s)
-    EXPECT_EQ(same.result.stats[static_cast<size_t>(s)].loss, whole.result.stats[static_cast<size_t>(kSaveAt + s)].loss);
+    EXPECT_EQ(same.result.stats[static_cast<size_t>(s)].loss,
+              whole.result.stats[static_cast<size_t>(kSaveAt + s)].loss);
 
   // Other layouts load the same state bit for bit and continue within 1e-5.
   DataParallelRun tp4 = with_heads(testing::layout(1, 0));
   tp4.tp = 4;
   const std::vector<std::pair<std::string, DataParallelRun>> loaders{
-      {"single rank", with_heads(testing::layout(0, 0))}, {"dp4 ZeRO-3", with_heads(testing::layout(4, 3))}, {"tp4", tp4}};
+      {"single rank", with_heads(testing::layout(0, 0))},
+      {"dp4 ZeRO-3", with_heads(testing::layout(4, 3))},
+      {"tp4", tp4}};
   RunResult tail = whole.result;
   tail.stats.erase(tail.stats.begin(), tail.stats.begin() + kSaveAt);
   for (const auto& [name, loader] : loaders) {
