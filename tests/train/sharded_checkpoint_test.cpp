@@ -184,12 +184,15 @@ std::vector<SavedLayout> saved_layouts() {
   DataParallelRun mesh = with_heads(testing::layout(2, 1));
   mesh.tp = 2;
   mesh.pp = 2;
+  DataParallelRun replicated_mesh = mesh;  // every data-parallel replica holds the same
+  replicated_mesh.stage = 0;
   DataParallelRun offload = with_heads(testing::layout(2, 3));
   offload.memory.policy = MemoryPolicy::fixed;
   offload.memory.offload_param_frac = 0.5;
   offload.memory.offload_optim_frac = 0.5;
   offload.memory.chunk_bytes = 32 << 10;  // several chunks
   return {{"tp2_pp2_dp2_zero1", mesh},
+          {"tp2_pp2_dp2_zero0", replicated_mesh},
           {"dp2_zero0", with_heads(testing::layout(2, 0))},
           {"dp2_zero3", with_heads(testing::layout(2, 3))},
           {"dp2_chunk_offload", offload}};
