@@ -42,6 +42,7 @@ struct Segment {
   std::vector<float> loaded_params, loaded_exp_avg, loaded_exp_avg_sq;  // rank 0's, right after the load
   fs::path saved;
   std::vector<SavePeak> peaks;  // per rank
+  std::vector<size_t> load_extra;  // per rank: the host tier's peak during the load over what it held before
 };
 
 // Runs steps [from, to) of layout `r`, starting from checkpoint `load` (when
@@ -52,6 +53,7 @@ Segment run_segment(const DataParallelRun& r, int from, int to, const fs::path& 
   std::mutex mu;
   const int world = r.dp == 0 ? 1 : r.dp * r.tp * r.pp;
   seg.peaks.resize(static_cast<size_t>(world));
+  seg.load_extra.resize(static_cast<size_t>(world));
   const auto body = [&](Communicator* comm) {
     const GPTConfig cfg = testing::small_gpt(0.0f, r.n_layer, r.n_head);
     const TrainOptions opts = testing::small_options(r);
@@ -61,7 +63,11 @@ Segment run_segment(const DataParallelRun& r, int from, int to, const fs::path& 
     Trainer& t = *trainer;
     const bool first = !comm || comm->rank() == 0;
     if (!load.empty()) {
+      Allocator& host = MemoryContext::current().tier(Tier::host);
+      const size_t before = host.used();
+      host.reset_peak();
       load_checkpoint(load, t);
+      seg.load_extra[static_cast<size_t>(comm ? comm->rank() : 0)] = host.peak() - before;
       const Trainer::State s = t.gather_state();
       if (first) {
         seg.loaded_params = testing::to_vector(s.params);
@@ -129,7 +135,10 @@ TEST_P(ShardedCheckpoint, SavesOwnStateAndResumesUnderAnyLayout) {
   TempDir dir;
   const Segment whole = run_segment(saver, 0, kSteps, {}, {});
   const Segment first = run_segment(saver, 0, kSaveAt, {}, dir.path() / "run");
-  const int64_t numel = GPT(whole.result.model).layout().numel();
+  const GPT model(whole.result.model);
+  const int64_t numel = model.layout().numel();
+  int64_t largest_param = 0;
+  for (const ParamSpec& p : model.layout().params()) largest_param = std::max(largest_param, p.numel());
 
   // Every element saved once, by one rank; the files are the ranks' own.
   const Manifest m = read_manifest(first.saved);
@@ -161,7 +170,8 @@ TEST_P(ShardedCheckpoint, SavesOwnStateAndResumesUnderAnyLayout) {
     EXPECT_EQ(same.result.stats[static_cast<size_t>(s)].loss,
               whole.result.stats[static_cast<size_t>(kSaveAt + s)].loss);
 
-  // Other layouts load the same state bit for bit and continue within 1e-5.
+  // Other layouts load the same state bit for bit, staging at most one
+  // parameter's state on the host, and continue within 1e-5.
   DataParallelRun tp4 = with_heads(testing::layout(1, 0));
   tp4.tp = 4;
   const std::vector<std::pair<std::string, DataParallelRun>> loaders{
@@ -173,6 +183,8 @@ TEST_P(ShardedCheckpoint, SavesOwnStateAndResumesUnderAnyLayout) {
   for (const auto& [name, loader] : loaders) {
     const Segment other = run_segment(loader, kSaveAt, kSteps, first.saved, {});
     EXPECT_TRUE(testing::bit_equal(other.loaded_params, first.result.params)) << name;
+    for (size_t rank = 0; rank < other.load_extra.size(); ++rank)
+      EXPECT_LE(other.load_extra[rank], static_cast<size_t>(12 * largest_param)) << name << " rank " << rank;
     EXPECT_TRUE(testing::bit_equal(other.loaded_exp_avg, first.result.exp_avg)) << name;
     EXPECT_TRUE(testing::bit_equal(other.loaded_exp_avg_sq, first.result.exp_avg_sq)) << name;
     EXPECT_LE(testing::max_loss_rel_diff(other.result, tail), 1e-5) << name;
