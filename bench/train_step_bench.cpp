@@ -89,12 +89,18 @@ int main(int argc, char** argv) {
     std::printf("optimizer step: %.1f ms = %.1f%% of the training step\n", best_optim * 1e3,
                 100.0 * best_optim / best_step);
 
-    const StepMemoryEstimate est = estimate_step_memory(cfg, B, T, checkpoint);
+    Layout layout;
+    layout.micro_batch = B;
+    layout.recompute = checkpoint;
+    const RankMemory predicted =
+        predict_step_memory(LayoutProblem{.model = cfg, .global_batch = B, .seq_len = T}, layout, {}).at(0);
+    const TierPeak& est = predicted.tiers[static_cast<int>(Tier::device)];
     const double measured = static_cast<double>(device.peak() - base);
-    std::printf("peak device memory: measured %s, estimated from shapes %s (measured/estimate = %.3f)\n",
-                format_bytes(measured).c_str(), format_bytes(est.total()).c_str(), measured / est.total());
-    std::printf("  peak phase: %s\n", est.phase.c_str());
-    for (const MemoryTerm& t : est.terms) std::printf("  %-22s %s\n", t.name.c_str(), format_bytes(t.bytes).c_str());
+    std::printf("peak device memory: measured %s, predicted from shapes %s (measured/predicted = %.3f)\n",
+                format_bytes(measured).c_str(), format_bytes(est.bytes).c_str(), measured / est.bytes);
+    std::printf("  peak phase: %s; reserved: measured %s, predicted %s\n", est.phase.c_str(),
+                format_bytes(static_cast<double>(device.peak_reserved())).c_str(), format_bytes(est.reserved).c_str());
+    for (const MemoryTerm& t : est.terms) std::printf("  %-30s %s\n", t.name.c_str(), format_bytes(t.bytes).c_str());
     std::printf("device allocator: %.2f system allocations and %.2f frees per step after the first (%llu until "
                 "then), reserved %s at the peak of %s in use (reserved/in use = %.3f)\n",
                 static_cast<double>(device.system_allocations() - first_allocations) / steps,

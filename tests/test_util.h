@@ -5,8 +5,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -127,6 +130,92 @@ inline double max_rel_diff(const float* a, const float* b, int64_t n, double flo
     worst = std::max(worst, d);
   }
   return worst;
+}
+
+// Watchdog death tests. The stalled rank starts a StallClock as it stops; the
+// ranks that see the failure report it on stderr through reporting_failure
+// ("rank K failed after S s: MESSAGE", S on that clock) before the process
+// ends; on the dead process's stderr, rank_failures_match checks that each of
+// `ranks` reported
+// once with min_s <= S < max_s and a MESSAGE containing every one of `parts`,
+// and that the whole output contains every one of `output_parts`.
+class StallClock {
+ public:
+  void start() { since_ = std::chrono::steady_clock::now().time_since_epoch().count(); }
+  double seconds() const {
+    const std::chrono::steady_clock::time_point since{std::chrono::steady_clock::duration(since_.load())};
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+  }
+
+ private:
+  std::atomic<std::chrono::steady_clock::rep> since_{0};
+};
+
+// Runs `fn`; an Error it throws is reported for `rank` and rethrown.
+template <typename Fn>
+void reporting_failure(int rank, const StallClock& stall, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    std::fprintf(stderr, "rank %d failed after %.3f s: %s\n", rank, stall.seconds(), e.what());
+    throw;
+  }
+}
+
+class RankFailuresMatcher : public ::testing::MatcherInterface<const std::string&> {
+ public:
+  RankFailuresMatcher(std::vector<int> ranks, double min_s, double max_s, std::vector<std::string> parts,
+                      std::vector<std::string> output_parts)
+      : ranks_(std::move(ranks)),
+        min_s_(min_s),
+        max_s_(max_s),
+        parts_(std::move(parts)),
+        output_parts_(std::move(output_parts)) {}
+
+  bool MatchAndExplain(const std::string& out, ::testing::MatchResultListener* listener) const override {
+    for (const std::string& part : output_parts_)
+      if (out.find(part) == std::string::npos) {
+        *listener << "the output lacks '" << part << "'";
+        return false;
+      }
+    for (int rank : ranks_) {
+      const std::string head = "rank " + std::to_string(rank) + " failed after ";
+      const size_t at = out.find(head);
+      if (at == std::string::npos || out.find(head, at + 1) != std::string::npos) {
+        *listener << "rank " << rank << " did not report its failure exactly once";
+        return false;
+      }
+      char* end = nullptr;
+      const double seconds = std::strtod(out.c_str() + at + head.size(), &end);
+      const std::string line = out.substr(at, out.find('\n', at) - at);
+      if (!(seconds >= min_s_ && seconds < max_s_)) {
+        *listener << "rank " << rank << " failed after " << seconds << " s, outside [" << min_s_ << ", " << max_s_
+                  << "): " << line;
+        return false;
+      }
+      for (const std::string& part : parts_)
+        if (line.find(part) == std::string::npos) {
+          *listener << "rank " << rank << "'s message lacks '" << part << "': " << line;
+          return false;
+        }
+    }
+    return true;
+  }
+  void DescribeTo(std::ostream* os) const override {
+    *os << "a failure report of each of the ranks within [" << min_s_ << ", " << max_s_ << ") s";
+  }
+
+ private:
+  std::vector<int> ranks_;
+  double min_s_, max_s_;
+  std::vector<std::string> parts_, output_parts_;
+};
+
+inline ::testing::Matcher<const std::string&> rank_failures_match(std::vector<int> ranks, double min_s, double max_s,
+                                                                  std::vector<std::string> parts,
+                                                                  std::vector<std::string> output_parts = {}) {
+  return ::testing::MakeMatcher(
+      new RankFailuresMatcher(std::move(ranks), min_s, max_s, std::move(parts), std::move(output_parts)));
 }
 
 }  // namespace loom::testing

@@ -29,11 +29,13 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "loom/core.h"
@@ -51,6 +53,10 @@ struct CommOptions {
   // add their result to itself, as a reduction applied twice would, so that a
   // test can show its comparison catches a gradient off by a constant factor.
   bool test_double_sums = false;
+  // How long a launched rank may go without progress (report_progress) while
+  // not waiting on communication before every rank is ended naming it (see
+  // Watchdog, run_local, run_mpi); 0 turns the watchdog off.
+  std::chrono::milliseconds watchdog_timeout{0};
 };
 
 // Largest tag a send/recv may use (the smallest MPI_TAG_UB MPI allows).
@@ -80,6 +86,7 @@ struct CommStats {
 };
 
 namespace detail {
+struct Activity;
 class Backend;
 class PendingOp;
 class CollectiveQueue;
@@ -219,6 +226,74 @@ class Communicator {
 double blocked_seconds();
 
 // ---------------------------------------------------------------------------
+// Progress and the watchdog
+// ---------------------------------------------------------------------------
+
+// Progress points of the calling rank thread, for its Watchdog: the phase it
+// enters, "<what>[ step <step>][ <item> <index>]" ("forward step 12
+// micro-batch 3"; a negative step or a null item is left out), and plain
+// reports that the phase is still advancing (a tensor written). `what` and
+// `item` must have static storage: a report is a thread-local load, a clock
+// read and a few relaxed atomic stores, with no allocation and no lock.
+// Without a watchdog on the thread they do nothing.
+void report_progress(const char* what, int64_t step = -1, const char* item = nullptr, int64_t index = -1);
+void report_progress();
+
+// Watches ranks' progress from a thread of its own that wakes every
+// timeout / 4 (it sleeps in between, so it costs no core). A rank is watched
+// from its first report until its Watch ends; one that is not blocked on
+// communication (a Communicator call or Work::wait, which count as waiting
+// for the other ranks) and has reported nothing for `timeout` is stalled:
+// hung in compute, stuck in I/O or deadlocked. `on_stall` is then called once,
+// on the watchdog's thread, with the rank and a message naming its phase and
+// how long it has been stalled; nothing more is reported after it. A zero
+// timeout watches nothing.
+class Watchdog {
+ public:
+  using OnStall = std::function<void(int rank, const std::string& message)>;
+  // `ranks` are the ranks' names in messages (world ranks).
+  Watchdog(std::vector<int> ranks, std::chrono::milliseconds timeout, OnStall on_stall);
+  ~Watchdog();
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // While it lives, the calling thread's progress reports are those of
+  // ranks[i], which stops being watched when it ends (the rank returned).
+  class Watch {
+   public:
+    Watch(Watchdog& watchdog, size_t i);
+    ~Watch();
+    Watch(const Watch&) = delete;
+    Watch& operator=(const Watch&) = delete;
+
+   private:
+    detail::Activity* mine_ = nullptr;
+    detail::Activity* previous_ = nullptr;
+  };
+
+ private:
+  void run();
+
+  std::vector<int> ranks_;
+  std::chrono::milliseconds timeout_;
+  OnStall on_stall_;
+  std::unique_ptr<detail::Activity[]> activities_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+// Runs `fn` on the calling thread, watched as rank 0 alone (a run without
+// ranks, such as the single-rank reference): if it stalls for `timeout`,
+// "loom: rank 0 failed: made no progress for ..." goes to stderr and the
+// process ends with exit status 1, since nothing else could stop the thread.
+// A zero timeout runs `fn` unwatched.
+void run_watched(std::chrono::milliseconds timeout, const std::function<void()>& fn);
+
+// ---------------------------------------------------------------------------
 // Launching ranks
 // ---------------------------------------------------------------------------
 
@@ -232,6 +307,11 @@ using RankFunction = std::function<void(Communicator&)>;
 // throw, and run_local rethrows one Error naming the first failing rank and
 // its message once every rank has returned. A rank that returns while others
 // wait for it in a collective makes those collectives fail at once.
+// With CommOptions::watchdog_timeout, a stalled rank (Watchdog) fails the run
+// the same way ("rank R failed: made no progress for ..."); since a hung
+// thread cannot be stopped, once every other rank has returned (or another
+// watchdog timeout has passed) and it still has not, run_local prints the
+// failure to stderr and ends the process with exit status 1.
 void run_local(int nproc, const RankFunction& fn, const CommOptions& options = {});
 
 // MPI for this process: MPI_Init_thread (MPI_THREAD_MULTIPLE, for the progress
@@ -255,6 +335,8 @@ class MpiRuntime {
 // Runs `fn` on this process's rank of MPI_COMM_WORLD (the mpi backend, under
 // mpirun). An exception escaping `fn` prints "loom: rank R failed: <message>"
 // to stderr and calls MPI_Abort, so every rank of the job exits non-zero.
+// With CommOptions::watchdog_timeout, a stalled rank does the same from its
+// watchdog's thread ("loom: rank R failed: made no progress for ...").
 void run_mpi(const RankFunction& fn, const CommOptions& options = {});
 
 // Whether this build has the mpi backend (LOOM_WITH_MPI).

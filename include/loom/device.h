@@ -100,6 +100,20 @@ class StreamGuard {
   std::shared_ptr<detail::StreamImpl> previous_;
 };
 
+// While one lives, the calling thread's ops::gemm and ops::linear_forward
+// run with RowBlocking::fixed (kernels.h): generation's forward, where a
+// sequence's rows must come out the same whatever else is in the batch.
+class FixedRowBlocks {
+ public:
+  FixedRowBlocks();
+  ~FixedRowBlocks();
+  FixedRowBlocks(const FixedRowBlocks&) = delete;
+  FixedRowBlocks& operator=(const FixedRowBlocks&) = delete;
+
+ private:
+  bool previous_;
+};
+
 // Host code that works on the CPU device's memory directly (the chunk
 // manager's moves and CPU optimizer): the rank's streams are drained at
 // entry, and device-layer calls inside run at once on the calling thread, so
@@ -182,8 +196,9 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
                         int64_t B, int64_t T, int64_t C, int64_t NH, int64_t NKV,
                         GradWrite dqkv_write = GradWrite::accumulate);
-void attention_cached(float* out, float* k_cache, float* v_cache, const float* qkv, int64_t B, int64_t n, int64_t pos0,
-                      int64_t block_size, int64_t C, int64_t NH, int64_t NKV);
+void attention_decode(float* out, float* lse, float* const* k_cache, float* const* v_cache, const float* qkv,
+                      const int32_t* cache_lens, const int32_t* row_offsets, int64_t S, int64_t N, int64_t C,
+                      int64_t NH, int64_t NKV, int64_t max_len);
 
 void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
                            int64_t V);

@@ -39,12 +39,22 @@ void set_num_threads(int n);
 // GEMM
 // ---------------------------------------------------------------------------
 
+// How a GEMM groups the rows of C into BLAS calls. by_shape: as the shape
+// suits BLAS (training). fixed: in blocks of kFixedRowBlock rows whatever M,
+// the last one padded, every block one call of the same shape: BLAS picks its
+// kernels by shape (and a row's bits with them), so only then is a row of C a
+// function of its own row of op(A) alone, whatever M and the other rows
+// (generation, where a sequence's logits must not depend on the batch). B is
+// packed again per block.
+enum class RowBlocking { by_shape, fixed };
+inline constexpr int64_t kFixedRowBlock = 8;
+
 // C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, row-major, through CBLAS.
 // BLAS runs single-threaded on tiles of C fixed by the shape, the tiles in
 // parallel under the caller's budget: BLAS's own threading rounds differently
 // for different thread counts. Inside a parallel region it runs on the caller.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-          const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+          const float* B, int64_t ldb, float beta, float* C, int64_t ldc, RowBlocking rows = RowBlocking::by_shape);
 
 // This machine's cblas_sgemm GFLOP/s with the calling thread's budget on an
 // n x n x n product (best of `reps` after a warm-up): the baseline that MFU
@@ -59,7 +69,7 @@ double measure_sgemm_gflops(int64_t n = 2048, int reps = 5);
 // ---------------------------------------------------------------------------
 
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
-                    int64_t OC);
+                    int64_t OC, RowBlocking rows = RowBlocking::by_shape);
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t N, int64_t C, int64_t OC,
                      GradWrite dinp_write = GradWrite::accumulate);
@@ -229,11 +239,22 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
                         int64_t B, int64_t T, int64_t C, int64_t NH, int64_t NKV,
                         GradWrite dqkv_write = GradWrite::accumulate);
-// Sampling with a KV cache ([B, NKV, block_size, hs] each): appends the keys
-// and values of the n new positions pos0.. (from qkv [B, n, C + 2 NKV hs]) and
-// writes out[B, n, C], each new query attending to every position up to its own.
-void attention_cached(float* out, float* k_cache, float* v_cache, const float* qkv, int64_t B, int64_t n, int64_t pos0,
-                      int64_t block_size, int64_t C, int64_t NH, int64_t NKV);
+// Generation: the new positions of S sequences against their KV caches, the
+// sequences' rows packed into one batch. Sequence s owns rows
+// [row_offsets[s], row_offsets[s + 1]) of qkv (the layout above, N =
+// row_offsets[S] rows, also passed for the launch) and of out [N, C]; its cache holds cache_lens[s]
+// earlier positions, and k_cache[s], v_cache[s] point to its keys and values
+// [NKV, max_len, hs] (one layer's; cache_lens[s] + its rows <= max_len). The
+// new rows' keys and values are written at positions cache_lens[s].., then
+// row i of sequence s (position cache_lens[s] + i) attends to positions
+// [0, cache_lens[s] + i] with the heads, scale and grouping of
+// attention_forward, which a whole sequence's rows over an empty cache
+// reproduce. lse [N, NH] (may be null): each row's log-sum-exp as there.
+// Every array is device memory; a sequence's result does not depend on the
+// other sequences of the batch.
+void attention_decode(float* out, float* lse, float* const* k_cache, float* const* v_cache, const float* qkv,
+                      const int32_t* cache_lens, const int32_t* row_offsets, int64_t S, int64_t N, int64_t C,
+                      int64_t NH, int64_t NKV, int64_t max_len);
 
 // ---------------------------------------------------------------------------
 // Fused softmax + cross-entropy over V classes.

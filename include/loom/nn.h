@@ -9,6 +9,7 @@
 #pragma once
 
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -156,6 +157,8 @@ struct AdapterDropout {
   uint64_t key = 0;       // the block's stream: the step's dropout key and the layer
   int64_t first_row = 0;  // global token row of the layer input's first row
 };
+
+struct DecodeBatch;
 
 // Gradient-carrying context for backward.
 struct Grads {
@@ -348,6 +351,9 @@ class Embedding {
   // rows [rows, C] (all B*T without sequence parallelism). Throws Error for
   // pos0 + T > block_size.
   Tensor forward(const ParamStore& ps, const Tensor& tokens, const BatchShape& bs, int64_t pos0 = 0) const;
+  // Generation (no tensor parallelism): the packed rows of a decode batch,
+  // each sequence's from its own position on. Returns [N, C].
+  Tensor forward_decode(const ParamStore& ps, const Tensor& tokens, const DecodeBatch& batch) const;
   // dout: the gradient of forward's result.
   void backward(const Grads& g, const Tensor& dout, const Tensor& tokens, const BatchShape& bs) const;
   int wte_id() const { return wte_; }
@@ -383,12 +389,11 @@ class CausalSelfAttention {
   Tensor backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s, const BatchShape& bs,
                   const AdapterDropout& drop) const;
 
-  // Inference with a KV cache (no tensor parallelism): appends the keys and
-  // values of the n new positions (pos0, pos0 + n) to k_cache/v_cache
-  // ([B, n_kv_head, block_size, hs]) and attends each new query to every
-  // cached position up to its own.
-  void forward_cached(const ParamStore& ps, float* out, const float* in, float* k_cache, float* v_cache,
-                      int64_t B, int64_t n, int64_t pos0, int64_t block_size) const;
+  // Generation (no tensor parallelism): in [N, C] are the packed rows of a
+  // decode batch; appends their keys and values to layer `layer` of each
+  // sequence's cache and attends each row to its sequence's positions up to
+  // its own. Writes out [N, C].
+  void forward_decode(const ParamStore& ps, float* out, const float* in, const DecodeBatch& batch, int layer) const;
 
   int64_t n_head() const { return n_head_; }
 
@@ -396,6 +401,10 @@ class CausalSelfAttention {
   // Rotates (or, backward, rotates back) the q and k parts of a [B, T] qkv
   // buffer (or its gradient) for positions pos0..; nothing without RoPE.
   void rotate(float* qkv, int64_t B, int64_t T, int64_t pos0, bool inverse) const;
+  // The same for a decode batch's rows, each at its sequence's positions.
+  void rotate(float* qkv, const DecodeBatch& batch) const;
+  // Rotates by tables cos, sin [T, hs / 2] (rope_tables').
+  void rotate(float* qkv, const Tensor& cos, const Tensor& sin, int64_t B, int64_t T, bool inverse) const;
   int64_t n_head_ = 0, hs_ = 0;
   int64_t local_heads_ = 0, local_kv_heads_ = 0;  // this rank's
   std::vector<float> inv_freq_;  // RoPE's [hs / 2] (host); empty without RoPE
@@ -452,10 +461,9 @@ class Block {
   // gradient flows through in place).
   void backward(const Grads& g, float* dres, Saved& s, const BatchShape& bs, const ForwardOptions& opts) const;
 
-  // Inference: x ([B, n, C]) is updated in place, keys and values appended
-  // to this layer's slice of the cache.
-  void forward_cached(const ParamStore& ps, float* x, float* k_cache, float* v_cache, int64_t B, int64_t n,
-                      int64_t pos0, int64_t block_size) const;
+  // Generation: x, the packed rows of a decode batch [N, C], is updated in
+  // place; keys and values are appended to this layer's caches.
+  void forward_decode(const ParamStore& ps, float* x, const DecodeBatch& batch) const;
 
   int index() const { return index_; }
   int group() const { return group_; }
@@ -478,18 +486,61 @@ class Block {
 // GPT-2
 // ---------------------------------------------------------------------------
 
-// Keys and values of past positions, for sampling one token at a time.
-class KVCache {
+// Keys and values of the sequences being generated: up to `capacity` slots,
+// one per sequence, each with its own length. A slot's cache, [n_layer, 2 (k,
+// v), n_kv_head, max_length, hs], is allocated (device tier of the calling
+// thread's MemoryContext) when the slot is taken and freed when it is
+// released, so a finished sequence's memory returns at once.
+class KVCachePool {
  public:
-  KVCache(const GPTConfig& cfg, int64_t B);
-  int64_t length() const { return length_; }
-  void clear() { length_ = 0; }
+  // max_length: positions per sequence, at most (and by default) block_size.
+  KVCachePool(const GPTConfig& cfg, int64_t capacity, int64_t max_length = 0);
+  int64_t capacity() const { return static_cast<int64_t>(slots_.size()); }
+  int64_t max_length() const { return max_len_; }
+  // Takes a free slot with an empty cache; -1 when every slot is taken.
+  int allocate();
+  void release(int slot);
+  // Forgets the slot's positions, keeping its memory (a context that slides
+  // starts over).
+  void reset(int slot);
+  int64_t length(int slot) const;
+  int64_t active() const;
+  // Bytes the taken slots' caches hold.
+  size_t bytes_in_use() const;
+  // Bytes one slot's cache takes.
+  size_t slot_bytes() const;
 
  private:
   friend class GPT;
-  Tensor k_, v_;  // [n_layer, B, n_head, block_size, hs]
-  int64_t B_ = 0;
-  int64_t length_ = 0;
+  struct Slot {
+    Tensor kv;
+    int64_t length = 0;
+  };
+  const Slot& taken(int slot) const;
+  int64_t n_layer_ = 0, kv_heads_ = 0, head_dim_ = 0, max_len_ = 0;
+  std::vector<Slot> slots_;
+};
+
+// One sequence's part of a decode batch: its slot in the pool and its new
+// tokens (a prompt's many when prefilling, one when decoding).
+struct DecodeInput {
+  int slot = -1;
+  std::span<const int32_t> tokens;
+};
+
+// What every layer needs of a decode batch: S sequences whose new rows are
+// packed into N rows (GPT::forward_decode builds it).
+struct DecodeBatch {
+  int64_t S = 0, N = 0, max_len = 0;
+  // Host copies: each sequence's cached positions and its first row
+  // (offsets[S] = N).
+  std::vector<int32_t> lengths, offsets;
+  Tensor cache_lens, row_offsets;  // the same on the device (i32)
+  // [n_layer, 2, S] on the device: the address of each sequence's keys, then
+  // values, of each layer (what attention_decode reads).
+  Tensor caches;
+  float* const* keys(int layer) const;
+  float* const* values(int layer) const;
 };
 
 // Layers [begin, end) of the model.
@@ -620,10 +671,15 @@ class GPT {
   Tensor backward_chunk(ParamStore& ps, GradStore& gs, MicroBatchState& s, int chunk, const Tensor& grad_output,
                         float dloss) const;
 
-  // Inference (whole model, no tensor parallelism): feeds `n` new tokens per
-  // sequence ([B, n]) through the model, appending to the cache, and returns
-  // the logits of the last position [B, V].
-  Tensor forward_cached(ParamStore& ps, KVCache& cache, const int32_t* tokens, int64_t n);
+  // Generation (whole model, no tensor parallelism): feeds each sequence's
+  // new tokens through the model in one packed batch, appending their keys
+  // and values to its cache slot (which must be taken, each at most once in
+  // the batch), and returns the logits of each sequence's last new position
+  // [S, V], or with all_positions of every new position, [N, V] in batch
+  // order. Throws Error for bad token ids, a sequence without new tokens or
+  // one that would outgrow pool.max_length().
+  Tensor forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> batch,
+                        bool all_positions = false) const;
 
  private:
   // The head: final norm, logits of this rank's vocabulary slice and the loss.

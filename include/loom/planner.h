@@ -34,22 +34,6 @@ double head_training_flops(const GPTConfig& cfg, int64_t seq_len);
 // SwiGLU 3 h I).
 double layer_matmul_weights(const GPTConfig& cfg);
 
-struct MemoryTerm {
-  std::string name;
-  double bytes;
-};
-
-// Peak device bytes of one fp32 single-rank training step, term by term:
-// model state (parameters, gradients, AdamW moments: 16 bytes/parameter) and
-// what loom's modules hold at the moment of the peak, which is either the
-// output head's backward (large vocabularies) or the last block's backward.
-struct StepMemoryEstimate {
-  std::string phase;  // where the peak occurs
-  std::vector<MemoryTerm> terms;
-  double total() const;
-};
-StepMemoryEstimate estimate_step_memory(const GPTConfig& cfg, int64_t B, int64_t T, bool checkpoint_activations);
-
 // Activation bytes one transformer block keeps from its forward to its
 // backward, per rank, for a micro-batch of B x T tokens: Korthikanti et al.'s
 // s b h (34 + 5 a s / h) adapted to what loom stores. With N = B T tokens,
@@ -170,6 +154,13 @@ struct GemmSample {
   double flops_per_s = 0.0;
 };
 
+// Causal attention of one head over one sequence of seq_len tokens, forward
+// and backward (loom's attention kernels, not GEMMs), and their times.
+struct AttentionSample {
+  int64_t seq_len = 0, head_dim = 0;
+  double forward_s = 0.0, backward_s = 0.0;
+};
+
 // A collective over `group` ranks, its cost fitted against the bytes of each
 // rank's buffer (all_reduce: the buffer; reduce_scatter: the input;
 // all_gather: the output; send_recv: the message).
@@ -189,6 +180,9 @@ struct MachineRates {
   // fp32 GEMM rates on a grid of shapes (calibration); empty for a
   // hardware file, which prices a GEMM at peak_flops * gemm_efficiency.
   std::vector<GemmSample> gemm;
+  // Attention kernel times on a grid of (seq_len, head_dim) (calibration);
+  // empty: attention is priced at its products' GEMM rate.
+  std::vector<AttentionSample> attention;
   double peak_flops_fp32 = 0.0, peak_flops_bf16 = 0.0;
   double gemm_efficiency = 1.0;      // the fraction of peak large GEMMs reach
   double memory_bytes_per_s = 0.0;   // streaming copy within device memory
@@ -208,6 +202,10 @@ struct MachineRates {
   // precision's GEMMs in fp32, which is what was measured), or, from a
   // hardware file, the precision's peak * gemm_efficiency.
   double gemm_seconds(int64_t m, int64_t n, int64_t k, DType precision = DType::f32) const;
+  // Seconds of causal attention of one head over one sequence, forward or
+  // backward: interpolated like GEMMs between the measured (seq_len,
+  // head_dim), or at the rate of a (seq_len, seq_len, head_dim) GEMM.
+  double attention_seconds(int64_t seq_len, int64_t head_dim, bool backward, DType precision = DType::f32) const;
   // Seconds of a collective over `group` ranks moving a buffer of `bytes`
   // per rank: the measured fit for that op and group where there is one,
   // else a ring over the intra-node link (group <= ranks_per_node) or the
@@ -218,6 +216,7 @@ struct MachineRates {
 
 struct CalibrationOptions {
   std::vector<int64_t> gemm_sizes{128, 512, 2048};  // each of m, n, k takes every size
+  std::vector<int64_t> attention_seq_lens{64, 256, 1024}, attention_head_dims{32, 64, 128};
   std::vector<int> groups{2, 4};                     // local ranks the collectives are timed on
   int64_t memory_bytes = int64_t(256) << 20;         // the buffer the copy rate is timed on
   std::filesystem::path nvme_dir;                    // empty: the NVMe rates are not measured
@@ -275,7 +274,7 @@ struct StepTimePrediction {
 };
 
 // Prices every piece of a step with `rates`: each GEMM by its rank-local
-// shape, attention at the rate of a (T, T, head_dim) GEMM, memory-bound
+// shape, attention by MachineRates::attention_seconds, memory-bound
 // kernels by the bytes they read and write, each collective by its alpha-beta
 // cost over its group, and the pipeline by simulating its schedule. Local
 // ranks that share the device (rates.shared_by_local_ranks) get 1 / ranks of
@@ -293,6 +292,74 @@ MachineRates load_machine_rates(const std::filesystem::path& path);
 // $XDG_CACHE_HOME/loom/calibration.json, else ~/.cache/loom/calibration.json,
 // else calibration.json in the working directory.
 std::filesystem::path default_calibration_path();
+
+// ---------------------------------------------------------------------------
+// Memory model
+// ---------------------------------------------------------------------------
+
+// What a layout leaves open that changes a step's memory.
+struct StepMemoryOptions {
+  DType precision = DType::f32;           // zero.precision
+  int64_t bucket_bytes = int64_t(25) << 20;  // zero.bucket_bytes
+  // Chunk placement (memory.*): its policy is Layout::memory_policy, the
+  // rest (offload fractions, chunk size, prefetch, micro_batches) is read
+  // from here.
+  MemoryOptions memory;
+};
+
+// One named part of a peak: the bytes of the tensors of one kind live then.
+struct MemoryTerm {
+  std::string name;
+  double bytes;
+};
+
+// One tier's high-water mark in a step: the bytes, where in the step it
+// falls, and what is live then, term by term.
+struct TierPeak {
+  double bytes = 0.0;
+  // The allocator's reserved high-water mark (Allocator::peak_reserved):
+  // blocks rounded up to their size class, cached free blocks included.
+  double reserved = 0.0;
+  std::string phase;
+  std::vector<MemoryTerm> terms;
+};
+
+// One rank's peaks (rank: its world rank in DeviceMesh order, pp outermost,
+// then dp, tp innermost).
+struct RankMemory {
+  int pp_stage = 0, dp_rank = 0, tp_rank = 0;
+  TierPeak tiers[3];  // by Tier
+  double peak(Tier t) const { return tiers[static_cast<int>(t)].bytes; }
+  // "device peak 1.2 MiB (reserved 1.3 MiB) in h.3 backward:", then a line
+  // per term.
+  std::string describe(Tier t) const;
+};
+
+// The peak bytes per rank and tier of one steady-state training step (the
+// second: the first learns ZeRO-3's acquisition order and auto's placement)
+// of `layout`, as the allocators count them: Allocator::peak (bytes
+// requested) and peak_reserved (blocks of the caching allocator). Built
+// from how loom allocates, not from running it: the parameter groups each
+// rank holds (its pipeline stage's layers, tensor-parallel shards, LoRA's
+// frozen base), the ZeRO stores' buffers (working parameters, gradients,
+// fp32 masters and moments, bucket scratch, gathered groups) or a memory
+// policy's chunk stores (payloads on their tiers, gathered and prefetched
+// chunks, gradient chunks, the optimizer's staging, NVMe buffers), the
+// tensors each module keeps from its forward to its backward and the
+// temporaries of each, the pipeline schedule's order and its pending sends,
+// and the optimizer step. The allocations are replayed in the step's order
+// and the live bytes' maximum taken, so the peak's terms are the tensors
+// live at that moment. Assumed: the pipeline's layers balanced as
+// model_parallel_for balances them without parallel.stage_layers; a send
+// held until the schedules guarantee its delivery (a run may free it
+// sooner); auto with budgets that hold every chunk on the device.
+std::vector<RankMemory> predict_step_memory(const LayoutProblem& problem, const Layout& layout,
+                                            const StepMemoryOptions& options);
+// The most device bytes any rank's step holds outside the chunk stores of a
+// memory policy (activations and their temporaries, frozen weights and their
+// fp32 copies): what plan_memory is given besides the model state.
+double device_bytes_beside_chunks(const LayoutProblem& problem, const Layout& layout,
+                                  const StepMemoryOptions& options);
 
 // "3,3,2": n_layer layers over `parts` virtual stages as evenly as they go,
 // in parallel.stage_layers' syntax.

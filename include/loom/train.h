@@ -314,6 +314,8 @@ struct TrainPlan {
   // trace.path (empty: no trace) and the steps it records, within train.steps.
   std::filesystem::path trace_path;
   TraceSteps trace_steps;
+  // train.watchdog_timeout: how long a rank may stall (CommOptions); 0: off.
+  std::chrono::milliseconds watchdog_timeout{0};
   // Whether the run is the single-rank fp32 reference (a Trainer without a
   // communicator); anything else runs every rank with one.
   bool reference() const {
@@ -322,24 +324,6 @@ struct TrainPlan {
 };
 // Throws ConfigError naming the field, its origin, the rule and the fix.
 TrainPlan plan_training(const Config& cfg);
-
-// Sampling settings: temperature 0 is greedy; top_k 0 and top_p 1 are off.
-struct SampleOptions {
-  float temperature = 0.8f;
-  int64_t top_k = 0;
-  float top_p = 1.0f;
-  uint64_t seed = 1337;
-};
-// Draws a token from one row of logits; the draw is a pure function of
-// (seed, draw index), so a seeded generation is reproducible.
-int32_t sample_token(const float* logits, int64_t V, const SampleOptions& opts, uint64_t draw);
-
-// Generates `max_tokens` tokens after `prompt` with a KV cache (the context
-// is capped at the model's block size), calling on_text with each decoded
-// piece as it is produced. Returns the generated text (without the prompt).
-std::string generate(GPT& model, ParamStore& params, const Tokenizer& tok, const std::string& prompt,
-                     int64_t max_tokens, const SampleOptions& opts,
-                     const std::function<void(const std::string&)>& on_text = {});
 
 // Checkpoints: <root>/step_XXXXXXXX/, committed atomically, then
 // <root>/latest, then retention (docs/checkpoints.md). Sharded: one

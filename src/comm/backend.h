@@ -106,4 +106,16 @@ void check_options(const CommOptions& options);
 // The message of the exception being handled (inside a catch block).
 std::string current_exception_message();
 
+// Brackets a wait of the calling rank thread on the other ranks: its
+// watchdog does not count it as a stall, and its end is progress.
+void begin_communication_wait();
+void end_communication_wait();
+
+// Writes to stderr without stdio, whose lock a hung thread may hold.
+void write_to_stderr(const std::string& text);
+// A hung thread cannot be stopped: what is left is ending the process (as
+// mpirun ends a failed job's) with exit status 1, after writing `text` to
+// stderr and flushing stdout unless a hung thread holds it.
+[[noreturn]] void end_process(const std::string& text);
+
 }  // namespace loom::detail

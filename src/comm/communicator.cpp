@@ -93,6 +93,8 @@ std::string format_duration(std::chrono::milliseconds d) {
 void check_options(const CommOptions& options) {
   if (options.timeout.count() <= 0)
     throw Error(str("the communication timeout must be positive, not ", options.timeout.count(), " ms"));
+  if (options.watchdog_timeout.count() < 0)
+    throw Error(str("the watchdog timeout must be positive (or 0, off), not ", options.watchdog_timeout.count(), " ms"));
 }
 
 std::string current_exception_message() {
@@ -133,11 +135,13 @@ Work::~Work() {
 namespace {
 thread_local double t_blocked_seconds = 0.0;
 
-// Adds the lifetime of the scope to the calling thread's blocked time.
+// Adds the lifetime of the scope to the calling thread's blocked time; the
+// watchdog does not count it against the rank.
 class BlockedTimer {
  public:
-  BlockedTimer() : start_(std::chrono::steady_clock::now()) {}
+  BlockedTimer() : start_(std::chrono::steady_clock::now()) { detail::begin_communication_wait(); }
   ~BlockedTimer() {
+    detail::end_communication_wait();
     t_blocked_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   }
   BlockedTimer(const BlockedTimer&) = delete;

@@ -439,6 +439,24 @@ void run_local(int nproc, const RankFunction& fn, const CommOptions& options) {
   // among the ranks.
   const int threads_per_rank = std::max(1, cpu::num_threads() / nproc);
 
+  // Rank threads signal `returned` as they return; a stall is recorded under
+  // `mu` with the time it was reported.
+  std::mutex mu;
+  std::condition_variable returned;
+  int stalled = -1;
+  std::chrono::steady_clock::time_point stalled_at;
+  std::string stall;
+  Watchdog watchdog(ranks, options.watchdog_timeout, [&](int rank, const std::string& message) {
+    world->fail(rank, message);
+    {
+      std::lock_guard lock(mu);
+      stalled = rank;
+      stalled_at = std::chrono::steady_clock::now();
+      stall = str("rank ", rank, " failed: ", message);
+    }
+    returned.notify_all();
+  });
+
   std::vector<std::thread> threads;
   for (int r = 0; r < nproc; ++r) {
     threads.emplace_back([&, r] {
@@ -446,6 +464,7 @@ void run_local(int nproc, const RankFunction& fn, const CommOptions& options) {
       MemoryContext memory;
       MemoryContext::Install install(memory);
       cpu::set_num_threads(threads_per_rank);
+      Watchdog::Watch watch(watchdog, static_cast<size_t>(r));
       Communicator comm(std::make_unique<detail::LocalBackend>(group, r), options);
       try {
         fn(comm);
@@ -453,7 +472,34 @@ void run_local(int nproc, const RankFunction& fn, const CommOptions& options) {
         world->fail(r, detail::current_exception_message());
       }
       world->mark_exited(r);
+      { std::lock_guard lock(mu); }
+      returned.notify_all();
     });
+  }
+  {
+    // After a stall the other ranks fail at their next communication call;
+    // the stalled rank is given until they have all returned, or another
+    // watchdog timeout.
+    std::unique_lock lock(mu);
+    for (;;) {
+      std::vector<int> running;
+      for (int r = 0; r < nproc; ++r)
+        if (!world->exited(r)) running.push_back(r);
+      if (running.empty()) break;
+      if (stalled < 0) {
+        returned.wait(lock);
+        continue;
+      }
+      const auto deadline = stalled_at + watchdog.timeout();
+      if (running == std::vector<int>{stalled} || std::chrono::steady_clock::now() >= deadline) {
+        // The stall may have come after another rank's failure: both are told.
+        const std::string first = world->failure();
+        detail::end_process(str("loom: ", first, "\n", first == stall ? "" : str("loom: ", stall, "\n"),
+                                "loom: rank(s) ", detail::format_ranks(running),
+                                " did not return after the failure and cannot be stopped; ending the process\n"));
+      }
+      returned.wait_until(lock, deadline);
+    }
   }
   for (auto& t : threads) t.join();
   if (world->failed()) throw Error(world->failure());

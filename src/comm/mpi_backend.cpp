@@ -509,6 +509,13 @@ MpiRuntime::~MpiRuntime() {
 
 void run_mpi(const RankFunction& fn, const CommOptions& options) {
   MpiRuntime runtime(options);
+  // A stalled rank ends the job from its watchdog's thread, as a failure on
+  // its own thread does: its other threads may be stuck anywhere.
+  Watchdog watchdog({current_rank()}, options.watchdog_timeout, [](int rank, const std::string& message) {
+    detail::write_to_stderr(str("loom: rank ", rank, " failed: ", message, "\n"));
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  });
+  Watchdog::Watch watch(watchdog, 0);
   try {
     fn(runtime.world());
   } catch (...) {

@@ -83,6 +83,10 @@ ConfigSchema build_loom_schema() {
   s.add_bool("train.activation_checkpointing", false, "recompute block activations in backward to save memory");
   s.add_int("train.sample_tokens", 200, "tokens generated from train.sample_prompt after training; 0 = none", 0);
   s.add_string("train.sample_prompt", "ROMEO:", "prompt for the sample after training");
+  s.add_float("train.watchdog_timeout", 60.0,
+              "seconds a rank may make no progress (outside waits on other ranks) before every rank is ended "
+              "naming it; 0 = off",
+              0.0);
   s.add_string("trace.path", "",
                "Chrome trace / Perfetto JSON timeline of the traced steps, every rank; empty = off; "
                "an existing file is an error");

@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "loom/core.h"
+#include "core/size_class.h"
 
 namespace loom {
 
@@ -19,18 +20,6 @@ class HostMemoryResource final : public MemoryResource {
   void deallocate(void* p, size_t) override { std::free(p); }
   const char* name() const override { return "host"; }
 };
-
-size_t round_up(size_t bytes, size_t step) { return (bytes + step - 1) / step * step; }
-
-// The block size a request is served from. Sixteen classes per power of two
-// (at most 6.25% rounded up) let tensors of nearby sizes share blocks; above
-// 32 MiB the step stays 2 MiB, so a large buffer wastes at most that.
-// Multiples of kMemoryAlignment, as aligned_alloc requires.
-size_t size_class(size_t bytes) {
-  if (bytes <= 16 * kMemoryAlignment) return round_up(std::max<size_t>(bytes, 1), kMemoryAlignment);
-  const size_t top = std::bit_floor(bytes);
-  return round_up(bytes, std::min<size_t>(top / 16, size_t{2} << 20));
-}
 
 }  // namespace
 
@@ -101,7 +90,7 @@ void Allocator::free_blocks(MemoryResource& resource, const std::vector<Block>& 
 
 void* Allocator::allocate(size_t bytes) {
   Cache& c = *cache_;
-  size_t block = size_class(bytes);
+  size_t block = detail::size_class(bytes);
   std::vector<Block> evicted;
   MemoryResource* resource = nullptr;
   {
@@ -123,7 +112,7 @@ void* Allocator::allocate(size_t bytes) {
     // stand between the request and the budget: a block of the exact size
     // keeps real memory as close to the budget as the alignment allows.
     if (block > budget_.load() - std::min(budget_.load(), reserved_.load()))
-      block = round_up(std::max<size_t>(bytes, 1), kMemoryAlignment);
+      block = detail::round_up_bytes(std::max<size_t>(bytes, 1), kMemoryAlignment);
     c.held += block;
     reserved_ += block;
     raise(peak_reserved_, reserved_.load());

@@ -38,16 +38,25 @@ Result launch_and_read(CpuKernel kernel) {
 
 }  // namespace
 
+namespace {
+// The calling thread's mode, read where a kernel is enqueued (not where a
+// stream's worker runs it).
+thread_local bool t_fixed_rows = false;
+cpu::RowBlocking row_blocking() { return t_fixed_rows ? cpu::RowBlocking::fixed : cpu::RowBlocking::by_shape; }
+}  // namespace
+
 // One line per kernel: the CPU implementation of the same name and arguments.
 #define LOOM_LAUNCH(kernel, ...) launch([=] { cpu::kernel(__VA_ARGS__); })
 
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
           const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  LOOM_LAUNCH(gemm, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  const cpu::RowBlocking rows = row_blocking();
+  LOOM_LAUNCH(gemm, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, rows);
 }
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                     int64_t OC) {
-  LOOM_LAUNCH(linear_forward, out, inp, weight, bias, N, C, OC);
+  const cpu::RowBlocking rows = row_blocking();
+  LOOM_LAUNCH(linear_forward, out, inp, weight, bias, N, C, OC, rows);
 }
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t N, int64_t C, int64_t OC, GradWrite dinp_write) {
@@ -134,9 +143,11 @@ void attention_backward(float* dqkv, const float* dout, const float* out, const 
   LOOM_LAUNCH(attention_backward, dqkv, dout, out, lse, qkv, B, T, C, NH, NKV, dqkv_write);
 }
 
-void attention_cached(float* out, float* k_cache, float* v_cache, const float* qkv, int64_t B, int64_t n, int64_t pos0,
-                      int64_t block_size, int64_t C, int64_t NH, int64_t NKV) {
-  LOOM_LAUNCH(attention_cached, out, k_cache, v_cache, qkv, B, n, pos0, block_size, C, NH, NKV);
+void attention_decode(float* out, float* lse, float* const* k_cache, float* const* v_cache, const float* qkv,
+                      const int32_t* cache_lens, const int32_t* row_offsets, int64_t S, int64_t N, int64_t C,
+                      int64_t NH, int64_t NKV, int64_t max_len) {
+  LOOM_LAUNCH(attention_decode, out, lse, k_cache, v_cache, qkv, cache_lens, row_offsets, S, N, C, NH, NKV,
+              max_len);
 }
 
 void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
@@ -229,3 +240,10 @@ void synchronize() {
 #undef LOOM_LAUNCH
 
 }  // namespace loom::ops
+
+namespace loom {
+
+FixedRowBlocks::FixedRowBlocks() : previous_(ops::t_fixed_rows) { ops::t_fixed_rows = true; }
+FixedRowBlocks::~FixedRowBlocks() { ops::t_fixed_rows = previous_; }
+
+}  // namespace loom

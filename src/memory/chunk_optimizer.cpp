@@ -120,6 +120,9 @@ void ChunkManager::Impl::step(float lr, float grad_scale) {
     adamw.update(r, o, g, o + S, o + 2 * S);
     publish(c, o, on);
     if (s.optim.tier == Tier::nvme) write_behind(s.optim, std::move(state));
+    // An update streamed from NVMe may outlast the watchdog's timeout as a
+    // whole; each chunk is progress.
+    report_progress();
   }
   // Gathered copies of the old parameters are stale (a chunk computing on
   // its own payload was updated in place).

@@ -52,10 +52,29 @@ CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string&
 
 void CausalSelfAttention::rotate(float* qkv, int64_t B, int64_t T, int64_t pos0, bool inverse) const {
   if (inv_freq_.empty()) return;
-  const int64_t half = hs_ / 2, q_width = local_heads_ * hs_, stride = q_width + 2 * local_kv_heads_ * hs_;
+  const int64_t half = hs_ / 2;
   const Tensor inv_freq = Tensor::from_host(inv_freq_.data(), {half}, DType::f32);
   Tensor cos = Tensor::empty({T, half}), sin = Tensor::empty({T, half});
   ops::rope_tables(cos.data<float>(), sin.data<float>(), inv_freq.data<float>(), T, half, pos0);
+  rotate(qkv, cos, sin, B, T, inverse);
+}
+
+void CausalSelfAttention::rotate(float* qkv, const DecodeBatch& batch) const {
+  if (inv_freq_.empty()) return;
+  const int64_t half = hs_ / 2;
+  const Tensor inv_freq = Tensor::from_host(inv_freq_.data(), {half}, DType::f32);
+  Tensor cos = Tensor::empty({batch.N, half}), sin = Tensor::empty({batch.N, half});
+  for (int64_t s = 0; s < batch.S; ++s) {
+    const int64_t row = batch.offsets[static_cast<size_t>(s)];
+    ops::rope_tables(cos.data<float>() + row * half, sin.data<float>() + row * half, inv_freq.data<float>(),
+                     batch.offsets[static_cast<size_t>(s) + 1] - row, half, batch.lengths[static_cast<size_t>(s)]);
+  }
+  rotate(qkv, cos, sin, 1, batch.N, /*inverse=*/false);
+}
+
+void CausalSelfAttention::rotate(float* qkv, const Tensor& cos, const Tensor& sin, int64_t B, int64_t T,
+                                 bool inverse) const {
+  const int64_t q_width = local_heads_ * hs_, stride = q_width + 2 * local_kv_heads_ * hs_;
   const struct {
     float* x;
     int64_t heads;

@@ -1,36 +1,110 @@
-// Incremental inference: the forward pass for sampling, one chunk of new
-// positions at a time, reusing the keys and values of earlier positions.
+// Generation: the KV cache pool and the forward pass over a decode batch,
+// the new positions of several sequences packed into one batch of rows, each
+// sequence reusing the keys and values of its earlier positions.
+#include <algorithm>
+
 #include "loom/device.h"
 #include "loom/nn.h"
 
 namespace loom {
 
-KVCache::KVCache(const GPTConfig& cfg, int64_t B) : B_(B) {
-  const Shape shape{cfg.n_layer, B, cfg.kv_heads(), cfg.block_size, cfg.head_dim()};
-  k_ = Tensor::zeros(shape);
-  v_ = Tensor::zeros(shape);
+KVCachePool::KVCachePool(const GPTConfig& cfg, int64_t capacity, int64_t max_length)
+    : n_layer_(cfg.n_layer),
+      kv_heads_(cfg.kv_heads()),
+      head_dim_(cfg.head_dim()),
+      max_len_(max_length > 0 ? max_length : cfg.block_size) {
+  if (capacity <= 0) throw Error(str("a KV cache pool needs at least one slot, not ", capacity));
+  if (max_len_ > cfg.block_size)
+    throw Error(str("a KV cache of ", max_len_, " positions exceeds the model's context model.block_size = ",
+                    cfg.block_size));
+  slots_.resize(static_cast<size_t>(capacity));
 }
 
-void CausalSelfAttention::forward_cached(const ParamStore& ps, float* out, const float* in, float* k_cache,
-                                         float* v_cache, int64_t B, int64_t n, int64_t pos0,
-                                         int64_t block_size) const {
+int KVCachePool::allocate() {
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i].kv.defined()) continue;
+    // The kernels write every position before it is read: no zeroing.
+    slots_[i].kv = Tensor::empty({n_layer_, 2, kv_heads_, max_len_, head_dim_});
+    slots_[i].length = 0;
+    return static_cast<int>(i);
+  }
+  return -1;
+}
+
+const KVCachePool::Slot& KVCachePool::taken(int slot) const {
+  LOOM_CHECK(slot >= 0 && slot < capacity() && slots_[static_cast<size_t>(slot)].kv.defined(), "KV cache slot ",
+             slot, " is not taken");
+  return slots_[static_cast<size_t>(slot)];
+}
+
+void KVCachePool::release(int slot) {
+  taken(slot);
+  slots_[static_cast<size_t>(slot)] = Slot{};
+}
+
+void KVCachePool::reset(int slot) {
+  taken(slot);
+  slots_[static_cast<size_t>(slot)].length = 0;
+}
+
+int64_t KVCachePool::length(int slot) const { return taken(slot).length; }
+
+int64_t KVCachePool::active() const {
+  return std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) { return s.kv.defined(); });
+}
+
+size_t KVCachePool::slot_bytes() const {
+  return static_cast<size_t>(n_layer_ * 2 * kv_heads_ * max_len_ * head_dim_) * sizeof(float);
+}
+
+size_t KVCachePool::bytes_in_use() const {
+  size_t bytes = 0;
+  for (const Slot& s : slots_) bytes += s.kv.defined() ? s.kv.nbytes() : 0;
+  return bytes;
+}
+
+float* const* DecodeBatch::keys(int layer) const {
+  return static_cast<float* const*>(caches.raw()) + static_cast<int64_t>(layer) * 2 * S;
+}
+
+float* const* DecodeBatch::values(int layer) const { return keys(layer) + S; }
+
+Tensor Embedding::forward_decode(const ParamStore& ps, const Tensor& token_ids, const DecodeBatch& batch) const {
+  LOOM_CHECK(tp_.size() == 1, "generation embeds on one rank");
+  const int32_t* tokens = token_ids.data<int32_t>();
+  const float* wte = ps.param(wte_).data<float>();
+  Tensor out = Tensor::empty({batch.N, C_});
+  if (wpe_ < 0) {
+    ops::embedding_lookup_range(out.data<float>(), tokens, wte, 0, vocab_, batch.N, C_);
+    return out;
+  }
+  for (int64_t s = 0; s < batch.S; ++s) {
+    const int64_t row = batch.offsets[static_cast<size_t>(s)];
+    ops::embedding_forward(out.data<float>() + row * C_, tokens + row, wte, ps.param(wpe_).data<float>(), 1,
+                           batch.offsets[static_cast<size_t>(s) + 1] - row, C_, batch.lengths[static_cast<size_t>(s)]);
+  }
+  return out;
+}
+
+void CausalSelfAttention::forward_decode(const ParamStore& ps, float* out, const float* in, const DecodeBatch& batch,
+                                         int layer) const {
   const int64_t C = n_head_ * hs_;
-  Tensor qkv = Tensor::empty({B, n, c_attn_.local().out_features()});
-  c_attn_.local().forward(ps, qkv.data<float>(), in, B * n);
-  rotate(qkv.data<float>(), B, n, pos0, /*inverse=*/false);
-  Tensor att = Tensor::empty({B, n, C});
-  ops::attention_cached(att.data<float>(), k_cache, v_cache, qkv.data<float>(), B, n, pos0, block_size, C, n_head_,
-                        local_kv_heads_);
-  c_proj_.local().forward(ps, out, att.data<float>(), B * n);
+  Tensor qkv = Tensor::empty({batch.N, c_attn_.local().out_features()});
+  c_attn_.local().forward(ps, qkv.data<float>(), in, batch.N);
+  rotate(qkv.data<float>(), batch);
+  Tensor att = Tensor::empty({batch.N, C});
+  ops::attention_decode(att.data<float>(), nullptr, batch.keys(layer), batch.values(layer), qkv.data<float>(),
+                        batch.cache_lens.data<int32_t>(), batch.row_offsets.data<int32_t>(), batch.S, batch.N, C, n_head_,
+                        local_kv_heads_, batch.max_len);
+  c_proj_.local().forward(ps, out, att.data<float>(), batch.N);
 }
 
-void Block::forward_cached(const ParamStore& ps, float* x, float* k_cache, float* v_cache, int64_t B, int64_t n,
-                           int64_t pos0, int64_t block_size) const {
-  const int64_t N = B * n;
+void Block::forward_decode(const ParamStore& ps, float* x, const DecodeBatch& batch) const {
+  const int64_t N = batch.N;
   Norm::Saved ln;
   Tensor tmp = Tensor::empty({N, C_});
   ln_1_.forward(ps, ln, x, N);
-  attn_.forward_cached(ps, tmp.data<float>(), ln.out.data<float>(), k_cache, v_cache, B, n, pos0, block_size);
+  attn_.forward_decode(ps, tmp.data<float>(), ln.out.data<float>(), batch, index_);
   ops::accumulate(x, tmp.data<float>(), N * C_);
   ln_2_.forward(ps, ln, x, N);
   MLP::Saved mlp;
@@ -38,40 +112,79 @@ void Block::forward_cached(const ParamStore& ps, float* x, float* k_cache, float
   ops::accumulate(x, tmp.data<float>(), N * C_);
 }
 
-Tensor GPT::forward_cached(ParamStore& ps, KVCache& cache, const int32_t* tokens, int64_t n) {
-  const int64_t B = cache.B_, C = cfg_.n_embd, V = cfg_.vocab_size;
-  const int64_t pos0 = cache.length_;
-  const int emb_group = embedding_group_, lnf_group = lnf_group_;
+Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> inputs,
+                           bool all_positions) const {
   LOOM_CHECK(mp_.tp.size() == 1 && mp_.first_stage && mp_.last_stage && num_chunks() == 1,
-             "inference with a KV cache needs the whole model on one rank");
-  if (n <= 0) throw Error("forward_cached needs at least one new token per sequence");
-  const BatchShape bs{B, n};
-  embedding_.check_tokens(tokens, B * n);
-  ps.acquire(emb_group);
-  Tensor x = embedding_.forward(ps, Tensor::from_host(tokens, {B * n}, DType::i32), bs, pos0);
-  ps.release(emb_group);
-
-  const int64_t layer_stride = cache.k_.numel() / cfg_.n_layer;
-  for (size_t i = 0; i < blocks_.size(); ++i) {
-    ps.acquire(blocks_[i].group());
-    blocks_[i].forward_cached(ps, x.data<float>(), cache.k_.data<float>() + static_cast<int64_t>(i) * layer_stride,
-                              cache.v_.data<float>() + static_cast<int64_t>(i) * layer_stride, B, n, pos0,
-                              cfg_.block_size);
-    ps.release(blocks_[i].group());
+             "generation needs the whole model on one rank");
+  LOOM_CHECK(pool.n_layer_ == cfg_.n_layer && pool.kv_heads_ == cfg_.kv_heads() && pool.head_dim_ == cfg_.head_dim(),
+             "the KV cache pool was built for another model");
+  const int64_t C = cfg_.n_embd, V = cfg_.vocab_size;
+  // Every product computes each sequence's rows alone: its tokens do not
+  // depend on the batch around it.
+  const FixedRowBlocks fixed_rows;
+  DecodeBatch batch;
+  batch.S = static_cast<int64_t>(inputs.size());
+  batch.max_len = pool.max_length();
+  batch.offsets.push_back(0);
+  std::vector<int32_t> tokens;
+  std::vector<float*> addresses(static_cast<size_t>(cfg_.n_layer * 2 * batch.S));
+  std::vector<bool> seen(static_cast<size_t>(pool.capacity()));
+  for (int64_t s = 0; s < batch.S; ++s) {
+    const DecodeInput& in = inputs[static_cast<size_t>(s)];
+    const KVCachePool::Slot& slot = pool.taken(in.slot);
+    LOOM_CHECK(!seen[static_cast<size_t>(in.slot)], "KV cache slot ", in.slot, " appears twice in a decode batch");
+    seen[static_cast<size_t>(in.slot)] = true;
+    const int64_t n = static_cast<int64_t>(in.tokens.size());
+    if (n == 0) throw Error(str("sequence ", s, " of the decode batch has no new tokens"));
+    if (slot.length + n > pool.max_length())
+      throw Error(str("sequence ", s, " of the decode batch would hold ", slot.length + n,
+                      " positions, more than the KV cache's ", pool.max_length(),
+                      " (the model's context): shorten it or let the context slide"));
+    batch.lengths.push_back(static_cast<int32_t>(slot.length));
+    batch.offsets.push_back(static_cast<int32_t>(batch.offsets.back() + n));
+    tokens.insert(tokens.end(), in.tokens.begin(), in.tokens.end());
+    float* base = slot.kv.data<float>();
+    const int64_t part = slot.kv.numel() / (2 * cfg_.n_layer);  // one layer's keys (or values)
+    for (int64_t l = 0; l < cfg_.n_layer; ++l)
+      for (int64_t kv = 0; kv < 2; ++kv)
+        addresses[static_cast<size_t>((l * 2 + kv) * batch.S + s)] = base + (l * 2 + kv) * part;
   }
-  cache.length_ += n;
+  batch.N = batch.offsets.back();
+  LOOM_CHECK(batch.S > 0, "an empty decode batch");
+  embedding_.check_tokens(tokens.data(), batch.N);
+  batch.cache_lens = Tensor::from_host(batch.lengths.data(), {batch.S}, DType::i32);
+  batch.row_offsets = Tensor::from_host(batch.offsets.data(), {batch.S + 1}, DType::i32);
+  static_assert(sizeof(float*) == sizeof(int64_t), "addresses travel as i64 elements");
+  batch.caches = Tensor::from_host(addresses.data(), {cfg_.n_layer, 2, batch.S}, DType::i64);
 
-  // Only the last position of each sequence is needed for sampling.
-  Tensor last = Tensor::empty({B, C});
-  for (int64_t b = 0; b < B; ++b)
-    ops::copy(last.data<float>() + b * C, x.data<float>() + ((b + 1) * n - 1) * C, static_cast<size_t>(C) * 4);
+  ps.acquire(embedding_group_);
+  Tensor x = embedding_.forward_decode(ps, Tensor::from_host(tokens.data(), {batch.N}, DType::i32), batch);
+  ps.release(embedding_group_);
+  for (const Block& block : blocks_) {
+    ps.acquire(block.group());
+    block.forward_decode(ps, x.data<float>(), batch);
+    ps.release(block.group());
+  }
+  for (int64_t s = 0; s < batch.S; ++s)
+    pool.slots_[static_cast<size_t>(inputs[static_cast<size_t>(s)].slot)].length +=
+        batch.offsets[static_cast<size_t>(s) + 1] - batch.offsets[static_cast<size_t>(s)];
+
+  // Sampling needs only each sequence's last position.
+  Tensor rows = x;
+  if (!all_positions) {
+    rows = Tensor::empty({batch.S, C});
+    for (int64_t s = 0; s < batch.S; ++s)
+      ops::copy(rows.data<float>() + s * C, x.data<float>() + (batch.offsets[static_cast<size_t>(s) + 1] - 1) * C,
+                static_cast<size_t>(C) * sizeof(float));
+  }
+  const int64_t R = rows.numel() / C;
   Norm::Saved ln;
-  ps.acquire(lnf_group);
-  ln_f_.forward(ps, ln, last.data<float>(), B);
-  ps.release(lnf_group);
-  Tensor logits = Tensor::empty({B, V});
+  ps.acquire(lnf_group_);
+  ln_f_.forward(ps, ln, rows.data<float>(), R);
+  ps.release(lnf_group_);
+  Tensor logits = Tensor::empty({R, V});
   ps.acquire(head_group());
-  ops::linear_forward(logits.data<float>(), ln.out.data<float>(), ps.param(head_table()).data<float>(), nullptr, B, C,
+  ops::linear_forward(logits.data<float>(), ln.out.data<float>(), ps.param(head_table()).data<float>(), nullptr, R, C,
                       V);
   ps.release(head_group());
   return logits;

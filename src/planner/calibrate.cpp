@@ -73,6 +73,33 @@ std::vector<GemmSample> measure_gemms(const CalibrationOptions& options) {
   return samples;
 }
 
+// The attention kernels over 2 sequences of 4 heads at each (seq_len,
+// head_dim), per head and sequence.
+std::vector<AttentionSample> measure_attention(const CalibrationOptions& options) {
+  constexpr int64_t B = 2, NH = 4;
+  std::vector<AttentionSample> samples;
+  for (int64_t T : options.attention_seq_lens)
+    for (int64_t hs : options.attention_head_dims) {
+      const int64_t C = NH * hs, rows = B * T;
+      Tensor qkv = Tensor::empty({rows, 3 * C}), out = Tensor::empty({rows, C}), lse = Tensor::empty({B * NH * T}),
+             dout = Tensor::empty({rows, C}), dqkv = Tensor::empty({rows, 3 * C});
+      ops::fill(qkv.data<float>(), DType::f32, qkv.numel(), 0.01f);
+      ops::fill(dout.data<float>(), DType::f32, dout.numel(), 0.01f);
+      const double forward = best_seconds(3, [&] {
+        ops::attention_forward(out.data<float>(), lse.data<float>(), qkv.data<float>(), B, T, C, NH, NH);
+        ops::synchronize();
+      });
+      const double backward = best_seconds(3, [&] {
+        ops::attention_backward(dqkv.data<float>(), dout.data<float>(), out.data<float>(), lse.data<float>(),
+                                qkv.data<float>(), B, T, C, NH, NH, ops::GradWrite::overwrite);
+        ops::synchronize();
+      });
+      samples.push_back({T, hs, forward / (B * NH), backward / (B * NH)});
+    }
+  report(options, str("attention: ", samples.size(), " shapes"));
+  return samples;
+}
+
 // Bytes read plus bytes written per second by a device-to-device copy.
 double measure_copy_rate(const CalibrationOptions& options) {
   const int64_t n = options.memory_bytes / 4;
@@ -179,6 +206,7 @@ MachineRates calibrate_machine(const CalibrationOptions& options) {
   rates.description = str("calibrated on ", host, " (", cpu_description(), ")");
   rates.gemm = measure_gemms(options);
   for (const GemmSample& g : rates.gemm) rates.peak_flops_fp32 = std::max(rates.peak_flops_fp32, g.flops_per_s);
+  rates.attention = measure_attention(options);
   rates.memory_bytes_per_s = measure_copy_rate(options);
   rates.device_memory_bytes = physical_memory_bytes();
   for (int group : options.groups) {

@@ -1,6 +1,7 @@
 // MachineRates: pricing GEMMs and collectives from measured or published
 // rates, and the JSON file both calibrations and hardware descriptions use.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -29,10 +30,70 @@ std::pair<size_t, double> grid_position(const std::vector<int64_t>& grid, int64_
   return {i, (std::log(static_cast<double>(x)) - lo) / (hi - lo)};
 }
 
-std::vector<int64_t> axis(const std::vector<GemmSample>& samples, int64_t GemmSample::*dim) {
-  std::set<int64_t> values;
-  for (const GemmSample& g : samples) values.insert(g.*dim);
-  return {values.begin(), values.end()};
+template <size_t D>
+using Point = std::array<int64_t, D>;
+
+// The sorted values each dimension takes over the points.
+template <size_t D>
+std::array<std::vector<int64_t>, D> grid_axes(const std::vector<Point<D>>& points) {
+  std::array<std::vector<int64_t>, D> axes;
+  for (size_t d = 0; d < D; ++d) {
+    std::set<int64_t> values;
+    for (const Point<D>& p : points) values.insert(p[d]);
+    axes[d].assign(values.begin(), values.end());
+  }
+  return axes;
+}
+
+// Whether the points are every combination of their axes' values, once.
+template <size_t D>
+bool full_grid(const std::vector<Point<D>>& points) {
+  size_t combinations = 1;
+  for (const std::vector<int64_t>& axis : grid_axes(points)) combinations *= axis.size();
+  return std::set<Point<D>>(points.begin(), points.end()).size() == points.size() && points.size() == combinations;
+}
+
+// A rate measured on a full grid of shapes at `x`: multilinear in the logs of
+// the sizes over the log of the rate (rates change by orders of magnitude
+// between small and large shapes), clamped to the grid's edges.
+template <size_t D>
+double interpolate_rate(const std::vector<Point<D>>& points, const std::vector<double>& rates, const Point<D>& x) {
+  const std::array<std::vector<int64_t>, D> axes = grid_axes(points);
+  std::map<Point<D>, double> log_rate;
+  for (size_t i = 0; i < points.size(); ++i) log_rate[points[i]] = std::log(rates[i]);
+  std::array<std::pair<size_t, double>, D> at;
+  for (size_t d = 0; d < D; ++d) at[d] = grid_position(axes[d], x[d]);
+  double sum = 0.0;
+  for (size_t corner = 0; corner < (size_t(1) << D); ++corner) {
+    double w = 1.0;
+    Point<D> p;
+    for (size_t d = 0; d < D; ++d) {
+      const bool upper = (corner >> d) & 1;
+      w *= upper ? at[d].second : 1.0 - at[d].second;
+      p[d] = axes[d][std::min(at[d].first + (upper ? 1 : 0), axes[d].size() - 1)];
+    }
+    if (w != 0.0) sum += w * log_rate.at(p);
+  }
+  return std::exp(sum);
+}
+
+// Causal attention of one head over one sequence: QK^T and PV over half the
+// T x T scores each. Its backward is priced as 2.5 times that (the scores
+// recomputed from the kept log-sum-exp, then four products).
+double attention_forward_flops(int64_t seq_len, int64_t head_dim) {
+  return 2.0 * static_cast<double>(seq_len) * static_cast<double>(seq_len) * static_cast<double>(head_dim);
+}
+
+std::vector<Point<3>> gemm_points(const std::vector<GemmSample>& samples) {
+  std::vector<Point<3>> points;
+  for (const GemmSample& g : samples) points.push_back({g.m, g.n, g.k});
+  return points;
+}
+
+std::vector<Point<2>> attention_points(const std::vector<AttentionSample>& samples) {
+  std::vector<Point<2>> points;
+  for (const AttentionSample& a : samples) points.push_back({a.seq_len, a.head_dim});
+  return points;
 }
 
 }  // namespace
@@ -61,25 +122,23 @@ double MachineRates::gemm_seconds(int64_t m, int64_t n, int64_t k, DType precisi
     const double peak = precision != DType::f32 && peak_flops_bf16 > 0 ? peak_flops_bf16 : peak_flops_fp32;
     return flops / (peak * gemm_efficiency);
   }
-  // Trilinear in (log m, log n, log k) over log(rate): rates change by
-  // orders of magnitude between small and large products.
-  const std::vector<int64_t> ms = axis(gemm, &GemmSample::m), ns = axis(gemm, &GemmSample::n),
-                             ks = axis(gemm, &GemmSample::k);
-  std::map<std::tuple<int64_t, int64_t, int64_t>, double> rate;
-  for (const GemmSample& g : gemm) rate[{g.m, g.n, g.k}] = std::log(g.flops_per_s);
-  const auto [im, wm] = grid_position(ms, m);
-  const auto [in, wn] = grid_position(ns, n);
-  const auto [ik, wk] = grid_position(ks, k);
-  double log_rate = 0.0;
-  for (int dm = 0; dm < 2; ++dm)
-    for (int dn = 0; dn < 2; ++dn)
-      for (int dk = 0; dk < 2; ++dk) {
-        const double w = (dm ? wm : 1 - wm) * (dn ? wn : 1 - wn) * (dk ? wk : 1 - wk);
-        if (w == 0.0) continue;
-        const auto at = [](const std::vector<int64_t>& g, size_t i, int d) { return g[std::min(i + d, g.size() - 1)]; };
-        log_rate += w * rate.at({at(ms, im, dm), at(ns, in, dn), at(ks, ik, dk)});
-      }
-  return flops / std::exp(log_rate);
+  std::vector<double> rates;
+  for (const GemmSample& g : gemm) rates.push_back(g.flops_per_s);
+  return flops / interpolate_rate(gemm_points(gemm), rates, {m, n, k});
+}
+
+double MachineRates::attention_seconds(int64_t seq_len, int64_t head_dim, bool backward, DType precision) const {
+  const double flops = (backward ? 2.5 : 1.0) * attention_forward_flops(seq_len, head_dim);
+  // Without measurements, at the rate of the (T, T, head_dim) products it
+  // consists of.
+  if (attention.empty())
+    return flops * gemm_seconds(seq_len, seq_len, head_dim, precision) /
+           (2.0 * static_cast<double>(seq_len * seq_len * head_dim));
+  std::vector<double> rates;
+  for (const AttentionSample& a : attention)
+    rates.push_back((backward ? 2.5 : 1.0) * attention_forward_flops(a.seq_len, a.head_dim) /
+                    (backward ? a.backward_s : a.forward_s));
+  return flops / interpolate_rate(attention_points(attention), rates, {seq_len, head_dim});
 }
 
 double MachineRates::collective_seconds(Collective op, double bytes, int group) const {
@@ -180,6 +239,9 @@ void save_machine_rates(const MachineRates& r, const std::filesystem::path& path
     j["nvme"] = {{"read_bytes_per_s", r.nvme_read_bytes_per_s}, {"write_bytes_per_s", r.nvme_write_bytes_per_s}};
   for (const GemmSample& g : r.gemm)
     j["gemm"].push_back({{"m", g.m}, {"n", g.n}, {"k", g.k}, {"flops_per_s", g.flops_per_s}});
+  for (const AttentionSample& a : r.attention)
+    j["attention"].push_back(
+        {{"seq_len", a.seq_len}, {"head_dim", a.head_dim}, {"forward_s", a.forward_s}, {"backward_s", a.backward_s}});
   for (const CollectiveCost& c : r.collectives)
     j["collectives"].push_back({{"op", collective_name(c.op)},
                                 {"group", c.group},
@@ -232,12 +294,19 @@ MachineRates load_machine_rates(const std::filesystem::path& path) {
       g.done();
     }
     // Interpolation reads every corner of the grid the samples span.
-    const size_t grid = axis(r.gemm, &GemmSample::m).size() * axis(r.gemm, &GemmSample::n).size() *
-                        axis(r.gemm, &GemmSample::k).size();
-    std::set<std::tuple<int64_t, int64_t, int64_t>> have;
-    for (const GemmSample& g : r.gemm) have.insert({g.m, g.n, g.k});
-    if (have.size() != r.gemm.size() || have.size() != grid)
-      top.fail("gemm", "must hold each (m, n, k) of a full grid exactly once");
+    if (!full_grid(gemm_points(r.gemm))) top.fail("gemm", "must hold each (m, n, k) of a full grid exactly once");
+  }
+  if (top.has("attention")) {
+    const nlohmann::json& list = top.take("attention");
+    if (!list.is_array()) top.fail("attention", "must be a list of {seq_len, head_dim, forward_s, backward_s}");
+    for (size_t i = 0; i < list.size(); ++i) {
+      Reader a(path, list[i], str("attention[", i, "]"));
+      r.attention.push_back(
+          {a.integer("seq_len"), a.integer("head_dim"), a.number("forward_s", true), a.number("backward_s", true)});
+      a.done();
+    }
+    if (!full_grid(attention_points(r.attention)))
+      top.fail("attention", "must hold each (seq_len, head_dim) of a full grid exactly once");
   }
   if (top.has("collectives")) {
     const nlohmann::json& list = top.take("collectives");

@@ -31,12 +31,6 @@ double training_flops_per_step(const GPTConfig& cfg, int64_t B, int64_t T) {
          (static_cast<double>(cfg.n_layer) * block_training_flops(cfg, T) + head_training_flops(cfg, T));
 }
 
-double StepMemoryEstimate::total() const {
-  double sum = 0.0;
-  for (const MemoryTerm& t : terms) sum += t.bytes;
-  return sum;
-}
-
 double activation_bytes_per_layer(const GPTConfig& cfg, int64_t B, int64_t T, int tp, bool sequence_parallel,
                                   bool checkpoint_activations) {
   const double N = static_cast<double>(B * T), h = static_cast<double>(cfg.n_embd);
@@ -55,45 +49,6 @@ double activation_bytes_per_layer(const GPTConfig& cfg, int64_t B, int64_t T, in
   const double kv = cfg.kv_heads() % tp == 0 ? static_cast<double>(cfg.kv_heads()) * hs / t : hs;
   const double fc = cfg.mlp == MlpKind::swiglu ? 2.0 * I : I;
   return 4.0 * (rows * (4.0 * h + stats) + N * ((2.0 * h + fc + I + a) / t + 2.0 * kv));
-}
-
-StepMemoryEstimate estimate_step_memory(const GPTConfig& cfg, int64_t B, int64_t T, bool checkpoint_activations) {
-  const double f = 4.0;  // fp32
-  const double N = static_cast<double>(B * T), C = static_cast<double>(cfg.n_embd);
-  const double L = static_cast<double>(cfg.n_layer), V = static_cast<double>(cfg.vocab_size);
-  const double P = static_cast<double>(cfg.num_params());
-  const double trained = static_cast<double>(cfg.num_trainable_params());
-  std::vector<MemoryTerm> state = {
-      {"parameters", f * P}, {"gradients", f * trained}, {"adamw moments", 2.0 * f * trained}};
-  // Elements (not bytes) one block keeps, in full and under checkpointing.
-  const double full_block = activation_bytes_per_layer(cfg, B, T, 1, false, false) / f;
-  const double kept_block = activation_bytes_per_layer(cfg, B, T, 1, false, checkpoint_activations) / f;
-
-  // Peak candidate 1, the head's backward: every block's activations, the
-  // last block's output and ln_f's (with mean and rstd), the logits (their
-  // gradient overwrites them in place) with log-sum-exp and loss weights, and
-  // the head's input gradient.
-  StepMemoryEstimate head;
-  head.phase = "output head backward";
-  head.terms = state;
-  head.terms.push_back({"block activations", f * L * kept_block});
-  head.terms.push_back({"final norm", f * (2.0 * N * C + (cfg.norm == NormKind::layernorm ? 2.0 : 1.0) * N)});
-  head.terms.push_back({"logits", f * (N * V + 2.0 * N)});
-  head.terms.push_back({"head input gradient", f * N * C});
-
-  // Peak candidate 2, the last block's MLP backward: every block's
-  // activations (the last one rebuilt in full under checkpointing), the
-  // residual-stream gradient, the norm's input gradient and the MLP's two
-  // gradient buffers ([N, I] each; SwiGLU's gate | up one [N, 2I]).
-  StepMemoryEstimate block;
-  block.phase = "last block backward";
-  block.terms = state;
-  block.terms.push_back({"block activations", f * ((L - 1.0) * kept_block + full_block)});
-  const double I = static_cast<double>(cfg.intermediate());
-  block.terms.push_back(
-      {"backward buffers", f * (N * C + N * C + (cfg.mlp == MlpKind::swiglu ? 3.0 : 2.0) * N * I)});
-
-  return head.total() >= block.total() ? head : block;
 }
 
 double zero_model_state_bytes(int stage, DType precision, double params, int ranks) {

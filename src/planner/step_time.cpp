@@ -54,9 +54,11 @@ double tp_collective(const Shapes& s, Collective op) {
   return s.rates.collective_seconds(op, kF32 * static_cast<double>(s.N * s.m.n_embd), static_cast<int>(s.tp));
 }
 
-// Bytes-bound work: read plus written bytes at the device's copy rate.
+// Bytes-bound work: read plus written bytes at the device's copy rate, on
+// this rank's share of the device.
 double memory_seconds(const Shapes& s, double bytes) { return s.share * bytes / s.rates.memory_bytes_per_s; }
-double gemm_seconds(const Shapes& s, double seconds) { return s.share * seconds; }
+// Compute-bound work timed on a whole device, on this rank's share of it.
+double device_seconds(const Shapes& s, double seconds) { return s.share * seconds; }
 
 // One transformer block's forward and backward (with its recomputed forward
 // under activation checkpointing) for one micro-batch.
@@ -68,14 +70,10 @@ std::pair<Cost, Cost> block_cost(const Shapes& s, bool recompute) {
   const bool swiglu = m.mlp == MlpKind::swiglu;
   const bool trained = !m.lora.enabled();  // a frozen base takes no weight gradient
   const Linear layers[] = {{C, C / t + 2 * kv}, {C / t, C}, {C, (swiglu ? 2 : 1) * I / t}, {I / t, C}};
-  // Causal attention of this rank's heads: QK^T and PV over half the T x T
-  // scores each, priced at the rate of a (T, T, head_dim) product; its
-  // backward recomputes the scores from the kept log-sum-exp and forms four
-  // products, 2.5 times the forward's work.
-  const double heads = static_cast<double>(m.n_head / t);
-  const double attention_flops = 2.0 * static_cast<double>(s.B) * heads * static_cast<double>(s.T * s.T * hs);
-  const double attention_rate = 2.0 * static_cast<double>(s.T * s.T * hs) / s.rates.gemm_seconds(s.T, s.T, hs, s.precision);
-  const double attention_s = attention_flops / attention_rate;
+  // Causal attention of this rank's heads over the micro-batch's sequences.
+  const double sequences_heads = static_cast<double>(s.B * (m.n_head / t));
+  const double attention_forward = sequences_heads * s.rates.attention_seconds(s.T, hs, false, s.precision);
+  const double attention_backward = sequences_heads * s.rates.attention_seconds(s.T, hs, true, s.precision);
   // Memory-bound kernels, fp32 elements read plus written per row: each norm
   // 2 C, each residual add 3 C (on N / tp rows under sequence parallelism),
   // and the MLP's activation (GELU 2 I, SwiGLU 3 I) on this rank's columns.
@@ -83,8 +81,8 @@ std::pair<Cost, Cost> block_cost(const Shapes& s, bool recompute) {
   const double elementwise = kF32 * (rows * 10.0 * static_cast<double>(C) +
                                      static_cast<double>(s.N) * (swiglu ? 3.0 : 2.0) * static_cast<double>(I / t));
   Cost forward;
-  for (const Linear& l : layers) forward.compute_s += gemm_seconds(s, l.forward(s.rates, s.N, s.precision));
-  forward.compute_s += gemm_seconds(s, attention_s) + memory_seconds(s, elementwise);
+  for (const Linear& l : layers) forward.compute_s += device_seconds(s, l.forward(s.rates, s.N, s.precision));
+  forward.compute_s += device_seconds(s, attention_forward) + memory_seconds(s, elementwise);
   // Attention's and the MLP's outputs are summed over the tensor-parallel
   // ranks; under sequence parallelism their inputs are all-gathered and the
   // outputs reduce-scattered instead.
@@ -92,8 +90,8 @@ std::pair<Cost, Cost> block_cost(const Shapes& s, bool recompute) {
       s.sp ? 2.0 * (tp_collective(s, Collective::all_gather) + tp_collective(s, Collective::reduce_scatter))
            : 2.0 * tp_collective(s, Collective::all_reduce);
   Cost backward;
-  for (const Linear& l : layers) backward.compute_s += gemm_seconds(s, l.backward(s.rates, s.N, s.precision, trained));
-  backward.compute_s += gemm_seconds(s, 2.5 * attention_s) + memory_seconds(s, 2.0 * elementwise);
+  for (const Linear& l : layers) backward.compute_s += device_seconds(s, l.backward(s.rates, s.N, s.precision, trained));
+  backward.compute_s += device_seconds(s, attention_backward) + memory_seconds(s, 2.0 * elementwise);
   backward.communication_s = forward.communication_s;
   if (recompute) backward += forward;
   return {forward, backward};
@@ -116,8 +114,8 @@ std::pair<Cost, Cost> head_cost(const Shapes& s) {
   // Logits written, then read by the softmax and overwritten by their
   // gradient; the final norm's 2 C per row.
   const double bytes = kF32 * (3.0 * static_cast<double>(s.N * V) + 2.0 * static_cast<double>(s.N * C));
-  Cost forward{gemm_seconds(s, head.forward(s.rates, s.N, s.precision)) + memory_seconds(s, bytes), 0.0};
-  Cost backward{gemm_seconds(s, head.backward(s.rates, s.N, s.precision, trained)) + memory_seconds(s, bytes), 0.0};
+  Cost forward{device_seconds(s, head.forward(s.rates, s.N, s.precision)) + memory_seconds(s, bytes), 0.0};
+  Cost backward{device_seconds(s, head.backward(s.rates, s.N, s.precision, trained)) + memory_seconds(s, bytes), 0.0};
   // Vocabulary-parallel cross-entropy: the rows' max, sum and target logit.
   if (s.tp > 1)
     forward.communication_s = 3.0 * s.rates.collective_seconds(Collective::all_reduce, kF32 * static_cast<double>(s.N),

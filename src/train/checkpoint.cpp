@@ -169,9 +169,11 @@ nlohmann::json write_own_shard(const fs::path& staging, int rank, Trainer& t,
   t.visit_own_state([&](FlatRange, const float* params, const float* exp_avg, const float* exp_avg_sq) {
     const float* kinds[3] = {params, exp_avg, exp_avg_sq};
     for (int kind = 0; kind < 3; ++kind)
-      for (const Trainer::StateRun& r : runs[k])
+      for (const Trainer::StateRun& r : runs[k]) {
+        report_progress();
         writer.write_part(piece_tensor(kind, static_cast<int64_t>(k)), kinds[kind] + r.at,
                           static_cast<size_t>(r.n) * 4);
+      }
     ++k;
   });
   writer.finish();
@@ -324,6 +326,7 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
   // Every rank has the same kind of store, so all choose the same format.
   std::optional<std::vector<std::vector<Trainer::StateRun>>> runs;
   if (format == CheckpointFormat::sharded) runs = t.own_state_runs();
+  report_progress("checkpoint write", t.steps_done());
   std::optional<AtomicDirWriter> dir;
   if (rank == 0) {
     fs::create_directories(root);
@@ -359,8 +362,10 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
       optimizer_file.emplace(dir->path(kOptimizerFile), optimizer_specs(layout), metadata);
     }
     t.visit_state([&](FlatRange r, const float* params, const float* exp_avg, const float* exp_avg_sq) {
+      report_progress();
       if (!dir) return;
       for_each_param_in(layout, r, [&](const ParamSpec& p, int64_t at) {
+        report_progress();
         model_file->write(p.name, params + at);
         optimizer_file->write("exp_avg." + p.name, exp_avg + at);
         optimizer_file->write("exp_avg_sq." + p.name, exp_avg_sq + at);
@@ -477,8 +482,10 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
   // Each rank reads the runs of its own layout's pieces, nothing else, in the
   // pieces its store takes them in (staged on the host tier, so the device
   // high-water mark stays the training's).
+  report_progress("checkpoint read", info.step);
   const std::unique_ptr<SavedState> saved_state = open_saved_state(info, layout);
   trainer.load_own_state(state, [&](int64_t global, int64_t n, float* params, float* exp_avg, float* exp_avg_sq) {
+    report_progress();
     saved_state->read(0, global, n, params);
     saved_state->read(1, global, n, exp_avg);
     saved_state->read(2, global, n, exp_avg_sq);

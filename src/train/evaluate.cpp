@@ -32,11 +32,12 @@ EvalResult evaluate_windows(const std::vector<std::filesystem::path>& shards,
   // A batch without real rows (a rank whose slice ran out) still runs its
   // forward: under ZeRO-3 and in a pipeline the forward is collective.
   while (loader.next(inputs, targets)) {
+    report_progress("evaluation", -1, "batch", batches);
     int64_t n = 0;
     for (int32_t t : targets) n += t != -1;
     mine.sum += loss_sum({inputs.data(), targets.data(), {micro_batch, seq_len}}, n);
     mine.tokens += n;
-    if (max_batches > 0 && ++batches >= max_batches) break;
+    if (++batches == max_batches) break;
   }
   // The communicator reduces in fp32 at most, so the ranks' double sums are
   // gathered as bytes and added here in rank order (the same on every rank).

@@ -222,30 +222,35 @@ void check_chunk_bytes(const Config& cfg, const TrainPlan& p, const ParamLayout&
 // plan_memory): a run that cannot fit fails here, before anything is
 // allocated. Throws plan_memory's Error, which names the tier, what it needs
 // and its budget.
+Layout layout_of(const Config& cfg);
+
 void check_memory_fits(const Config& cfg, const TrainPlan& p) {
   // GPT's constructor declares the layout and allocates no parameters.
   const GPT whole(p.model);
   check_chunk_bytes(cfg, p, whole.layout());
-  // What the step holds besides the model state, which plan_memory places itself.
-  const StepMemoryEstimate step =
-      estimate_step_memory(p.model, p.micro_batch, p.seq_len, p.options.checkpoint_activations);
-  double activations = step.total();
-  for (const MemoryTerm& term : step.terms)
-    if (term.name == "parameters" || term.name == "gradients" || term.name == "adamw moments")
-      activations -= term.bytes;
-  // Frozen parameters (LoRA's base, train.freeze) stay out of the chunks:
-  // they live on the device in the working precision, and below fp32 two
+  // What the step holds on the device besides the chunk stores, which
+  // plan_memory places itself: the planner's memory model, the one the
+  // layout search uses (activations, temporaries, LoRA's frozen base).
+  StepMemoryOptions step;
+  step.precision = p.options.zero.precision;
+  step.bucket_bytes = p.options.zero.bucket_bytes;
+  step.memory = p.options.memory;
+  const LayoutProblem problem{.model = p.model, .global_batch = p.global_batch, .seq_len = p.seq_len};
+  const double beside_chunks = device_bytes_beside_chunks(problem, layout_of(cfg), step);
+  // Parameters train.freeze freezes besides the model's own stay out of the
+  // chunks too: on the device in the working precision, and below fp32 two
   // groups of them at a time also in fp32 while acquired (FrozenParamStore).
   const std::vector<bool> frozen = frozen_params(whole.layout(), p.options.freeze);
   const int64_t precision_bytes = static_cast<int64_t>(dtype_size(p.options.zero.precision));
   std::vector<int64_t> frozen_per_group(static_cast<size_t>(whole.layout().num_groups()), 0);
   int64_t frozen_bytes = 0;
-  for (size_t id = 0; id < frozen.size(); ++id)
-    if (frozen[id]) {
-      const ParamSpec& param = whole.layout().params()[id];
+  for (size_t id = 0; id < frozen.size(); ++id) {
+    const ParamSpec& param = whole.layout().params()[id];
+    if (frozen[id] && param.trainable) {
       frozen_bytes += param.numel() * precision_bytes;
       frozen_per_group[static_cast<size_t>(param.group)] += param.numel();
     }
+  }
   if (p.options.zero.precision != DType::f32) {
     std::sort(frozen_per_group.rbegin(), frozen_per_group.rend());
     for (size_t g = 0; g < std::min<size_t>(2, frozen_per_group.size()); ++g) frozen_bytes += 4 * frozen_per_group[g];
@@ -257,10 +262,10 @@ void check_memory_fits(const Config& cfg, const TrainPlan& p) {
   budgets[Tier::device] = budget("memory.device_budget");
   budgets[Tier::host] = budget("memory.host_budget");
   budgets[Tier::nvme] = std::numeric_limits<int64_t>::max();
-  const bool any_frozen = frozen_bytes > 0;
+  const bool any_frozen = std::find(frozen.begin(), frozen.end(), true) != frozen.end();
   plan_memory(any_frozen ? trainable_layout(whole.layout(), frozen) : whole.layout(), p.options.memory,
               p.options.zero.precision, static_cast<int>(p.dp),
-              static_cast<int64_t>(std::ceil(activations)) + frozen_bytes, budgets);
+              static_cast<int64_t>(std::ceil(beside_chunks)) + frozen_bytes, budgets);
 }
 
 }  // namespace
@@ -386,6 +391,13 @@ TrainPlan plan_training(const Config& cfg) {
   p.nproc = static_cast<int>(ranks);
   p.backend = cfg.get<std::string>("parallel.backend");
   check_launcher(cfg, p.backend, ranks, tp * pp);
+  const double watchdog = cfg.get<double>("train.watchdog_timeout");
+  // The watchdog samples every tenth of its timeout: below 0.1 s it would
+  // wake more often than every 10 ms and trip on scheduling noise.
+  if (watchdog > 0 && watchdog < 0.1)
+    throw ConfigError(cfg, "train.watchdog_timeout", str("is ", watchdog, " s, shorter than the 0.1 s minimum"),
+                      "set train.watchdog_timeout to at least a few seconds, or to 0 to turn the watchdog off");
+  p.watchdog_timeout = std::chrono::milliseconds(std::llround(watchdog * 1000.0));
 
   if (p.seq_len > p.model.block_size)
     throw ConfigError(cfg, "train.seq_len", str("may not exceed the model's context block_size = ", p.model.block_size),

@@ -15,6 +15,7 @@
 #include "loom/comm.h"
 #include "loom/config.h"
 #include "loom/data.h"
+#include "loom/inference.h"
 #include "loom/io.h"
 #include "loom/device.h"
 #include "loom/planner.h"
@@ -366,6 +367,7 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
   int64_t window_steps = 0;
   // Writing the trace is not step time.
   auto write_timeline = [&] {
+    report_progress("trace write", last_traced);
     const double t = seconds_now();
     write_trace(plan.trace_path, *recorder, world);
     if (tty) std::printf("\n");
@@ -393,6 +395,7 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
         t_window += seconds_now() - t;
       }
       const TraceStep trace_step(traced ? recorder.get() : nullptr, done);
+      report_progress("data load", done);
       {
         const TraceScope load(TraceCategory::data, "load batch");
         for (int64_t m = 0; m < plan.accumulation; ++m) {
@@ -566,17 +569,21 @@ RunResult run_training(const Config& cfg, const RunOptions& run) {
   if (plan.reference() && plan.backend == "local") {
     MemoryContext memory;
     MemoryContext::Install install(memory);
-    return train_rank(cfg, plan, run, nullptr);
+    RunResult result;
+    run_watched(plan.watchdog_timeout, [&] { result = train_rank(cfg, plan, run, nullptr); });
+    return result;
   }
   // Every rank ends with the same result (each validates the whole split, and
   // they agree on a stop); under mpi each process returns its own.
   RunResult result;
   std::mutex result_mutex;
+  CommOptions options;
+  options.watchdog_timeout = plan.watchdog_timeout;
   launch(plan.backend, plan.nproc, [&](Communicator& world) {
     const RunResult r = train_rank(cfg, plan, run, plan.reference() ? nullptr : &world);
     const std::lock_guard lock(result_mutex);
     result = r;
-  });
+  }, options);
   return result;
 }
 

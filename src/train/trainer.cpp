@@ -94,9 +94,9 @@ void for_each_whole_run(const ParamLayout& local, const ParamLayout& whole, Fn f
 class MicroBatchWork final : public PipelineStageWork {
  public:
   MicroBatchWork(GPT& model, ParamStore& ps, GradStore& gs, std::span<const MicroBatch> micro_batches,
-                 const ForwardOptions& base, float dloss, bool reduce_last)
+                 const ForwardOptions& base, float dloss, bool reduce_last, int64_t step)
       : model_(model), ps_(ps), gs_(gs), micro_batches_(micro_batches), base_(base), dloss_(dloss),
-        reduce_last_(reduce_last), states_(micro_batches.size()), begun_(micro_batches.size(), false),
+        reduce_last_(reduce_last), step_(step), states_(micro_batches.size()), begun_(micro_batches.size(), false),
         loss_sum_(Tensor::zeros({1}, DType::f64)) {}
 
   Shape activation_shape(int, int micro_batch) const override {
@@ -104,6 +104,7 @@ class MicroBatchWork final : public PipelineStageWork {
     return {model_.parallel().tp.local_rows(mb.shape.N()), model_.config().n_embd};
   }
   Tensor forward(int chunk, int micro_batch, const Tensor& input) override {
+    if (step_ >= 0) report_progress("forward", step_, "micro-batch", micro_batch);
     const size_t m = static_cast<size_t>(micro_batch);
     if (!begun_[m]) {
       const MicroBatch& mb = micro_batches_[m];
@@ -115,6 +116,7 @@ class MicroBatchWork final : public PipelineStageWork {
     return model_.forward_chunk(ps_, states_[m], chunk, input);
   }
   Tensor backward(int chunk, int micro_batch, const Tensor& grad_output) override {
+    if (step_ >= 0) report_progress("backward", step_, "micro-batch", micro_batch);
     // Without model-parallel reductions the last micro-batch's buckets start
     // the data-parallel reduction during backward, as in the dp-only step.
     gs_.set_reduce(reduce_last_ && micro_batch + 1 == static_cast<int>(micro_batches_.size()));
@@ -138,6 +140,7 @@ class MicroBatchWork final : public PipelineStageWork {
   ForwardOptions base_;
   float dloss_;
   bool reduce_last_;
+  int64_t step_;  // the training step being run, for progress reports; -1: evaluation
   std::vector<MicroBatchState> states_;
   std::vector<bool> begun_;
   Tensor loss_sum_;  // [1] f64 on the device, shared by the micro-batches
@@ -330,11 +333,14 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
       // Gradient accumulation: only the last micro-batch's buckets communicate.
       grads_->set_reduce(m + 1 == micro_batches.size());
       MicroBatchState s;
+      report_progress("forward", steps_ + 1, "micro-batch", static_cast<int64_t>(m));
       model_.forward(*params_, s, mb.tokens, mb.targets, mb.shape, fo, device_loss_sum);
+      report_progress("backward", steps_ + 1, "micro-batch", static_cast<int64_t>(m));
       model_.backward(*params_, *grads_, s, dloss);
     }
     loss_sum = device_loss_sum.clone(Tier::host).data<double>()[0];
   }
+  report_progress("gradient reduction", steps_ + 1);
   grads_->finish();
   params_->end_step();
   if (dp_) {
@@ -344,6 +350,7 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
     throw Error(str("the loss is ", loss_sum, " (not finite) at step ", steps_ + 1,
                     ": training diverged; lower train.lr, enable train.grad_clip, or use a lower-risk precision"));
   stats.loss = static_cast<float>(loss_sum / static_cast<double>(targets));
+  report_progress("optimizer", steps_ + 1);
   if (opts_.on_gradients) opts_.on_gradients(*grads_);
   stats.lr = opts_.schedule.at(steps_);
   return apply_update(stats);
@@ -352,7 +359,7 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
 double Trainer::run_micro_batches(std::span<const MicroBatch> micro_batches, const ForwardOptions& base, float dloss) {
   const ModelParallelOptions& o = opts_.model_parallel;
   Communicator& pipeline = mesh_->group(MeshAxis::pp);
-  MicroBatchWork work(model_, *params_, *grads_, micro_batches, base, dloss, !defer_reduction_);
+  MicroBatchWork work(model_, *params_, *grads_, micro_batches, base, dloss, !defer_reduction_, steps_ + 1);
   pipeline_timing_ = run_pipeline(pipeline, o.schedule, static_cast<int>(micro_batches.size()), o.virtual_stages, work);
   if (defer_reduction_) reduce_model_parallel_gradients();
   return work.loss_sum(pipeline);
@@ -414,7 +421,7 @@ double Trainer::loss_sum(const MicroBatch& mb) {
     model_.forward(*params_, s, mb.tokens, mb.targets, mb.shape, fo);
     return s.host_loss_sum();
   }
-  MicroBatchWork work(model_, *params_, *grads_, {&mb, 1}, fo, 0.0f, false);
+  MicroBatchWork work(model_, *params_, *grads_, {&mb, 1}, fo, 0.0f, false, -1);
   Communicator& pipeline = mesh_->group(MeshAxis::pp);
   run_pipeline(pipeline, PipelineSchedule::gpipe, 1, opts_.model_parallel.virtual_stages, work, true);
   return work.loss_sum(pipeline);

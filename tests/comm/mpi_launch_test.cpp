@@ -57,4 +57,13 @@ TEST(MpiLaunch, TimeoutEndsEveryRankNamingOperationAndMissingRank) {
   EXPECT_LT(job.seconds, 10.0) << job.output;
 }
 
+TEST(MpiLaunch, StalledRankEndsEveryRankNamingItsPhase) {
+  const JobResult job = run_job("hang", 3);
+  EXPECT_NE(job.exit_code, 0) << job.output;
+  EXPECT_TRUE(contains(job.output, "loom: rank 1 failed: made no progress for ")) << job.output;
+  EXPECT_TRUE(contains(job.output, " while in 'forward step 2 micro-batch 0' (watchdog timeout 1.0 s)"))
+      << job.output;
+  EXPECT_LT(job.seconds, 10.0) << job.output;
+}
+
 }  // namespace

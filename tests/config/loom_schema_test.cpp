@@ -19,7 +19,7 @@ TEST(LoomSchema, HasTheKeysTheTrainerReads) {
         "train.min_lr", "train.warmup_steps", "train.weight_decay", "train.beta1", "train.beta2", "train.eps",
         "train.grad_clip", "train.seed", "train.log_interval", "train.eval_interval", "train.eval_batches",
         "train.checkpoint_interval", "train.keep_last", "train.out_dir", "train.activation_checkpointing",
-        "train.sample_tokens", "train.sample_prompt", "data.dir", "data.text", "data.vocab_size",
+        "train.sample_tokens", "train.sample_prompt", "train.watchdog_timeout", "data.dir", "data.text", "data.vocab_size",
         "data.val_fraction", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.sequence_parallel",
         "parallel.schedule", "parallel.virtual_stages", "parallel.stage_layers", "parallel.backend", "parallel.nproc",
         "zero.stage", "zero.bucket_mb", "precision", "loss_scale.initial", "loss_scale.growth_interval",

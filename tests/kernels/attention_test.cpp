@@ -243,28 +243,96 @@ TEST(GroupedQueryAttention, ResultsDoNotDependOnThreadCount) {
   }
 }
 
-TEST(AttentionCached, MatchesFullAttentionChunkByChunk) {
-  // A prompt of 5 positions, then one at a time: each chunk's output is the
-  // full causal attention's rows for those positions.
-  const int64_t B = 2, T = 12, C = 24, NH = 4, block_size = 16;
+// Sequences of different lengths decoded together: each is a whole
+// sequence's qkv [T, row] whose first `cached` positions enter its cache in
+// an earlier call (a prefill), the rest in a later one.
+struct DecodeSeq {
+  int64_t T, cached;
+};
+
+// Runs attention_decode over the sequences in two calls (their cached
+// prefixes, then the remaining rows, all sequences packed together) and
+// returns out and lse of every sequence's rows in sequence order, [T, C]
+// and [T, NH] each. The caches live in one buffer in reverse slot order.
+struct DecodeRun {
+  std::vector<float> out, lse;
+};
+DecodeRun decode_in_two_calls(const std::vector<std::vector<float>>& qkv, const std::vector<DecodeSeq>& seqs,
+                              int64_t C, int64_t NH, int64_t NKV, int64_t max_len) {
+  const int64_t S = static_cast<int64_t>(seqs.size()), hs = C / NH, row = C + 2 * NKV * hs;
+  const int64_t slot = NKV * max_len * hs;
+  std::vector<float> k(static_cast<size_t>(S * slot), NAN), v(k.size(), NAN);
+  std::vector<float*> kp, vp;
+  for (int64_t s = 0; s < S; ++s) {
+    kp.push_back(k.data() + (S - 1 - s) * slot);
+    vp.push_back(v.data() + (S - 1 - s) * slot);
+  }
+  std::vector<std::vector<float>> out(seqs.size()), lse(seqs.size());
+  for (int call = 0; call < 2; ++call) {
+    std::vector<int32_t> lens, offsets{0};
+    std::vector<float> packed;
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      const int64_t first = call == 0 ? 0 : seqs[s].cached, last = call == 0 ? seqs[s].cached : seqs[s].T;
+      lens.push_back(static_cast<int32_t>(first));
+      offsets.push_back(offsets.back() + static_cast<int32_t>(last - first));
+      packed.insert(packed.end(), qkv[s].begin() + first * row, qkv[s].begin() + last * row);
+    }
+    const int64_t N = offsets.back();
+    std::vector<float> o(static_cast<size_t>(N * C)), l(static_cast<size_t>(N * NH));
+    attention_decode(o.data(), l.data(), kp.data(), vp.data(), packed.data(), lens.data(), offsets.data(), S, N, C,
+                     NH, NKV, max_len);
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      out[s].insert(out[s].end(), o.begin() + offsets[s] * C, o.begin() + offsets[s + 1] * C);
+      lse[s].insert(lse[s].end(), l.begin() + offsets[s] * NH, l.begin() + offsets[s + 1] * NH);
+    }
+  }
+  DecodeRun r;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    r.out.insert(r.out.end(), out[s].begin(), out[s].end());
+    r.lse.insert(r.lse.end(), lse[s].begin(), lse[s].end());
+  }
+  return r;
+}
+
+TEST(AttentionDecode, MatchesTheFullCausalForwardPerSequence) {
+  // One token after a long cache, a prefill longer than a query tile, an
+  // empty cache, several new rows after a short one.
+  const std::vector<DecodeSeq> seqs{{90, 89}, {150, 5}, {7, 0}, {30, 26}};
+  const int64_t C = 24, NH = 4, max_len = 160;
   for (int64_t NKV : {int64_t{1}, int64_t{2}, NH}) {
     SCOPED_TRACE(::testing::Message() << "NKV=" << NKV);
-    const GqaCase c{B, T, C, NH, NKV};
-    const auto qkv = random_vector(B * T * c.row(), 1, -2.0f, 2.0f);
-    std::vector<float> full(B * T * C), lse(B * NH * T);
-    attention_forward(full.data(), lse.data(), qkv.data(), B, T, C, NH, NKV);
-    std::vector<float> k_cache(B * NKV * block_size * (C / NH)), v_cache(k_cache.size()), cached(B * T * C);
-    for (int64_t pos0 = 0; pos0 < T;) {
-      const int64_t n = pos0 == 0 ? 5 : 1;
-      std::vector<float> chunk(B * n * c.row()), out(B * n * C);
-      for (int64_t b = 0; b < B; ++b)
-        std::copy_n(&qkv[(b * T + pos0) * c.row()], n * c.row(), &chunk[b * n * c.row()]);
-      attention_cached(out.data(), k_cache.data(), v_cache.data(), chunk.data(), B, n, pos0, block_size, C, NH, NKV);
-      for (int64_t b = 0; b < B; ++b) std::copy_n(&out[b * n * C], n * C, &cached[(b * T + pos0) * C]);
-      pos0 += n;
+    const int64_t row = C + 2 * NKV * (C / NH);
+    std::vector<std::vector<float>> qkv;
+    std::vector<float> want_out, want_lse;
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      const int64_t T = seqs[s].T;
+      qkv.push_back(random_vector(T * row, 10 + s, -2.0f, 2.0f));
+      std::vector<float> out(T * C), lse(NH * T);
+      attention_forward(out.data(), lse.data(), qkv.back().data(), 1, T, C, NH, NKV);
+      want_out.insert(want_out.end(), out.begin(), out.end());
+      for (int64_t t = 0; t < T; ++t)  // [NH, T] -> [T, NH]
+        for (int64_t h = 0; h < NH; ++h) want_lse.push_back(lse[h * T + t]);
     }
-    kernel_testing::expect_close("out", cached, kernel_testing::to_double(full), 1e-5, 1e-5);
+    const DecodeRun got = decode_in_two_calls(qkv, seqs, C, NH, NKV, max_len);
+    kernel_testing::expect_close("out", got.out, kernel_testing::to_double(want_out), 1e-5, 1e-5);
+    kernel_testing::expect_close("lse", got.lse, kernel_testing::to_double(want_lse), 1e-5, 1e-5);
   }
+}
+
+TEST(AttentionDecode, ResultsDoNotDependOnThreadCountOrTheRestOfTheBatch) {
+  const std::vector<DecodeSeq> seqs{{70, 3}, {12, 11}, {40, 20}};
+  const int64_t C = 32, NH = 4, NKV = 2, max_len = 80, row = C + 2 * NKV * (C / NH);
+  std::vector<std::vector<float>> qkv;
+  for (size_t s = 0; s < seqs.size(); ++s) qkv.push_back(random_vector(seqs[s].T * row, 20 + s, -2.0f, 2.0f));
+  kernel_testing::expect_thread_invariant([&] {
+    const DecodeRun r = decode_in_two_calls(qkv, seqs, C, NH, NKV, max_len);
+    return kernel_testing::concat({&r.out, &r.lse});
+  });
+  // The last sequence alone gives the bits it gets in the batch.
+  const DecodeRun all = decode_in_two_calls(qkv, seqs, C, NH, NKV, max_len);
+  const DecodeRun alone = decode_in_two_calls({qkv.back()}, {seqs.back()}, C, NH, NKV, max_len);
+  const std::vector<float> tail(all.out.end() - static_cast<std::ptrdiff_t>(alone.out.size()), all.out.end());
+  EXPECT_EQ(tail, alone.out);
 }
 
 }  // namespace

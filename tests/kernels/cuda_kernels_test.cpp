@@ -380,5 +380,47 @@ TEST_F(CudaKernels, AttentionForwardAndBackwardMatchCpu) {
   }
 }
 
+TEST_F(CudaKernels, AttentionDecodeMatchesCpu) {
+  // Three sequences: one new row after a cache, a prefill, several rows
+  // after a short cache; grouped-query heads of sizes 20 and 80.
+  const std::vector<int32_t> lens{33, 0, 4}, offsets{0, 1, 41, 46};
+  const int64_t S = 3, N = 46, NH = 4, NKV = 2, max_len = 48;
+  for (int64_t C : {int64_t{80}, int64_t{320}}) {
+    const int64_t hs = C / NH, row = C + 2 * NKV * hs, slot = NKV * max_len * hs;
+    const std::string what = "attention_decode hs=" + std::to_string(hs);
+    const auto qkv = random_vector(N * row, 1, -2.0f, 2.0f);
+    // The earlier positions' keys and values (the rest of each cache too).
+    const auto k0 = random_vector(S * slot, 2, -2.0f, 2.0f), v0 = random_vector(S * slot, 3);
+    std::vector<float> out(N * C), lse(N * NH), k = k0, v = v0;
+    std::vector<float*> kp, vp;
+    for (int64_t i = 0; i < S; ++i) {
+      kp.push_back(k.data() + i * slot);
+      vp.push_back(v.data() + i * slot);
+    }
+    cpu::attention_decode(out.data(), lse.data(), kp.data(), vp.data(), qkv.data(), lens.data(), offsets.data(), S, N,
+                          C, NH, NKV, max_len);
+    const auto got = run_twice(what, [&] {
+      DeviceVector<float> x(qkv), o(zeros(N * C)), l(zeros(N * NH)), dk(k0), dv(v0);
+      std::vector<float*> hk, hv;
+      for (int64_t i = 0; i < S; ++i) {
+        hk.push_back(dk.get() + i * slot);
+        hv.push_back(dv.get() + i * slot);
+      }
+      DeviceVector<float*> pk(hk), pv(hv);
+      DeviceVector<int32_t> dl(lens), doff(offsets);
+      attention_decode(o.get(), l.get(), pk.get(), pv.get(), x.get(), dl.get(), doff.get(), S, N, C, NH, NKV, max_len,
+                       stream_);
+      const auto ho = o.host(), hl = l.host(), hkc = dk.host(), hvc = dv.host();
+      return concat({&ho, &hl, &hkc, &hvc});
+    });
+    size_t at = 0;
+    for (const auto& [name, want] : {std::pair<std::string, const std::vector<float>*>{" out", &out},
+                                     {" lse", &lse}, {" k cache", &k}, {" v cache", &v}}) {
+      expect_close(what + name, {got.begin() + at, got.begin() + at + want->size()}, *want, kGemmTol);
+      at += want->size();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace loom::cuda

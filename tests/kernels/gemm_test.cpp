@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
+#include <tuple>
 
 #include "kernel_test_util.h"
 #include "kernels/cpu/partition.h"
@@ -39,8 +41,11 @@ void expect_matches_reference_for_all_transposes(const char* what, GemmFn fn, in
 
 // One tile, several tiles along the rows of C, several along its columns.
 TEST(Gemm, MatchesReferenceForAllTransposesOnStridedViews) {
-  for (const auto& [M, N, K] : {std::array<int64_t, 3>{37, 29, 53}, {300, 21, 17}, {19, 290, 23}})
-    expect_matches_reference_for_all_transposes("gemm", gemm, M, N, K, 1e-5);
+  for (const auto& [M, N, K] : {std::array<int64_t, 3>{37, 29, 53}, {300, 21, 17}, {19, 290, 23}}) {
+    expect_matches_reference_for_all_transposes("gemm", [](auto... args) { gemm(args...); }, M, N, K, 1e-5);
+    expect_matches_reference_for_all_transposes(
+        "gemm with fixed row blocks", [](auto... args) { gemm(args..., RowBlocking::fixed); }, M, N, K, 1e-5);
+  }
 }
 
 TEST(Gemm, EmptyInnerDimensionScalesC) {
@@ -80,6 +85,38 @@ TEST(GemmSplitK, ResultDoesNotDependOnThreadCount) {
     gemm_split_k(true, false, M, N, K, 1.0f, A.data(), M, B.data(), N, 1.0f, C.data(), N);
     return C;
   });
+}
+
+TEST(Gemm, FixedRowBlocksGiveEachRowTheBitsItGetsAlone) {
+  // Shapes where BLAS's own kernels change with the row count, transposed A
+  // included; beta adds into C.
+  for (const auto& [N, K, trans_a] : {std::tuple{int64_t{64}, int64_t{64}, false},
+                                      std::tuple{int64_t{768}, int64_t{256}, false},
+                                      std::tuple{int64_t{2048}, int64_t{1024}, true}}) {
+    SCOPED_TRACE(::testing::Message() << "N=" << N << " K=" << K << " trans_a=" << trans_a);
+    const int64_t M = 19;
+    const auto A = random_vector(M * K, 1), B = random_vector(N * K, 2), C0 = random_vector(M * N, 3);
+    auto run = [&](int64_t first, int64_t rows) {  // rows [first, first + rows) of the product
+      std::vector<float> a(static_cast<size_t>(rows * K)), c(C0.begin() + first * N, C0.begin() + (first + rows) * N);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < K; ++k) a[r * K + k] = A[(first + r) * K + k];
+      std::vector<float> at(a.size());  // op(A) = a when A is stored transposed
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < K; ++k) at[k * rows + r] = a[r * K + k];
+      gemm(trans_a, true, rows, N, K, 0.5f, trans_a ? at.data() : a.data(), trans_a ? rows : K, B.data(), K, 1.0f,
+           c.data(), N, RowBlocking::fixed);
+      return c;
+    };
+    const std::vector<float> all = run(0, M);
+    for (int64_t first : {int64_t{0}, int64_t{8}, int64_t{13}}) {
+      const std::vector<float> one = run(first, 1), some = run(first, 3);
+      EXPECT_TRUE(std::equal(one.begin(), one.end(), all.begin() + first * N)) << "row " << first << " alone";
+      EXPECT_TRUE(std::equal(some.begin(), some.begin() + N, all.begin() + first * N)) << "row " << first;
+    }
+    const std::vector<double> want =
+        kernel_testing::reference_gemm(false, true, M, N, K, 0.5f, A.data(), K, B.data(), K, 1.0f, C0.data(), N);
+    kernel_testing::expect_close("fixed rows", all, want, 1e-5, 1e-5);
+  }
 }
 
 }  // namespace

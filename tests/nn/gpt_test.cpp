@@ -199,39 +199,5 @@ TEST(GPT, MicroBatchesAccumulateToTheFullBatchGradient) {
   for (int64_t i = 0; i < full.numel(); ++i) ASSERT_NEAR(a[i], b[i], 1e-6 * scale) << "element " << i;
 }
 
-TEST(GPT, KVCacheMatchesTheFullForward) {
-  GPTConfig cfg = small_config();
-  GPT model(cfg);
-  ParamStore ps(model.layout(), 11);
-  const int64_t B = 2, T = 9;
-  std::vector<int32_t> tok = random_tokens(B * T, cfg.vocab_size, 12);
-  ForwardOptions fo;
-  fo.training = false;
-  MicroBatchState s;
-  model.forward(ps, s, tok.data(), tok.data(), {B, T}, fo);
-  Tensor full = s.logits.clone(Tier::host);
-
-  // Prompt of 5 tokens, then one token at a time.
-  KVCache cache(cfg, B);
-  std::vector<int32_t> chunk(static_cast<size_t>(B * 5));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < 5; ++t) chunk[static_cast<size_t>(b * 5 + t)] = tok[static_cast<size_t>(b * T + t)];
-  Tensor logits = model.forward_cached(ps, cache, chunk.data(), 5).clone(Tier::host);
-  for (int64_t t = 5; t <= T; ++t) {
-    const int64_t V = cfg.vocab_size;
-    for (int64_t b = 0; b < B; ++b) {
-      const float* want = full.data<float>() + (b * T + t - 1) * V;
-      for (int64_t v = 0; v < V; ++v) ASSERT_NEAR(logits.data<float>()[b * V + v], want[v], 1e-5f);
-    }
-    if (t == T) break;
-    int32_t next[2] = {tok[static_cast<size_t>(t)], tok[static_cast<size_t>(T + t)]};
-    logits = model.forward_cached(ps, cache, next, 1).clone(Tier::host);
-  }
-  EXPECT_EQ(cache.length(), T);
-  int32_t more[2] = {0, 0};
-  for (int64_t t = T; t < cfg.block_size; ++t) model.forward_cached(ps, cache, more, 1);
-  EXPECT_THROW(model.forward_cached(ps, cache, more, 1), Error);  // the context is full
-}
-
 }  // namespace
 }  // namespace loom

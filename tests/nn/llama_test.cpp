@@ -127,37 +127,5 @@ TEST(LlamaModel, ActivationCheckpointingGivesBitIdenticalGradients) {
   }
 }
 
-TEST(LlamaModel, KVCacheGenerationMatchesTheFullForward) {
-  const GPTConfig cfg = tiny_llama();
-  GPT model(cfg);
-  ParamStore ps(model.layout(), 11);
-  const int64_t B = 2, T = 11, V = cfg.vocab_size, prompt = 4;
-  const std::vector<int32_t> tok = random_tokens(B * T, V, 12);
-  ForwardOptions fo;
-  fo.training = false;
-  MicroBatchState s;
-  model.forward(ps, s, tok.data(), tok.data(), {B, T}, fo);
-  const Tensor full = s.logits.clone(Tier::host);
-
-  // A prompt, then one token at a time: every position's keys are rotated
-  // by its own position, whenever it entered the cache.
-  KVCache cache(cfg, B);
-  std::vector<int32_t> chunk;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < prompt; ++t) chunk.push_back(tok[static_cast<size_t>(b * T + t)]);
-  Tensor logits = model.forward_cached(ps, cache, chunk.data(), prompt).clone(Tier::host);
-  for (int64_t t = prompt;; ++t) {
-    for (int64_t b = 0; b < B; ++b) {
-      const float* want = full.data<float>() + (b * T + t - 1) * V;
-      for (int64_t v = 0; v < V; ++v)
-        ASSERT_NEAR(logits.data<float>()[b * V + v], want[v], 1e-5f) << "position " << t - 1 << ", sequence " << b;
-    }
-    if (t == T) break;
-    const int32_t next[2] = {tok[static_cast<size_t>(t)], tok[static_cast<size_t>(T + t)]};
-    logits = model.forward_cached(ps, cache, next, 1).clone(Tier::host);
-  }
-  EXPECT_EQ(cache.length(), T);
-}
-
 }  // namespace
 }  // namespace loom

@@ -55,6 +55,24 @@ TEST(MachineRates, GemmTimeInterpolatesInLogSpaceAndClampsToTheGrid) {
   EXPECT_DOUBLE_EQ(hw.gemm_seconds(100, 200, 300), flops(100, 200, 300) / 2.5e11);
 }
 
+TEST(MachineRates, AttentionTimeIsMeasuredOrPricedAtItsProductsRate) {
+  MachineRates r = synthetic();
+  // Without measurements: 2 T^2 hs flops at the (T, T, hs) GEMM's rate,
+  // 2.5 times that backward.
+  const double forward = r.attention_seconds(256, 64, false);
+  EXPECT_NEAR(forward / r.gemm_seconds(256, 256, 64), 1.0, 1e-12);
+  EXPECT_NEAR(r.attention_seconds(256, 64, true) / forward, 2.5, 1e-12);
+  // Measured: the sample's time at a grid point; between points, a rate that
+  // is a power law of the shape is reproduced exactly.
+  auto time = [](int64_t T, int64_t hs, double rate) { return 2.0 * T * T * hs / rate; };
+  auto rate = [](int64_t T, int64_t hs) { return 1e8 * std::pow(double(T), 0.5) * std::pow(double(hs), 0.25); };
+  for (int64_t T : {64, 1024})
+    for (int64_t hs : {32, 128}) r.attention.push_back({T, hs, time(T, hs, rate(T, hs)), 3 * time(T, hs, rate(T, hs))});
+  EXPECT_NEAR(r.attention_seconds(64, 128, false) / time(64, 128, rate(64, 128)), 1.0, 1e-12);
+  EXPECT_NEAR(r.attention_seconds(300, 50, false) / time(300, 50, rate(300, 50)), 1.0, 1e-9);
+  EXPECT_NEAR(r.attention_seconds(300, 50, true) / (3 * time(300, 50, rate(300, 50))), 1.0, 1e-9);
+}
+
 TEST(MachineRates, CollectivesUseTheMeasuredFitElseARingOverTheRightLink) {
   const MachineRates r = synthetic();
   EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::all_reduce, 1e6, 2), 2e-6 + 1e6 / 4e9);
@@ -76,6 +94,7 @@ TEST(MachineRates, FileRoundTripsEveryField) {
   r.nvme_read_bytes_per_s = 2e9;
   r.nvme_write_bytes_per_s = 1e9;
   r.collectives.push_back({Collective::send_recv, 2, {0.0, 7e9}});
+  r.attention = {{64, 32, 1e-5, 3e-5}, {64, 64, 2e-5, 5e-5}, {256, 32, 1e-4, 3e-4}, {256, 64, 2e-4, 6e-4}};
   save_machine_rates(r, dir.path() / "rates.json");
   const MachineRates back = load_machine_rates(dir.path() / "rates.json");
   EXPECT_EQ(back.description, r.description);
@@ -84,6 +103,9 @@ TEST(MachineRates, FileRoundTripsEveryField) {
     EXPECT_EQ(back.gemm[i].m, r.gemm[i].m);
     EXPECT_EQ(back.gemm[i].flops_per_s, r.gemm[i].flops_per_s);
   }
+  ASSERT_EQ(back.attention.size(), 4u);
+  EXPECT_EQ(back.attention[3].seq_len, 256);
+  EXPECT_EQ(back.attention[3].backward_s, 6e-4);
   ASSERT_EQ(back.collectives.size(), 2u);
   EXPECT_EQ(back.collectives[1].op, Collective::send_recv);
   EXPECT_EQ(back.collectives[1].cost.bytes_per_s, 7e9);
@@ -134,6 +156,11 @@ TEST(MachineRates, BadFilesNameTheFileAndTheField) {
   EXPECT_NE(e.find("description must be a string"), std::string::npos) << e;
   e = error_with("{", "[");
   EXPECT_NE(e.find("not valid JSON"), std::string::npos) << e;
+  MachineRates holey_attention = synthetic();
+  holey_attention.attention = {{64, 32, 1e-5, 3e-5}, {64, 64, 2e-5, 5e-5}, {256, 32, 1e-4, 3e-4}};
+  save_machine_rates(holey_attention, dir.path() / "attention.json");
+  e = error_of([&] { load_machine_rates(dir.path() / "attention.json"); });
+  EXPECT_NE(e.find("attention must hold each (seq_len, head_dim) of a full grid"), std::string::npos) << e;
   // A grid with a corner missing cannot be interpolated.
   MachineRates holed = synthetic();
   holed.gemm.pop_back();
@@ -145,6 +172,8 @@ TEST(MachineRates, BadFilesNameTheFileAndTheField) {
 TEST(Calibration, MeasuresEveryRateOnASmallGrid) {
   CalibrationOptions o;
   o.gemm_sizes = {16, 64};
+  o.attention_seq_lens = {16, 64};
+  o.attention_head_dims = {8, 16};
   o.groups = {2};
   o.memory_bytes = 1 << 20;
   std::vector<std::string> lines;
@@ -162,7 +191,12 @@ TEST(Calibration, MeasuresEveryRateOnASmallGrid) {
     EXPECT_GE(c.cost.latency_s, 0.0);
   }
   EXPECT_GT(r.intra_node.bytes_per_s, 0.0);
-  EXPECT_EQ(lines.size(), 3u);  // gemm, memory, collectives
+  ASSERT_EQ(r.attention.size(), 4u);
+  for (const AttentionSample& a : r.attention) {
+    EXPECT_GT(a.forward_s, 0.0);
+    EXPECT_GT(a.backward_s, 0.0);
+  }
+  EXPECT_EQ(lines.size(), 4u);  // gemm, attention, memory, collectives
   // What calibrate measured, the planner reads back.
   testing::TempDir dir;
   save_machine_rates(r, dir.path() / "c.json");

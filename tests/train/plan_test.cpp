@@ -62,6 +62,17 @@ TEST(PlanTraining, DefaultsAreTheSingleRankReference) {
   EXPECT_TRUE(p.reference());
 }
 
+TEST(PlanTraining, WatchdogTimeoutIsInSecondsAndZeroOrAtLeastATenth) {
+  EXPECT_EQ(plan_training(tiny()).watchdog_timeout, std::chrono::seconds(60));
+  EXPECT_EQ(plan_training(tiny({"train.watchdog_timeout=2.5"})).watchdog_timeout, std::chrono::milliseconds(2500));
+  EXPECT_EQ(plan_training(tiny({"train.watchdog_timeout=0"})).watchdog_timeout.count(), 0);
+  const std::string e = error_of([] { plan_training(tiny({"train.watchdog_timeout=0.05"})); });
+  EXPECT_CONTAINS(e, "train.watchdog_timeout");
+  EXPECT_CONTAINS(e, "shorter than the 0.1 s minimum");
+  EXPECT_CONTAINS(e, "or to 0 to turn the watchdog off");
+  EXPECT_CONTAINS(error_of([] { tiny({"train.watchdog_timeout=-1"}); }), "train.watchdog_timeout");
+}
+
 TEST(PlanTraining, LoRAKeysFillTheModelsAdapters) {
   EXPECT_FALSE(plan_training(tiny()).model.lora.enabled());
   const TrainPlan p = plan_training(tiny({"lora.r=4", "lora.alpha=16", "lora.targets=c_attn, mlp.c_proj"}));

@@ -22,6 +22,7 @@
 #include "test_util.h"
 #include "loom/config.h"
 #include "loom/data.h"
+#include "loom/inference.h"
 #include "loom/io.h"
 #include "loom/train.h"
 
@@ -676,23 +677,6 @@ TEST_F(MainJob, GenerationIsSeededAndEvaluationReportsPerCharLoss) {
   const EvalResult r = evaluate(model, ps, {d.val.file}, 32, 2, d.val.chars_per_token());
   EXPECT_DOUBLE_EQ(r.loss_per_token, final_eval.loss_per_token);
   EXPECT_NEAR(r.loss_per_char * d.val.chars_per_token(), r.loss_per_token, 1e-9);
-}
-
-TEST(Sampler, GreedyTopKAndTopP) {
-  const float logits[5] = {0.1f, 3.0f, 2.9f, -1.0f, 0.0f};
-  SampleOptions greedy;
-  greedy.temperature = 0.0f;
-  EXPECT_EQ(sample_token(logits, 5, greedy, 0), 1);
-  SampleOptions k2;
-  k2.top_k = 2;
-  for (uint64_t d = 0; d < 200; ++d) {
-    const int32_t t = sample_token(logits, 5, k2, d);
-    EXPECT_TRUE(t == 1 || t == 2);
-  }
-  SampleOptions p;
-  p.temperature = 1.0f;
-  p.top_p = 0.3f;  // the top token alone has about half the mass
-  for (uint64_t d = 0; d < 200; ++d) EXPECT_EQ(sample_token(logits, 5, p, d), 1);
 }
 
 // A traced run's timeline on every layout: each rank has a step span per

@@ -1,12 +1,15 @@
 // The `loom` command line: prepare, train, generate, eval, export, calibrate.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <fstream>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <nlohmann/json.hpp>
 
 #include "loom/config.h"
 #include "loom/data.h"
+#include "loom/inference.h"
 #include "loom/io.h"
 #include "loom/planner.h"
 #include "loom/train.h"
@@ -119,6 +122,17 @@ int main(int argc, char** argv) {
   gen->add_option("--top-k", so.top_k, "keep the k most likely tokens; 0 = all");
   gen->add_option("--top-p", so.top_p, "nucleus: keep the most likely tokens up to this probability");
   gen->add_option("--seed", so.seed, "sampling seed")->capture_default_str();
+  std::string prompts_path, results_path;
+  int64_t max_batch = 8;
+  gen->add_option("--prompts", prompts_path,
+                  "generate for every prompt of a file: one per line, or JSONL objects {\"prompt\": ..., "
+                  "\"max_tokens\", \"temperature\", \"top_p\", \"top_k\", \"seed\"} (the flags give the rest); "
+                  "each stops at the tokenizer's eos token or its max_tokens")
+      ->excludes("--prompt");
+  gen->add_option("--out", results_path,
+                  "with --prompts: write the results here, one JSONL line per prompt in input order (default: "
+                  "standard output)");
+  gen->add_option("--max-batch", max_batch, "with --prompts: sequences generated together")->capture_default_str();
 
   // eval
   auto* eval = app.add_subcommand("eval", "mean loss of a checkpoint over a token-shard file");
@@ -186,6 +200,41 @@ int main(int argc, char** argv) {
       run.overwrite = overwrite;
       run.stop_after = stop_after;
       if (run_training(load_config(config_path, overrides), run).stop_signal != 0) return kPreemptedExitStatus;
+    } else if (gen->parsed() && !prompts_path.empty()) {
+      PromptSpec defaults;
+      defaults.max_tokens = max_tokens;
+      defaults.sample = so;
+      // The file is checked before the model loads.
+      const std::vector<PromptSpec> prompts = read_prompts(prompts_path, defaults);
+      LoadedModel m(ckpt);
+      std::ofstream file;
+      if (!results_path.empty()) {
+        file.open(results_path);
+        if (!file) throw Error(str("cannot write the results file '", results_path, "'"));
+      }
+      std::ostream& out = results_path.empty() ? std::cout : file;
+      Generator engine(*m.model, *m.params, max_batch, &m.tokenizer);
+      std::vector<int64_t> ids;
+      for (const PromptSpec& p : prompts) {
+        GenerationRequest r;
+        r.prompt = m.tokenizer.encode(p.prompt);
+        r.max_tokens = p.max_tokens;
+        r.sample = p.sample;
+        if (const std::optional<int32_t> eos = m.tokenizer.eos_id()) r.stop_tokens.push_back(*eos);
+        ids.push_back(engine.submit(std::move(r)));
+      }
+      // Results go out in input order as soon as each is there.
+      size_t next = 0;
+      auto flush = [&] {
+        for (; next < prompts.size(); ++next) {
+          std::optional<GenerationResult> r = engine.take(ids[next]);
+          if (!r) break;
+          out << result_json_line(static_cast<int64_t>(next), prompts[next].prompt, *r) << '\n' << std::flush;
+        }
+      };
+      while (engine.step()) flush();
+      flush();
+      if (!out) throw Error(str("writing the results to '", results_path.empty() ? "stdout" : results_path, "' failed"));
     } else if (gen->parsed()) {
       LoadedModel m(ckpt);
       std::printf("%s", prompt.c_str());

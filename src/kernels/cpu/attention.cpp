@@ -1,9 +1,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
-#include <limits>
 #include <vector>
 
+#include "kernels/cpu/causal_softmax.h"
 #include "kernels/cpu/simd_exp.h"
 #include "loom/kernels.h"
 
@@ -61,24 +61,8 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
       const int64_t keys = t0 + rows;  // causal: this tile sees keys [0, keys)
       float* S = scores.data();        // rows x keys
       gemm(false, true, rows, keys, s.hs, s.scale, qkv + s.q(b, h, t0), s.C3, qkv + s.k(b, g, 0), s.C3, 0.0f, S, keys);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* row = S + r * keys;
-        const int64_t visible = t0 + r + 1;
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < visible; ++j) m = row[j] > m ? row[j] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < visible; ++j) {
-          row[j] = simd_exp(row[j] - m);
-          sum += row[j];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < visible; ++j) row[j] *= inv;
-        for (int64_t j = visible; j < keys; ++j) row[j] = 0.0f;
-        lse[(b * NH + h) * T + t0 + r] = m + std::log(sum);
-      }
+      for (int64_t r = 0; r < rows; ++r)
+        lse[(b * NH + h) * T + t0 + r] = causal_softmax_row(S + r * keys, t0 + r + 1, keys);
       gemm(false, false, rows, s.hs, keys, 1.0f, S, keys, qkv + s.v(b, g, 0), s.C3, 0.0f, out + s.o(b, h, t0), C);
     }
   }

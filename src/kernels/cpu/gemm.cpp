@@ -1,6 +1,7 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <climits>
 #include <vector>
 
@@ -120,11 +121,36 @@ void tiled_gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, flo
   }
 }
 
+// RowBlocking::fixed: each block of op(A)'s rows is copied into a [block, K]
+// buffer and its rows of C into a [block, N] one, so every call has one form
+// (no transposition, the same leading dimensions) as well as one shape.
+void fixed_row_gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                    int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  constexpr int64_t R = kFixedRowBlock;
+  thread_local std::vector<float> a, c;
+  a.assign(static_cast<size_t>(R * K), 0.0f);
+  c.assign(static_cast<size_t>(R * N), 0.0f);
+  for (int64_t i0 = 0; i0 < M; i0 += R) {
+    const int64_t rows = M - i0 < R ? M - i0 : R;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < K; ++k)
+        a[static_cast<size_t>(r * K + k)] = trans_a ? A[k * lda + i0 + r] : A[(i0 + r) * lda + k];
+    if (beta != 0.0f)
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy_n(C + (i0 + r) * ldc, N, c.data() + r * N);
+    tiled_gemm(false, trans_b, R, N, K, alpha, a.data(), K, B, ldb, beta, c.data(), N, false);
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(c.data() + r * N, N, C + (i0 + r) * ldc);
+  }
+}
+
 }  // namespace
 
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-          const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  tiled_gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, false);
+          const float* B, int64_t ldb, float beta, float* C, int64_t ldc, RowBlocking rows) {
+  if (rows == RowBlocking::fixed)
+    fixed_row_gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  else
+    tiled_gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, false);
 }
 
 void gemm_split_k(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,

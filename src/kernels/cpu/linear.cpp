@@ -7,7 +7,7 @@
 namespace loom::cpu {
 
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
-                    int64_t OC) {
+                    int64_t OC, RowBlocking rows) {
   if (bias != nullptr) {
     // Seed every row with the bias and let the GEMM accumulate onto it
     // (beta = 1): one pass over out instead of a second one afterwards.
@@ -18,7 +18,7 @@ void linear_forward(float* out, const float* inp, const float* weight, const flo
       for (int64_t j = 0; j < OC; ++j) o[j] = bias[j];
     }
   }
-  gemm(false, true, N, OC, C, 1.0f, inp, C, weight, C, bias != nullptr ? 1.0f : 0.0f, out, OC);
+  gemm(false, true, N, OC, C, 1.0f, inp, C, weight, C, bias != nullptr ? 1.0f : 0.0f, out, OC, rows);
 }
 
 void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,

@@ -56,6 +56,10 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 void attention_backward(float* dqkv, const float* dout, const float* out, const float* lse, const float* qkv,
                         int64_t B, int64_t T, int64_t C, int64_t NH, cudaStream_t stream);
 
+void attention_decode(float* out, float* lse, float* const* k_cache, float* const* v_cache, const float* qkv,
+                      const int32_t* cache_lens, const int32_t* row_offsets, int64_t S, int64_t N, int64_t C,
+                      int64_t NH, int64_t NKV, int64_t max_len, cudaStream_t stream);
+
 void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
                            int64_t V, cudaStream_t stream);
 void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,

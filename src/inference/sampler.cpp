@@ -3,8 +3,7 @@
 #include <numeric>
 #include <vector>
 
-#include "loom/data.h"
-#include "loom/train.h"
+#include "loom/inference.h"
 
 namespace loom {
 
@@ -45,35 +44,6 @@ int32_t sample_token(const float* logits, int64_t V, const SampleOptions& opts, 
     if (u < acc) return order[i];
   }
   return order[n - 1];
-}
-
-std::string generate(GPT& model, ParamStore& params, const Tokenizer& tok, const std::string& prompt,
-                     int64_t max_tokens, const SampleOptions& opts,
-                     const std::function<void(const std::string&)>& on_text) {
-  const GPTConfig& cfg = model.config();
-  std::vector<int32_t> context = tok.encode(prompt);
-  if (context.empty()) context.push_back(tok.eos_id().value_or(0));
-  std::string out;
-  KVCache cache(cfg, 1);
-  // The context window slides by re-encoding the last half of the block when
-  // the cache is full, so arbitrarily long samples work with learned positions.
-  std::vector<int32_t> pending = context;
-  for (int64_t i = 0; i < max_tokens; ++i) {
-    if (cache.length() + static_cast<int64_t>(pending.size()) > cfg.block_size) {
-      cache.clear();
-      const size_t keep = static_cast<size_t>(cfg.block_size / 2);
-      pending.assign(context.end() - static_cast<std::ptrdiff_t>(std::min(keep, context.size())), context.end());
-    }
-    const Tensor logits =
-        model.forward_cached(params, cache, pending.data(), static_cast<int64_t>(pending.size())).clone(Tier::host);
-    const int32_t next = sample_token(logits.data<float>(), cfg.vocab_size, opts, static_cast<uint64_t>(i));
-    context.push_back(next);
-    pending.assign(1, next);
-    std::string piece = tok.decode_piece(next);
-    out += piece;
-    if (on_text) on_text(piece);
-  }
-  return out;
 }
 
 }  // namespace loom

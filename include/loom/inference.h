@@ -1,0 +1,144 @@
+// loom inference: sampling, and batched generation with continuous batching.
+//
+// A Generator holds up to max_batch active sequences, each in its own slot of
+// a KVCachePool (nn.h). Every step admits waiting requests into free slots
+// (their prompts prefilled in the same packed forward as the others' next
+// token), decodes one token for every active sequence, and retires the
+// sequences that finished (a stop token, a stop string or max_tokens), whose
+// slots the next waiting requests take. A sequence's tokens do not depend on
+// what else is in the batch: its rows are computed alone by every kernel, and
+// its draws are indexed by its own token count. A sequence that outgrows the
+// model's context slides, as sampling always has: its cache restarts from the
+// last block_size / 2 tokens of its context (a prompt longer than the context
+// is cut to those before its prefill).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "loom/nn.h"
+
+namespace loom {
+
+class Tokenizer;
+
+// Sampling settings: temperature 0 is greedy; top_k 0 and top_p 1 are off.
+struct SampleOptions {
+  float temperature = 0.8f;
+  int64_t top_k = 0;
+  float top_p = 1.0f;
+  uint64_t seed = 1337;
+};
+// Draws a token from one row of logits; the draw is a pure function of
+// (seed, draw index), so a seeded generation is reproducible.
+int32_t sample_token(const float* logits, int64_t V, const SampleOptions& opts, uint64_t draw);
+
+enum class FinishReason { stop, length };
+// "stop" or "length", as the results file spells them.
+const char* finish_reason_name(FinishReason reason);
+
+struct GenerationRequest {
+  // Token ids; empty starts from the tokenizer's eos id (0 without one).
+  std::vector<int32_t> prompt;
+  int64_t max_tokens = 200;
+  SampleOptions sample;
+  // Generation stops when one of these is sampled (it is not kept).
+  std::vector<int32_t> stop_tokens;
+  // Generation stops when the text contains one of these; the text ends
+  // before it. Needs the Generator's tokenizer.
+  std::vector<std::string> stop;
+  // Each piece of text as it is final (held back while it may begin a stop
+  // string). Called on the thread that runs step().
+  std::function<void(const std::string&)> on_text;
+};
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;  // generated, without the prompt and a stop token
+  std::string text;             // their text (with a tokenizer), cut before a stop string
+  FinishReason finish = FinishReason::length;
+};
+
+class Generator {
+ public:
+  // max_batch: sequences decoded together, each with a KV cache slot of the
+  // model's whole context. tok (may be null) decodes text for on_text, the
+  // results and stop strings. The model must be whole on this rank.
+  Generator(const GPT& model, ParamStore& params, int64_t max_batch, const Tokenizer* tok = nullptr);
+
+  // Queues a request and returns its id (0, 1, ... in submission order). May
+  // be called from any thread. Throws Error for prompt tokens outside the
+  // vocabulary, stop strings without a tokenizer or a negative max_tokens.
+  int64_t submit(GenerationRequest request);
+  // One step (call it from one thread, in a loop): admits waiting requests
+  // into free slots, runs one forward over every active sequence and samples
+  // one token for each. Returns false when there was nothing to do.
+  bool step();
+  // The result of a finished request, handed out once; may be called from
+  // any thread.
+  std::optional<GenerationResult> take(int64_t id);
+  // Submits the requests, steps until all are done and returns their results
+  // in order.
+  std::vector<GenerationResult> run(std::vector<GenerationRequest> requests);
+
+  int64_t active() const { return static_cast<int64_t>(active_.size()); }
+  int64_t max_batch() const { return pool_.capacity(); }
+  // The KV cache pool of the active sequences.
+  const KVCachePool& pool() const { return pool_; }
+
+ private:
+  struct Sequence {
+    int64_t id = 0;
+    GenerationRequest request;
+    int slot = -1;
+    std::vector<int32_t> context;  // prompt and generated tokens
+    std::vector<int32_t> pending;  // fed in the next forward
+    GenerationResult result;
+    size_t emitted = 0;  // bytes of result.text handed to on_text
+  };
+  void admit();
+  // Adds a sampled token; returns whether the sequence is finished.
+  bool advance(Sequence& s, int32_t token);
+  void finish(Sequence& s, FinishReason reason);
+
+  const GPT& model_;
+  ParamStore& params_;
+  const Tokenizer* tok_;
+  KVCachePool pool_;
+  std::vector<Sequence> active_;
+  std::mutex mutex_;  // guards waiting_, results_ and next_id_
+  std::deque<Sequence> waiting_;
+  std::map<int64_t, GenerationResult> results_;
+  int64_t next_id_ = 0;
+};
+
+// Generates up to `max_tokens` tokens after `prompt` (never stopping early),
+// calling on_text with each decoded piece as it is produced, through a
+// Generator of one sequence. Returns the generated text (without the prompt).
+std::string generate(const GPT& model, ParamStore& params, const Tokenizer& tok, const std::string& prompt,
+                     int64_t max_tokens, const SampleOptions& opts,
+                     const std::function<void(const std::string&)>& on_text = {});
+
+// One prompt of a prompts file, with its generation settings.
+struct PromptSpec {
+  std::string prompt;
+  int64_t max_tokens = 200;
+  SampleOptions sample;
+};
+// Reads a prompts file: one prompt per line, or, when its first non-empty
+// line starts with '{', one JSON object per line with "prompt" and optionally
+// "max_tokens", "temperature", "top_p", "top_k", "seed" (the rest from
+// `defaults`). Empty lines are skipped. Throws Error naming the file, the line
+// and the field for a line that is not such an object.
+std::vector<PromptSpec> read_prompts(const std::filesystem::path& path, const PromptSpec& defaults);
+// One line of a results file (no newline): {"index", "prompt", "text",
+// "tokens", "finish_reason"}.
+std::string result_json_line(int64_t index, const std::string& prompt, const GenerationResult& result);
+
+}  // namespace loom
