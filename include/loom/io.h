@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -63,6 +64,13 @@ const char* safetensors_dtype_name(DType dt);
 // The inverse; throws Error for other tags (F64, BOOL, ...) naming what loom reads.
 DType parse_safetensors_dtype(std::string_view tag);
 
+// A file's size and lowercase hex SHA-256 (manifests, checkpoints).
+struct FileDigest {
+  uint64_t bytes = 0;
+  std::string sha256;  // hex
+  bool operator==(const FileDigest&) const = default;
+};
+
 struct SafetensorsSpec {
   std::string name;
   DType dtype;
@@ -93,6 +101,9 @@ class SafetensorsWriter {
   void write_part(std::string_view name, const void* data, size_t bytes);
   // Checks every declared byte arrived, fsyncs and closes. Throws Error otherwise.
   void finish();
+  // After finish(): the file's size and SHA-256, hashed as the bytes were
+  // written (a sharded checkpoint's rank never reads its file back).
+  const FileDigest& digest() const;
 
  private:
   void advance_to(std::string_view name);
@@ -103,6 +114,9 @@ class SafetensorsWriter {
   size_t current_ = 0;          // index of the tensor being written
   size_t current_written_ = 0;  // bytes of it written so far
   bool finished_ = false;
+  std::unique_ptr<Sha256> sha_;
+  uint64_t bytes_ = 0;  // written so far, header included
+  FileDigest digest_;
 };
 
 struct SafetensorsTensor {
@@ -205,12 +219,6 @@ std::string read_file(const std::filesystem::path& path);
 
 inline constexpr const char* kManifestFile = "manifest.json";
 
-struct FileDigest {
-  uint64_t bytes = 0;
-  std::string sha256;  // hex
-  bool operator==(const FileDigest&) const = default;
-};
-
 // manifest.json of a checkpoint directory: any fields the trainer records
 // (step, config, layout, ...) plus "files": {relative path: {"sha256", "bytes"}}.
 struct Manifest {
@@ -222,12 +230,21 @@ struct Manifest {
 // '/'), except manifest.json, and writes dir/manifest.json with `fields`.
 // Returns what it wrote.
 Manifest write_manifest(const std::filesystem::path& dir, const nlohmann::json& fields);
+// The same with digests the writers took as they wrote (SafetensorsWriter::
+// digest): `files` must list every file under `dir` but manifest.json; none
+// is read back.
+Manifest write_manifest(const std::filesystem::path& dir, const nlohmann::json& fields,
+                        std::map<std::string, FileDigest> files);
 // Throws Error naming the directory if manifest.json is missing or corrupt.
 Manifest read_manifest(const std::filesystem::path& dir);
 // Checks that every file the manifest lists exists with its size and (unless
 // `checksums` is false) its SHA-256. Throws Error naming the directory and the
 // exact file that is missing, has the wrong size or the wrong checksum.
 Manifest verify_checkpoint_dir(const std::filesystem::path& dir, bool checksums = true);
+// The same for one file `rel` of the manifest (a sharded checkpoint's rank
+// checks the files it reads).
+void verify_checkpoint_file(const std::filesystem::path& dir, const std::string& rel, const FileDigest& digest,
+                            bool checksum = true);
 
 // ---------------------------------------------------------------------------
 // Retention

@@ -11,6 +11,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -229,6 +230,17 @@ class OptimizerStore {
   // Collective: every rank takes its part of the state `fill` writes, piece
   // by piece.
   virtual void load_state(const StateFiller& fill) = 0;
+  // This rank's own state, for sharded checkpoints; not collective. The flat
+  // ranges it holds the fp32 values and moments of, in increasing order
+  // (every replica of a store that is not sharded holds them all), or nullopt
+  // for a store that cannot visit them (its state is then gathered whole).
+  virtual std::optional<std::vector<FlatRange>> owned_ranges() const { return std::nullopt; }
+  // Those ranges in that order, one at a time, in host memory valid during
+  // the call (at most one range is staged). Only where owned_ranges() has a value.
+  virtual void visit_owned_state(const StateVisitor& visit) {
+    (void)visit;
+    LOOM_CHECK(false, "visit_owned_state of a store without owned_ranges()");
+  }
   // Collective: the step's reduced gradient (fp32, still multiplied by the
   // loss scale) in flat order, in pieces like visit_state; valid between the
   // gradient store's finish() and step().

@@ -190,9 +190,6 @@ class Trainer {
   // policy, so that a model larger than the host streams through (checkpoints
   // are written from it).
   void visit_state(const StateVisitor& visit);
-  // Collective: the counters of `counters` (its tensors are not read) and the
-  // weights and moments from `fill`, in the same pieces.
-  void load_state(const State& counters, const StateFiller& fill);
   // Collective: fresh weights (an imported checkpoint's) with the optimizer
   // state of a new run (zero moments, step 0). Unlike load_state, nothing is
   // assembled in the whole model's order: `fill` writes flat elements `range`
@@ -200,6 +197,30 @@ class Trainer {
   // policy), so each rank reads only the pieces its layout holds.
   using WeightFiller = std::function<void(const ParamLayout& layout, FlatRange range, float* params)>;
   void load_weights(const WeightFiller& fill);
+
+  // Sharded checkpoints: each rank saves only the state it holds. `n`
+  // elements of the whole model's flat state (state_layout()) from `global`,
+  // `at` elements into an owned range of the optimizer store.
+  struct StateRun {
+    int64_t global = 0, n = 0, at = 0;
+  };
+  // Per range of optimizer().owned_ranges(), the runs this rank saves, in
+  // the range's order: exactly one rank of the mesh saves each element of
+  // the whole state (data-parallel rank 0 of a store that is not sharded,
+  // tensor-parallel rank 0 of a replicated parameter, never the tied copy
+  // or padding). nullopt where the store cannot visit its own state.
+  std::optional<std::vector<std::vector<StateRun>>> own_state_runs() const;
+  // Not collective: the store's owned ranges in that order (local flat
+  // ranges of this rank's layout), at most one range staged at a time.
+  void visit_own_state(const StateVisitor& visit);
+  // Collective: the counters of `counters` and the weights and moments of
+  // every element this rank's layout holds from `fill`, which writes `n`
+  // elements of the whole model's flat state from `global` (padding is
+  // zero), in the pieces the store loads: nothing in the whole model's
+  // order, unlike load_state.
+  using GlobalStateFiller =
+      std::function<void(int64_t global, int64_t n, float* params, float* exp_avg, float* exp_avg_sq)>;
+  void load_own_state(const State& counters, const GlobalStateFiller& fill);
 
  private:
   // The ZeRO stores over dp_, for the model's (local) layout; returns the
@@ -304,24 +325,34 @@ struct TrainPlan {
 // Throws ConfigError naming the field, its origin, the rule and the fix.
 TrainPlan plan_training(const Config& cfg);
 
-// Checkpoints: <root>/step_XXXXXXXX/{model.safetensors, optimizer.safetensors,
-// manifest.json}, committed atomically, then <root>/latest, then retention.
+// Checkpoints: <root>/step_XXXXXXXX/, committed atomically, then
+// <root>/latest, then retention (docs/checkpoints.md). Sharded: one
+// rank_NNNNN.safetensors per rank that saves state and a manifest mapping
+// every run of the whole model's flat state to its file. Single file (the
+// first format, and a run with frozen parameters): model.safetensors and
+// optimizer.safetensors under global names.
+enum class CheckpointFormat : uint8_t { sharded, single_file };
 struct CheckpointInfo {
   std::filesystem::path dir;
   int64_t step = 0;
   nlohmann::json fields;  // the manifest's fields (config, loader, ...)
 };
-// The files hold the whole state under global names and shapes in fp32 (the
-// master weights under mixed precision), whatever the layout that saved it, so
-// any layout loads any checkpoint. Under dp both calls are collective: every
-// rank gathers the state, rank 0 writes it and the ranks meet in a barrier;
-// every rank verifies and reads the files and takes its part. A Trainer built
-// on a mesh saves with that mesh: rank 0 of its world writes, and the barrier
-// is over the world.
+// The files hold the whole state in fp32 (the master weights under mixed
+// precision) in the whole model's global coordinates, whatever the layout that
+// saved it, so any layout loads any checkpoint. Under dp both calls are
+// collective. Sharded, every rank writes the state it alone holds into the
+// staging directory rank 0 made, hashing as it writes; rank 0 writes the
+// manifest with every rank's digest and commits. Single file, every rank
+// gathers the state and rank 0 writes it. The ranks then meet in a barrier. A
+// Trainer built on a mesh saves with that mesh (its world). A store that
+// cannot visit its own state (frozen parameters) saves a single file.
 std::filesystem::path save_checkpoint(const std::filesystem::path& root, Trainer& trainer,
-                                      const nlohmann::json& fields, int64_t keep_last, DeviceMesh* mesh = nullptr);
-// Verifies every file's checksum, then loads weights, optimizer state, the
-// step counters and (fp16) the loss scaler's state.
+                                      const nlohmann::json& fields, int64_t keep_last, DeviceMesh* mesh = nullptr,
+                                      CheckpointFormat format = CheckpointFormat::sharded);
+// Loads weights, optimizer state, the step counters and (fp16) the loss
+// scaler's state, either format: each rank reads only the byte ranges of the
+// pieces its own layout holds. Sharded, a rank verifies the checksum of each
+// file it reads from; single file, every file is verified first.
 CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Trainer& trainer);
 // Weights only (generate, eval, export): verifies the checkpoint and returns
 // its info; `load_weights` fills a ParamStore of the model it describes.

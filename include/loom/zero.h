@@ -226,6 +226,9 @@ class ZeroOptimizer final : public OptimizerStore {
   // One parameter at a time, only those with elements this rank owns: a rank
   // stages one parameter beyond its own blocks, never the whole model.
   void load_state(const StateFiller& fill) override;
+  // ranges(), in place: nothing is staged.
+  std::optional<std::vector<FlatRange>> owned_ranges() const override { return ranges_; }
+  void visit_owned_state(const StateVisitor& visit) override;
   void visit_gradients(const GradientVisitor& visit) override;
 
   // Collective: the whole model's fp32 weights (the master weights) and

@@ -22,22 +22,28 @@ bool is_safe_relative(const std::string& rel) {
 }  // namespace
 
 Manifest write_manifest(const fs::path& dir, const nlohmann::json& fields) {
-  LOOM_CHECK(fields.is_object() && !fields.contains("files"), "manifest fields must be an object without \"files\"");
-  Manifest m;
-  m.fields = fields;
+  std::map<std::string, FileDigest> files;
   std::error_code ec;
   for (fs::recursive_directory_iterator it(dir, ec), end; it != end; it.increment(ec)) {
     if (ec) break;
     if (!it->is_regular_file() || it->is_symlink()) continue;
     std::string rel = it->path().lexically_relative(dir).generic_string();
     if (rel == kManifestFile) continue;
-    m.files[rel] = FileDigest{it->file_size(), sha256_file(it->path())};
+    files[rel] = FileDigest{it->file_size(), sha256_file(it->path())};
   }
   if (ec) throw Error(str("cannot list checkpoint directory '", dir.string(), "': ", ec.message()));
+  return write_manifest(dir, fields, std::move(files));
+}
+
+Manifest write_manifest(const fs::path& dir, const nlohmann::json& fields, std::map<std::string, FileDigest> files) {
+  LOOM_CHECK(fields.is_object() && !fields.contains("files"), "manifest fields must be an object without \"files\"");
+  Manifest m;
+  m.fields = fields;
+  m.files = std::move(files);
 
   nlohmann::json j = fields;
-  nlohmann::json& files = j["files"] = nlohmann::json::object();
-  for (const auto& [rel, digest] : m.files) files[rel] = {{"sha256", digest.sha256}, {"bytes", digest.bytes}};
+  nlohmann::json& listed = j["files"] = nlohmann::json::object();
+  for (const auto& [rel, digest] : m.files) listed[rel] = {{"sha256", digest.sha256}, {"bytes", digest.bytes}};
   write_file_atomic(dir / kManifestFile, j.dump(2) + "\n");
   return m;
 }
@@ -74,26 +80,27 @@ Manifest read_manifest(const fs::path& dir) {
   return m;
 }
 
+void verify_checkpoint_file(const fs::path& dir, const std::string& rel, const FileDigest& digest, bool checksum) {
+  fs::path p = dir / rel;
+  std::error_code ec;
+  if (!fs::is_regular_file(p, ec))
+    throw Error(str("checkpoint '", dir.string(), "' is missing '", rel,
+                    "' listed in its manifest; resume from another checkpoint"));
+  uint64_t bytes = fs::file_size(p, ec);
+  if (ec) throw Error(str("checkpoint '", dir.string(), "': cannot stat '", rel, "': ", ec.message()));
+  if (bytes != digest.bytes)
+    throw Error(str("checkpoint '", dir.string(), "': '", rel, "' is ", bytes, " bytes but the manifest says ",
+                    digest.bytes, " (truncated or overwritten); resume from another checkpoint"));
+  if (!checksum) return;
+  std::string actual = sha256_file(p);
+  if (actual != digest.sha256)
+    throw Error(str("checkpoint '", dir.string(), "': '", rel, "' has SHA-256 ", actual, " but the manifest says ",
+                    digest.sha256, " (corrupt); resume from another checkpoint"));
+}
+
 Manifest verify_checkpoint_dir(const fs::path& dir, bool checksums) {
   Manifest m = read_manifest(dir);
-  for (const auto& [rel, digest] : m.files) {
-    fs::path p = dir / rel;
-    std::error_code ec;
-    if (!fs::is_regular_file(p, ec))
-      throw Error(str("checkpoint '", dir.string(), "' is missing '", rel,
-                      "' listed in its manifest; resume from another checkpoint"));
-    uint64_t bytes = fs::file_size(p, ec);
-    if (ec) throw Error(str("checkpoint '", dir.string(), "': cannot stat '", rel, "': ", ec.message()));
-    if (bytes != digest.bytes)
-      throw Error(str("checkpoint '", dir.string(), "': '", rel, "' is ", bytes, " bytes but the manifest says ",
-                      digest.bytes, " (truncated or overwritten); resume from another checkpoint"));
-    if (checksums) {
-      std::string actual = sha256_file(p);
-      if (actual != digest.sha256)
-        throw Error(str("checkpoint '", dir.string(), "': '", rel, "' has SHA-256 ", actual, " but the manifest says ",
-                        digest.sha256, " (corrupt); resume from another checkpoint"));
-    }
-  }
+  for (const auto& [rel, digest] : m.files) verify_checkpoint_file(dir, rel, digest, checksums);
   return m;
 }
 

@@ -14,7 +14,7 @@ static_assert(std::endian::native == std::endian::little, "safetensors data is l
 
 SafetensorsWriter::SafetensorsWriter(std::filesystem::path path, std::vector<SafetensorsSpec> specs,
                                      const std::map<std::string, std::string>& metadata)
-    : path_(std::move(path)), specs_(std::move(specs)) {
+    : path_(std::move(path)), specs_(std::move(specs)), sha_(std::make_unique<Sha256>()) {
   // The header lists __metadata__ first and the tensors in data order, as the
   // reference implementation does.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
@@ -42,6 +42,9 @@ SafetensorsWriter::SafetensorsWriter(std::filesystem::path path, std::vector<Saf
   try {
     io_detail::write_all(fd.get(), path_, length, sizeof length);
     io_detail::write_all(fd.get(), path_, text.data(), text.size());
+    sha_->update(length, sizeof length);
+    sha_->update(text);
+    bytes_ = sizeof length + text.size();
   } catch (...) {
     // No destructor runs for a constructor that throws.
     if (regular_file_) ::unlink(path_.c_str());
@@ -73,6 +76,8 @@ void SafetensorsWriter::write_part(std::string_view name, const void* data, size
   LOOM_CHECK(current_written_ + bytes <= specs_[current_].bytes(), "tensor '", name, "' is ",
              specs_[current_].bytes(), " bytes; ", current_written_ + bytes, " written to ", path_.string());
   io_detail::write_all(fd_, path_, data, bytes);
+  sha_->update(data, bytes);
+  bytes_ += bytes;
   current_written_ += bytes;
 }
 
@@ -96,6 +101,12 @@ void SafetensorsWriter::finish() {
   io_detail::fsync_fd(fd.get(), path_);
   io_detail::close_fd(fd, path_);
   finished_ = true;
+  digest_ = FileDigest{bytes_, sha_->hex_digest()};
+}
+
+const FileDigest& SafetensorsWriter::digest() const {
+  LOOM_CHECK(finished_, "digest of safetensors file ", path_.string(), " asked before finish()");
+  return digest_;
 }
 
 void write_safetensors(const std::filesystem::path& path, const std::vector<SafetensorsTensor>& tensors,

@@ -138,6 +138,8 @@ struct ChunkManager::Impl {
   void visit_state(const StateVisitor& visit);
   void visit_gradients(const std::function<void(FlatRange range, const float* grads)>& visit);
   void load_state(const StateFiller& fill);
+  std::vector<FlatRange> owned_ranges() const;
+  void visit_owned_state(const StateVisitor& visit);
 
   const ParamLayout& layout;
   MemoryOptions opts;

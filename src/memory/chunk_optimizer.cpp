@@ -199,6 +199,25 @@ void ChunkManager::Impl::visit_gradients(const std::function<void(FlatRange rang
       [&](FlatRange range, const float* grads, int64_t) { visit(range, grads); });
 }
 
+std::vector<FlatRange> ChunkManager::Impl::owned_ranges() const {
+  std::vector<FlatRange> ranges;
+  for (int c = 0; c < chunks.num_chunks(); ++c)
+    if (const FlatRange r = chunks.owned(c, rank); r.numel() > 0) ranges.push_back(r);
+  return ranges;
+}
+
+void ChunkManager::Impl::visit_owned_state(const StateVisitor& visit) {
+  const int64_t S = chunks.shard_numel();
+  Tensor staged = Tensor::empty({3 * S}, DType::f32, Tier::host);
+  const float* s = staged.data<float>();
+  for (int c = 0; c < chunks.num_chunks(); ++c) {
+    const FlatRange r = chunks.owned(c, rank);
+    if (r.numel() == 0) continue;
+    load(cs[static_cast<size_t>(c)].optim, staged.raw(), Tier::host);
+    visit(r, s, s + S, s + 2 * S);
+  }
+}
+
 void ChunkManager::Impl::load_state(const StateFiller& fill) {
   const int64_t S = chunks.shard_numel();
   Tensor whole = Tensor::empty({3 * chunks.chunk_numel()}, DType::f32, Tier::host);

@@ -29,6 +29,10 @@ void ReferenceOptimizer::visit_state(const StateVisitor& visit) {
         adamw_.exp_avg_sq().data<float>());
 }
 
+std::optional<std::vector<FlatRange>> ReferenceOptimizer::owned_ranges() const {
+  return std::vector<FlatRange>{{0, params_.flat().numel()}};
+}
+
 void ReferenceOptimizer::load_state(const StateFiller& fill) {
   const HostSection host;
   fill({0, params_.flat().numel()}, params_.flat().data<float>(), adamw_.exp_avg().data<float>(),

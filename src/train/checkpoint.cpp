@@ -1,6 +1,9 @@
-// Checkpoints: weights and optimizer state in safetensors under global
-// parameter names and shapes, plus a manifest with the run's config, step,
-// data position and the SHA-256 of every file; committed atomically.
+// Checkpoints: weights and optimizer state in safetensors in the whole
+// model's global coordinates (one file per saving rank, or one file for the
+// whole model), plus a manifest with the run's config, step, data position,
+// where each piece of the state lies and the SHA-256 of every file; committed
+// atomically.
+#include <algorithm>
 #include <map>
 #include <optional>
 
@@ -19,6 +22,19 @@ namespace fs = std::filesystem;
 namespace {
 constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
+// The manifest field that tells a sharded checkpoint (its value) from a
+// single-file one (absent).
+constexpr const char* kFormatField = "checkpoint_format";
+constexpr int64_t kShardedFormat = 2;
+// The three kinds of state each piece of a sharded checkpoint holds.
+constexpr const char* kStateKinds[3] = {"params", "exp_avg", "exp_avg_sq"};
+
+std::string shard_file(int rank) {
+  std::string digits = std::to_string(rank);
+  return "rank_" + std::string(digits.size() < 5 ? 5 - digits.size() : 0, '0') + digits + ".safetensors";
+}
+
+std::string piece_tensor(int kind, int64_t piece) { return str(kStateKinds[kind], ".", piece); }
 
 std::vector<SafetensorsSpec> model_specs(const ParamLayout& layout) {
   std::vector<SafetensorsSpec> specs;
@@ -43,20 +59,237 @@ void for_each_param_in(const ParamLayout& layout, FlatRange r, Fn fn) {
     if (p.offset >= r.begin && p.offset < r.end) fn(p, p.offset - r.begin);
 }
 
-void read_param(const SafetensorsReader& r, const ParamSpec& p, const std::string& prefix, float* dst) {
-  const std::string name = prefix + p.name;
-  if (!r.contains(name))
-    throw Error(str("checkpoint file '", r.path().string(), "' has no tensor '", name,
-                    "': it was saved from a different model"));
-  const auto& e = r.entry(name);
-  if (e.dtype != DType::f32 || e.shape != p.shape)
-    throw Error(str("tensor '", name, "' in '", r.path().string(), "' is ", dtype_name(e.dtype), " ",
-                    shape_str(e.shape), ", the model needs f32 ", shape_str(p.shape)));
-  r.read(name, dst, static_cast<size_t>(p.numel()) * 4);
+// A checkpoint's state as the loaders read it: `n` elements of one kind
+// (0 params, 1 exp_avg, 2 exp_avg_sq) of the whole model's flat state from
+// flat element `global`, only their bytes read from the files.
+class SavedState {
+ public:
+  virtual ~SavedState() = default;
+  virtual void read(int kind, int64_t global, int64_t n, float* dst) = 0;
+};
+
+// The single-file format: every parameter a tensor of model.safetensors and
+// its moments tensors of optimizer.safetensors, under its global name.
+class SingleFileState final : public SavedState {
+ public:
+  SingleFileState(const fs::path& dir, const ParamLayout& layout)
+      : layout_(layout), model_(dir / kModelFile), optimizer_(dir / kOptimizerFile) {
+    for (const ParamSpec& p : layout.params())
+      for (int kind = 0; kind < 3; ++kind) check(kind, p);
+  }
+
+  void read(int kind, int64_t global, int64_t n, float* dst) override {
+    while (n > 0) {
+      // The parameter holding `global`: the last that starts at or before it.
+      const std::vector<ParamSpec>& params = layout_.params();
+      auto it = std::upper_bound(params.begin(), params.end(), global,
+                                 [](int64_t g, const ParamSpec& q) { return g < q.offset; });
+      LOOM_CHECK(it != params.begin(), "flat element ", global, " before the state");
+      const ParamSpec& p = *--it;
+      const int64_t from = global - p.offset, take = std::min(n, p.numel() - from);
+      (kind == 0 ? model_ : optimizer_)
+          .read_range(name(kind, p), static_cast<uint64_t>(from) * 4, dst, static_cast<size_t>(take) * 4);
+      global += take;
+      dst += take;
+      n -= take;
+    }
+  }
+
+ private:
+  static std::string name(int kind, const ParamSpec& p) {
+    return kind == 0 ? p.name : str(kStateKinds[kind], ".", p.name);
+  }
+
+  void check(int kind, const ParamSpec& p) const {
+    const SafetensorsReader& r = kind == 0 ? model_ : optimizer_;
+    const std::string tensor = name(kind, p);
+    if (!r.contains(tensor))
+      throw Error(str("checkpoint file '", r.path().string(), "' has no tensor '", tensor,
+                      "': it was saved from a different model"));
+    const auto& e = r.entry(tensor);
+    if (e.dtype != DType::f32 || e.shape != p.shape)
+      throw Error(str("tensor '", tensor, "' in '", r.path().string(), "' is ", dtype_name(e.dtype), " ",
+                      shape_str(e.shape), ", the model needs f32 ", shape_str(p.shape)));
+  }
+
+  const ParamLayout& layout_;
+  const SafetensorsReader model_, optimizer_;
+};
+
+// Every rank's `text` in rank order (without ranks: its own).
+std::vector<std::string> all_gather_text(Communicator* ranks, const std::string& text) {
+  if (!ranks) return {text};
+  const auto n = static_cast<size_t>(ranks->size());
+  const int64_t length = static_cast<int64_t>(text.size());
+  std::vector<int64_t> lengths(n);
+  ranks->all_gather(&length, lengths.data(), 1, DType::i64);
+  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  std::string padded = text, all(n * static_cast<size_t>(longest), '\0');
+  padded.resize(static_cast<size_t>(longest));
+  if (longest > 0) ranks->all_gather(padded.data(), all.data(), longest, DType::u8);
+  std::vector<std::string> texts;
+  for (size_t r = 0; r < n; ++r)
+    texts.push_back(all.substr(r * static_cast<size_t>(longest), static_cast<size_t>(lengths[r])));
+  return texts;
 }
 
-void read_params(const SafetensorsReader& r, const ParamLayout& layout, Tensor& flat, const std::string& prefix) {
-  for (const ParamSpec& p : layout.params()) read_param(r, p, prefix, flat.data<float>() + p.offset);
+// The whole model's tensors as the manifest of a sharded checkpoint lists
+// them: name, global shape and offset in the flat state the runs index.
+nlohmann::json state_json(const ParamLayout& layout) {
+  nlohmann::json tensors = nlohmann::json::array();
+  for (const ParamSpec& p : layout.params())
+    tensors.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}});
+  return {{"numel", layout.numel()}, {"tensors", tensors}};
+}
+
+// This rank's file of a sharded checkpoint in `staging`: per owned range with
+// anything to save, the tensors params.<k>, exp_avg.<k> and exp_avg_sq.<k>
+// holding its runs back to back, written straight from the store. Returns
+// its manifest entry (file, digest, pieces), or null when it saves nothing.
+nlohmann::json write_own_shard(const fs::path& staging, int rank, Trainer& t,
+                               const std::vector<std::vector<Trainer::StateRun>>& runs) {
+  std::vector<SafetensorsSpec> specs;
+  nlohmann::json pieces = nlohmann::json::array();
+  for (size_t k = 0; k < runs.size(); ++k) {
+    int64_t n = 0;
+    nlohmann::json listed = nlohmann::json::array();
+    for (const Trainer::StateRun& r : runs[k]) {
+      n += r.n;
+      listed.push_back({r.global, r.n});
+    }
+    if (n == 0) continue;
+    for (int kind = 0; kind < 3; ++kind)
+      specs.push_back({piece_tensor(kind, static_cast<int64_t>(k)), DType::f32, {n}});
+    pieces.push_back({{"piece", k}, {"runs", listed}});
+  }
+  if (specs.empty()) return nullptr;
+  const std::string file = shard_file(rank);
+  SafetensorsWriter writer(staging / file, std::move(specs), {{"format", "loom"}});
+  size_t k = 0;
+  t.visit_own_state([&](FlatRange, const float* params, const float* exp_avg, const float* exp_avg_sq) {
+    const float* kinds[3] = {params, exp_avg, exp_avg_sq};
+    for (int kind = 0; kind < 3; ++kind)
+      for (const Trainer::StateRun& r : runs[k]) {
+        report_progress();
+        writer.write_part(piece_tensor(kind, static_cast<int64_t>(k)), kinds[kind] + r.at,
+                          static_cast<size_t>(r.n) * 4);
+      }
+    ++k;
+  });
+  writer.finish();
+  return {{"file", file}, {"bytes", writer.digest().bytes}, {"sha256", writer.digest().sha256}, {"pieces", pieces}};
+}
+
+// Whether a manifest's checkpoint is sharded; Error for a format this loom
+// does not know.
+bool is_sharded(const fs::path& dir, const nlohmann::json& fields) {
+  if (!fields.contains(kFormatField)) return false;
+  const nlohmann::json& f = fields.at(kFormatField);
+  if (!f.is_number_integer() || f.get<int64_t>() != kShardedFormat)
+    throw Error(str("checkpoint '", dir.string(), "' has ", kFormatField, " ", f.dump(), "; this loom reads ",
+                    kShardedFormat, " (sharded) and checkpoints without the field (single file): ",
+                    "a newer loom wrote it"));
+  return true;
+}
+
+// The state of a sharded checkpoint: where each run of the whole model's flat
+// state lies. A file is opened, and its checksum verified, when first read.
+class ShardedState final : public SavedState {
+ public:
+  ShardedState(const CheckpointInfo& info, const ParamLayout& layout) : dir_(info.dir) {
+    const Manifest m = read_manifest(dir_);
+    const auto corrupt = [&](const std::string& problem) {
+      return Error(str("manifest of checkpoint '", dir_.string(), "' is corrupt: ", problem,
+                       "; resume from another checkpoint"));
+    };
+    try {
+      const nlohmann::json& state = info.fields.at("state");
+      if (state.at("numel").get<int64_t>() != layout.numel() || state.at("tensors").size() != layout.params().size())
+        throw Error(str("checkpoint '", dir_.string(), "' holds a state of ", state.at("numel").get<int64_t>(),
+                        " elements in ", state.at("tensors").size(), " tensors; the model has ", layout.numel(), " in ",
+                        layout.params().size(), ": load it with the model it was saved from"));
+      for (size_t i = 0; i < layout.params().size(); ++i) {
+        const ParamSpec& p = layout.params()[i];
+        const nlohmann::json& saved = state.at("tensors").at(i);
+        if (saved.at("name").get<std::string>() != p.name || saved.at("shape").get<Shape>() != p.shape ||
+            saved.at("offset").get<int64_t>() != p.offset)
+          throw Error(str("checkpoint '", dir_.string(), "' holds ", saved.dump(), " where the model has '", p.name,
+                          "' ", shape_str(p.shape), ": load it with the model it was saved from"));
+      }
+      for (const nlohmann::json& shard : info.fields.at("shards")) {
+        const std::string file = shard.at("file").get<std::string>();
+        if (!m.files.count(file)) throw corrupt(str("shard '", file, "' is not among its files"));
+        files_.push_back(file);
+        digests_.push_back(m.files.at(file));
+        for (const nlohmann::json& piece : shard.at("pieces")) {
+          int64_t at = 0;
+          for (const nlohmann::json& run : piece.at("runs")) {
+            runs_.push_back({run.at(0).get<int64_t>(), run.at(1).get<int64_t>(), files_.size() - 1,
+                             piece.at("piece").get<int64_t>(), at});
+            at += runs_.back().n;
+          }
+        }
+      }
+    } catch (const nlohmann::json::exception& e) {
+      throw corrupt(e.what());
+    }
+    readers_.resize(files_.size());
+    std::sort(runs_.begin(), runs_.end(), [](const Run& a, const Run& b) { return a.global < b.global; });
+    // Every element in exactly one file.
+    int64_t next = 0;
+    for (const Run& r : runs_) {
+      if (r.global != next || r.n <= 0)
+        throw corrupt(str("elements from ", std::min(next, r.global), " of the state are ",
+                          r.global > next ? "in no file" : "in two files"));
+      next += r.n;
+    }
+    if (next != layout.numel()) throw corrupt(str("elements from ", next, " of the state are in no file"));
+  }
+
+  // `n` elements of kind `kind` (params, exp_avg, exp_avg_sq) from flat
+  // element `global` into `dst`: only their bytes are read.
+  void read(int kind, int64_t global, int64_t n, float* dst) override {
+    auto it =
+        std::upper_bound(runs_.begin(), runs_.end(), global, [](int64_t g, const Run& r) { return g < r.global; });
+    LOOM_CHECK(it != runs_.begin(), "flat element ", global, " before the state");
+    for (--it; n > 0; ++it) {
+      LOOM_CHECK(it != runs_.end() && it->global <= global && global < it->global + it->n, "flat element ", global,
+                 " outside the state");
+      const int64_t from = global - it->global, take = std::min(n, it->n - from);
+      reader(it->file).read_range(piece_tensor(kind, it->piece), static_cast<uint64_t>(it->at + from) * 4, dst,
+                                  static_cast<size_t>(take) * 4);
+      global += take;
+      dst += take;
+      n -= take;
+    }
+  }
+
+ private:
+  struct Run {
+    int64_t global, n;
+    size_t file;
+    int64_t piece, at;  // the piece's tensors, and the run's first element in them
+  };
+
+  const SafetensorsReader& reader(size_t file) {
+    std::unique_ptr<SafetensorsReader>& r = readers_[file];
+    if (!r) {
+      verify_checkpoint_file(dir_, files_[file], digests_[file]);
+      r = std::make_unique<SafetensorsReader>(dir_ / files_[file]);
+    }
+    return *r;
+  }
+
+  fs::path dir_;
+  std::vector<std::string> files_;
+  std::vector<FileDigest> digests_;
+  std::vector<std::unique_ptr<SafetensorsReader>> readers_;
+  std::vector<Run> runs_;  // by global
+};
+
+std::unique_ptr<SavedState> open_saved_state(const CheckpointInfo& info, const ParamLayout& layout) {
+  if (is_sharded(info.dir, info.fields)) return std::make_unique<ShardedState>(info, layout);
+  return std::make_unique<SingleFileState>(info.dir, layout);
 }
 
 // An integer field of `object` (the manifest or a part of it).
@@ -79,43 +312,73 @@ const nlohmann::json* manifest_part(const CheckpointInfo& info, const char* key,
 }  // namespace
 
 fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json& fields, int64_t keep_last,
-                         DeviceMesh* mesh) {
+                         DeviceMesh* mesh, CheckpointFormat format) {
   Communicator* dp = t.data_parallel();
   const ModelParallel& mp = t.model().parallel();
   // Every replica has a data-parallel rank 0: under a mesh only the world's
-  // rank 0 may write.
+  // rank 0 commits.
   LOOM_CHECK(mesh || (mp.tp.size() == 1 && mp.first_stage && mp.last_stage),
              "a Trainer whose model is split over tp or pp ranks saves with the mesh it was built on");
   Communicator* ranks = mesh ? &mesh->world() : dp;
+  const int rank = ranks ? ranks->rank() : 0;
   const std::string name = checkpoint_dir_name(t.steps_done());
-  const bool writes = !ranks || ranks->rank() == 0;
   const ParamLayout& layout = t.state_layout();
-  // The state streams from the Trainer (collective) into the files on rank
-  // 0: in one piece, or a chunk at a time under a memory policy.
+  // Every rank has the same kind of store, so all choose the same format.
+  std::optional<std::vector<std::vector<Trainer::StateRun>>> runs;
+  if (format == CheckpointFormat::sharded) runs = t.own_state_runs();
   report_progress("checkpoint write", t.steps_done());
   std::optional<AtomicDirWriter> dir;
-  std::optional<SafetensorsWriter> model_file, optimizer_file;
-  if (writes) {
+  if (rank == 0) {
     fs::create_directories(root);
     dir.emplace(root / name);
-    const std::map<std::string, std::string> metadata{{"format", "loom"}};
-    model_file.emplace(dir->path(kModelFile), model_specs(layout), metadata);
-    optimizer_file.emplace(dir->path(kOptimizerFile), optimizer_specs(layout), metadata);
   }
-  t.visit_state([&](FlatRange r, const float* params, const float* exp_avg, const float* exp_avg_sq) {
-    report_progress();
-    if (!writes) return;
-    for_each_param_in(layout, r, [&](const ParamSpec& p, int64_t at) {
+  nlohmann::json f = fields;
+  std::map<std::string, FileDigest> files;
+  if (runs) {
+    // Every rank writes into rank 0's staging directory; the commit waits
+    // for every rank's digest, so a rank that fails leaves nothing behind.
+    const fs::path staging = all_gather_text(ranks, dir ? dir->temp_dir().string() : "")[0];
+    const nlohmann::json own = write_own_shard(staging, rank, t, *runs);
+    nlohmann::json shards = nlohmann::json::array();
+    for (const std::string& text : all_gather_text(ranks, own.dump())) {
+      nlohmann::json shard = nlohmann::json::parse(text);
+      if (shard.is_null()) continue;
+      files[shard.at("file").get<std::string>()] = {shard.at("bytes").get<uint64_t>(),
+                                                     shard.at("sha256").get<std::string>()};
+      shard.erase("bytes");
+      shard.erase("sha256");
+      shards.push_back(std::move(shard));
+    }
+    f[kFormatField] = kShardedFormat;
+    f["state"] = state_json(layout);
+    f["shards"] = std::move(shards);
+  } else {
+    // The state streams from the Trainer (collective) into the files on rank
+    // 0: in one piece, or a chunk at a time under a memory policy.
+    std::optional<SafetensorsWriter> model_file, optimizer_file;
+    if (dir) {
+      const std::map<std::string, std::string> metadata{{"format", "loom"}};
+      model_file.emplace(dir->path(kModelFile), model_specs(layout), metadata);
+      optimizer_file.emplace(dir->path(kOptimizerFile), optimizer_specs(layout), metadata);
+    }
+    t.visit_state([&](FlatRange r, const float* params, const float* exp_avg, const float* exp_avg_sq) {
       report_progress();
-      model_file->write(p.name, params + at);
-      optimizer_file->write("exp_avg." + p.name, exp_avg + at);
-      optimizer_file->write("exp_avg_sq." + p.name, exp_avg_sq + at);
+      if (!dir) return;
+      for_each_param_in(layout, r, [&](const ParamSpec& p, int64_t at) {
+        report_progress();
+        model_file->write(p.name, params + at);
+        optimizer_file->write("exp_avg." + p.name, exp_avg + at);
+        optimizer_file->write("exp_avg_sq." + p.name, exp_avg_sq + at);
+      });
     });
-  });
-  if (writes) {
-    model_file->finish();
-    optimizer_file->finish();
-    nlohmann::json f = fields;
+    if (dir) {
+      model_file->finish();
+      optimizer_file->finish();
+      files[kModelFile] = model_file->digest();
+      files[kOptimizerFile] = optimizer_file->digest();
+    }
+  }
+  if (dir) {
     f["step"] = t.steps_done();
     f["optimizer_steps"] = t.optimizer_steps();
     const ZeroOptions& zero = t.options().zero;
@@ -132,7 +395,7 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
     const LossWatch& lw = t.loss_watch();
     f["loss_watch"] = {{"mean", lw.mean}, {"steps", lw.steps}, {"skipped_in_a_row", lw.skipped_in_a_row}};
     f["model"] = model_json(t.model().config());
-    write_manifest(dir->temp_dir(), f);
+    write_manifest(dir->temp_dir(), f, std::move(files));
     dir->commit();
     write_latest(root, name);
     apply_retention(root, keep_last);
@@ -143,9 +406,12 @@ fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json&
 }
 
 CheckpointInfo read_checkpoint_info(const fs::path& dir) {
-  Manifest m = verify_checkpoint_dir(dir);
+  // A sharded checkpoint's files are checked by size here and by checksum
+  // as each rank first reads one: no rank reads files it does not need.
+  const bool sharded = is_sharded(dir, read_manifest(dir).fields);
+  Manifest m = verify_checkpoint_dir(dir, !sharded);
   for (const char* file : {kModelFile, kOptimizerFile})
-    if (!m.files.count(file))
+    if (!sharded && !m.files.count(file))
       throw Error(str("checkpoint '", dir.string(), "' lists no ", file, ": it is incomplete"));
   CheckpointInfo info;
   info.dir = dir;
@@ -169,11 +435,10 @@ GPTConfig checkpoint_model_config(const CheckpointInfo& info) {
 }
 
 void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& params) {
-  SafetensorsReader r(info.dir / kModelFile);
   Tensor flat = params.flat();
-  // The file is read straight into the parameters.
+  // The files are read straight into the parameters.
   const HostSection host;
-  read_params(r, model.layout(), flat, "");
+  open_saved_state(info, model.layout())->read(0, 0, flat.numel(), flat.data<float>());
 }
 
 CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
@@ -197,7 +462,6 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
     throw Error(str("checkpoint '", dir.string(), "' holds the model ", saved_variant.dump(),
                     "; the config asks for ", variant.dump(), ": resume with the config the run was started with"));
   const ParamLayout& layout = trainer.state_layout();
-  const SafetensorsReader model_file(dir / kModelFile), optimizer_file(dir / kOptimizerFile);
   Trainer::State state;
   state.steps = info.step;
   state.optimizer_steps = manifest_int(info, info.fields, "optimizer_steps");
@@ -215,14 +479,16 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
     state.loss_watch.steps = manifest_int(info, *lw, "steps");
     state.loss_watch.skipped_in_a_row = manifest_int(info, *lw, "skipped_in_a_row");
   }
-  // Read in the pieces the Trainer takes them in (staged on the host tier, so
-  // the device high-water mark stays the training's).
-  trainer.load_state(state, [&](FlatRange r, float* params, float* exp_avg, float* exp_avg_sq) {
-    for_each_param_in(layout, r, [&](const ParamSpec& p, int64_t at) {
-      read_param(model_file, p, "", params + at);
-      read_param(optimizer_file, p, "exp_avg.", exp_avg + at);
-      read_param(optimizer_file, p, "exp_avg_sq.", exp_avg_sq + at);
-    });
+  // Each rank reads the runs of its own layout's pieces, nothing else, in the
+  // pieces its store takes them in (staged on the host tier, so the device
+  // high-water mark stays the training's).
+  report_progress("checkpoint read", info.step);
+  const std::unique_ptr<SavedState> saved_state = open_saved_state(info, layout);
+  trainer.load_own_state(state, [&](int64_t global, int64_t n, float* params, float* exp_avg, float* exp_avg_sq) {
+    report_progress();
+    saved_state->read(0, global, n, params);
+    saved_state->read(1, global, n, exp_avg);
+    saved_state->read(2, global, n, exp_avg_sq);
   });
   return info;
 }

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "loom/device.h"
@@ -71,11 +72,14 @@ bool names_under(const std::string& name, const std::string& entry) {
   return name == entry || (name.size() > entry.size() && name.starts_with(entry) && name[entry.size()] == '.');
 }
 
-// Visits every element of a rank's layout in runs: fn(spec, flat offset in
-// `local`, flat offset in `whole` or -1 for padding, length).
+// Visits every element of a rank's layout (of its parameters that overlap
+// `within`) in runs: fn(spec, flat offset in `local`, flat offset in `whole`
+// or -1 for padding, length).
 template <typename Fn>
-void for_each_whole_run(const ParamLayout& local, const ParamLayout& whole, Fn fn) {
+void for_each_whole_run(const ParamLayout& local, const ParamLayout& whole, Fn fn,
+                        FlatRange within = {0, std::numeric_limits<int64_t>::max()}) {
   for (const ParamSpec& p : local.params()) {
+    if (p.offset >= within.end || p.offset + p.numel() <= within.begin) continue;
     const ParamSpec& w = whole.param(whole.find(p.name));
     for (int64_t i = 0; i < p.numel();) {
       int64_t run = 0;
@@ -577,17 +581,52 @@ void Trainer::visit_state(const StateVisitor& visit) {
   optim_->visit_state(visit);
 }
 
-void Trainer::load_state(const State& counters, const StateFiller& fill) {
+std::optional<std::vector<std::vector<Trainer::StateRun>>> Trainer::own_state_runs() const {
+  const std::optional<std::vector<FlatRange>> ranges = optim_->owned_ranges();
+  if (!ranges) return std::nullopt;
+  std::vector<std::vector<StateRun>> runs(ranges->size());
+  // Every data-parallel replica of a store that is not sharded holds the same.
+  const bool replicated = !chunk_memory_ && opts_.zero.stage == 0;
+  if (replicated && dp_ && dp_->rank() != 0) return runs;
+  const int tp_rank = model_.parallel().tp.rank();
+  size_t first = 0;
+  for_each_whole_run(model_.layout(), state_layout(), [&](const ParamSpec& p, int64_t at, int64_t global, int64_t n) {
+    if (global < 0 || !owns_values(p, tp_rank)) return;
+    // Both the runs and the ranges come in increasing local order.
+    while (first < ranges->size() && (*ranges)[first].end <= at) ++first;
+    for (size_t k = first; k < ranges->size() && (*ranges)[k].begin < at + n; ++k) {
+      const FlatRange r = (*ranges)[k];
+      const int64_t b = std::max(at, r.begin), e = std::min(at + n, r.end);
+      std::vector<StateRun>& out = runs[k];
+      const StateRun run{global + (b - at), e - b, b - r.begin};
+      if (!out.empty() && out.back().global + out.back().n == run.global && out.back().at + out.back().n == run.at)
+        out.back().n += run.n;
+      else
+        out.push_back(run);
+    }
+  });
+  return runs;
+}
+
+void Trainer::visit_own_state(const StateVisitor& visit) {
   ops::synchronize();
-  if (whole_) {
-    State s = counters;
-    const int64_t n = state_layout().numel();
-    for (Tensor* t : {&s.params, &s.exp_avg, &s.exp_avg_sq}) *t = Tensor::empty({n}, DType::f32, Tier::host);
-    fill({0, n}, s.params.data<float>(), s.exp_avg.data<float>(), s.exp_avg_sq.data<float>());
-    load_state(s);
-    return;
-  }
-  optim_->load_state(fill);
+  optim_->visit_owned_state(visit);
+}
+
+void Trainer::load_own_state(const State& counters, const GlobalStateFiller& fill) {
+  ops::synchronize();
+  optim_->load_state([&](FlatRange r, float* p, float* m, float* v) {
+    for_each_whole_run(
+        model_.layout(), state_layout(),
+        [&](const ParamSpec&, int64_t at, int64_t global, int64_t n) {
+          const int64_t b = std::max(at, r.begin), e = std::min(at + n, r.end);
+          if (b >= e) return;
+          const int64_t o = b - r.begin;
+          if (global >= 0) return fill(global + (b - at), e - b, p + o, m + o, v + o);
+          for (float* values : {p, m, v}) std::fill_n(values + o, e - b, 0.0f);
+        },
+        r);
+  });
   load_counters(counters);
 }
 

@@ -168,15 +168,29 @@ void ZeroOptimizer::visit_state(const StateVisitor& visit) {
   visit({0, p.numel()}, p.data<float>(), m.data<float>(), v.data<float>());
 }
 
+void ZeroOptimizer::visit_owned_state(const StateVisitor& visit) {
+  params_.synchronize();
+  const HostSection host;
+  for (size_t i = 0; i < ranges_.size(); ++i)
+    visit(ranges_[i], master(i), adamw_->exp_avg().data<float>() + adamw_->offset(i),
+          adamw_->exp_avg_sq().data<float>() + adamw_->offset(i));
+}
+
 void ZeroOptimizer::load_state(const StateFiller& fill) {
-  Tensor staged;
+  const auto owns_elements_of = [&](FlatRange piece) {
+    return std::any_of(ranges_.begin(), ranges_.end(),
+                       [&](FlatRange r) { return r.begin < piece.end && piece.begin < r.end; });
+  };
+  // One staging buffer, for the largest parameter: the host holds one
+  // parameter's state beyond the rank's own at any time.
+  int64_t largest = 0;
+  for (const ParamSpec& p : layout_.params())
+    if (owns_elements_of({p.offset, p.offset + p.numel()})) largest = std::max(largest, p.numel());
+  Tensor staged = Tensor::empty({3 * largest}, DType::f32, Tier::host);
   for (const ParamSpec& p : layout_.params()) {
     const FlatRange piece{p.offset, p.offset + p.numel()};
-    if (std::none_of(ranges_.begin(), ranges_.end(),
-                     [&](FlatRange r) { return r.begin < piece.end && piece.begin < r.end; }))
-      continue;
+    if (!owns_elements_of(piece)) continue;
     const int64_t n = piece.numel();
-    staged = Tensor::empty({3 * n}, DType::f32, Tier::host);
     float* values = staged.data<float>();
     fill(piece, values, values + n, values + 2 * n);
     take_owned(piece, values, values + n, values + 2 * n);

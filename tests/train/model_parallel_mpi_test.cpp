@@ -2,8 +2,14 @@
 // parallelism with sequence parallelism over pipeline stages, and data
 // parallelism with ZeRO-1 over pipeline stages, reproduce the single-rank
 // reference, which every process computes for itself, bit-identically twice.
+// A sharded checkpoint written by the four processes loads in each of them
+// alone.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <filesystem>
+
+#include "loom/io.h"
 #include "mpi_test_main.h"
 #include "zero/zero_test_util.h"
 
@@ -44,6 +50,33 @@ TEST(ModelParallelMpi, TensorSequenceAndPipelineMatchTheReference) {
 TEST(ModelParallelMpi, DataParallelZero1OverPipelineStagesMatchesTheReference) {
   ASSERT_EQ(g_world->size(), 4);
   expect_matches_reference(hybrid(2, 1, 2, false, 1));
+}
+
+// Every process writes its own file into rank 0's staging directory (whose
+// name holds rank 0's pid); the committed checkpoint then loads on one rank.
+TEST(ModelParallelMpi, ShardedCheckpointOfTensorAndPipelineRanksLoadsOnOneRank) {
+  ASSERT_EQ(g_world->size(), 4);
+  int64_t pid = getpid();
+  g_world->broadcast(&pid, 1, DType::i64, 0);
+  const std::filesystem::path root =
+      std::filesystem::temp_directory_path() / ("loom-sharded-mpi-" + std::to_string(pid));
+  testing::DataParallelRun r = hybrid(1, 2, 2, false, 0);
+  r.accumulation = 1;
+  const GPTConfig cfg = testing::small_gpt(0.0f, r.n_layer, r.n_head);
+  const std::unique_ptr<DeviceMesh> mesh = testing::mesh_of(g_world, r);
+  Trainer trainer(cfg, testing::small_options(r), *mesh);
+  const std::vector<int32_t> data = testing::step_tokens(0, cfg.vocab_size);
+  trainer.step(testing::rank_micro_batches(data, 1, 0, 1));
+  const std::filesystem::path saved = save_checkpoint(root, trainer, {}, 0, mesh.get());
+  const Trainer::State state = trainer.gather_state();
+  EXPECT_EQ(read_manifest(saved).files.size(), 4u);
+  Trainer single(cfg, testing::small_options(testing::layout(0, 0)));
+  load_checkpoint(saved, single);
+  const Trainer::State loaded = single.gather_state();
+  EXPECT_TRUE(testing::bit_equal(loaded.params, state.params));
+  EXPECT_TRUE(testing::bit_equal(loaded.exp_avg_sq, state.exp_avg_sq));
+  g_world->barrier();
+  if (g_world->rank() == 0) std::filesystem::remove_all(root);
 }
 
 }  // namespace

@@ -419,21 +419,21 @@ TEST_F(MainJob, CorruptOrIncompleteCheckpointsAreRefusedByName) {
   run_training(c, stop);
   const fs::path ckpt = *dir_ / "corrupt" / "step_00000010";
   {
-    std::fstream f(ckpt / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    std::fstream f(ckpt / "rank_00000.safetensors", std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(200);
     f.put('\x7f');
   }
   RunOptions resume = quiet();
   resume.resume = true;
-  EXPECT_CONTAINS(error_of([&] { run_training(c, resume); }), "model.safetensors");
+  EXPECT_CONTAINS(error_of([&] { run_training(c, resume); }), "rank_00000.safetensors");
   // The earlier checkpoint is untouched and still loads.
   GPT model(model_config_from(c));
   ParamStore ps(model.layout(), 0);
   const fs::path earlier = *dir_ / "corrupt" / "step_00000005";
   load_weights(read_checkpoint_info(earlier), model, ps);
 
-  fs::remove(earlier / "optimizer.safetensors");
-  EXPECT_CONTAINS(error_of([&] { read_checkpoint_info(earlier); }), "optimizer.safetensors");
+  fs::remove(earlier / "rank_00000.safetensors");
+  EXPECT_CONTAINS(error_of([&] { read_checkpoint_info(earlier); }), "rank_00000.safetensors");
   fs::remove(earlier / kManifestFile);
   EXPECT_CONTAINS(error_of([&] { read_checkpoint_info(earlier); }), kManifestFile);
 }

@@ -156,6 +156,16 @@ inline std::vector<float> to_vector(const Tensor& t) {
   return std::vector<float>(t.data<float>(), t.data<float>() + t.numel());
 }
 
+// The dp x pp x tp mesh of `r` over `world`, or nullptr when it uses none.
+inline std::unique_ptr<DeviceMesh> mesh_of(Communicator* world, const DataParallelRun& r) {
+  if (!r.uses_mesh()) return nullptr;
+  MeshShape shape;
+  shape[MeshAxis::dp] = r.dp;
+  shape[MeshAxis::tp] = r.tp;
+  shape[MeshAxis::pp] = r.pp;
+  return std::make_unique<DeviceMesh>(*world, shape);
+}
+
 // Trains on `comm` (nullptr: the reference); rank 0's figures land in `result`.
 inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& result) {
   // Budgets apply to a context of the run's own (each rank thread already
@@ -180,14 +190,7 @@ inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& re
     }
     if (r.on_gradients) r.on_gradients(step, g);
   };
-  std::unique_ptr<DeviceMesh> mesh;
-  if (r.uses_mesh()) {
-    MeshShape shape;
-    shape[MeshAxis::dp] = r.dp;
-    shape[MeshAxis::tp] = r.tp;
-    shape[MeshAxis::pp] = r.pp;
-    mesh = std::make_unique<DeviceMesh>(*comm, shape);
-  }
+  const std::unique_ptr<DeviceMesh> mesh = mesh_of(comm, r);
   if (r.doubled_sums) {
     Communicator& group = mesh ? mesh->group(*r.doubled_sums) : *comm;
     CommOptions faulty = group.options();
