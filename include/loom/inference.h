@@ -151,4 +151,48 @@ std::vector<PromptSpec> read_prompts(const std::filesystem::path& path, const Pr
 // "tokens", "finish_reason"}.
 std::string result_json_line(int64_t index, const std::string& prompt, const GenerationResult& result);
 
+// `loom serve`: an HTTP server over one Generator (docs/inference.md).
+// Handler threads submit requests and wait for, or stream, their text; one
+// engine thread steps the Generator, so concurrent requests share batches.
+// Endpoints: POST /v1/completions (OpenAI's completions API), GET /health,
+// GET /metrics (Prometheus text).
+struct ServeOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;  // 0: a free port the OS chooses
+  int64_t max_batch = 8;
+  std::string model = "loom";  // the name responses echo when a request names none
+};
+
+struct ServerStats {
+  int64_t in_flight = 0;         // requests waiting or being generated
+  size_t kv_bytes_in_use = 0;    // the Generator's KV cache pool, after its last step
+  int64_t tokens_generated = 0;  // all requests'
+};
+
+class Server {
+ public:
+  // Binds the address (throws Error when it cannot) and starts the engine
+  // thread; the model and tokenizer must outlive the server.
+  Server(const GPT& model, ParamStore& params, const Tokenizer& tok, ServeOptions opts);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  int port() const;
+  // Serves until stop().
+  void run();
+  // Serves until stop() or SIGTERM/SIGINT, whose handlers it installs while
+  // it runs.
+  void run_until_signal();
+  // Stops accepting, cancels the requests in flight (a stream ends, a
+  // waiting request gets 503) and makes run() return. Any thread.
+  void stop();
+  ServerStats stats() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
 }  // namespace loom
