@@ -190,7 +190,7 @@ struct Server::Impl {
   bool has_work = false, stopping = false, quit = false;
   std::map<int64_t, std::shared_ptr<Pending>> pending;
   std::map<int, int64_t> requests_by_status;
-  int64_t tokens_generated = 0;
+  int64_t tokens_generated = 0, steps = 0;
   size_t kv_bytes = 0;
   Histogram ttft, itl;
   std::thread engine;
@@ -210,6 +210,7 @@ struct Server::Impl {
       while (more) {
         more = gen.step();
         lock.lock();
+        steps += more;
         kv_bytes = gen.pool().bytes_in_use();
         for (auto& [id, p] : pending)
           if (!p->result) p->result = gen.take(id);
@@ -342,6 +343,9 @@ struct Server::Impl {
     out << "# HELP loom_tokens_generated_total Tokens generated for all requests.\n"
            "# TYPE loom_tokens_generated_total counter\n"
         << "loom_tokens_generated_total " << tokens_generated << '\n'
+        << "# HELP loom_decode_steps_total Batched forward passes (tokens generated over these: the mean batch).\n"
+           "# TYPE loom_decode_steps_total counter\n"
+        << "loom_decode_steps_total " << steps << '\n'
         << "# HELP loom_queue_length Requests waiting or being generated.\n"
            "# TYPE loom_queue_length gauge\n"
         << "loom_queue_length " << pending.size() << '\n'

@@ -115,7 +115,7 @@ TEST(Server, ConcurrentClientsGetWhatTheGeneratorGivesAlone) {
   for (size_t i = 0; i < prompts.size(); ++i)
     clients.emplace_back([&, i] {
       const bool stream = i % 2 == 1;
-      const json body{{"model", "tiny"},   {"prompt", prompts[i]},      {"max_tokens", 12 + i},
+      const json body{{"model", "tiny"},   {"prompt", prompts[i]},      {"max_tokens", 20 + i},
                       {"temperature", i % 3 ? 0.9 : 0.0}, {"seed", 40 + i}, {"stream", stream}};
       httplib::Client c = s.client();
       const httplib::Result res = c.Post("/v1/completions", body.dump(), "application/json");
@@ -140,7 +140,7 @@ TEST(Server, ConcurrentClientsGetWhatTheGeneratorGivesAlone) {
   for (std::thread& t : clients) t.join();
   for (size_t i = 0; i < prompts.size(); ++i) {
     SCOPED_TRACE(i);
-    const GenerationResult r = s.alone(prompts[i], 12 + static_cast<int64_t>(i), i % 3 ? 0.9f : 0.0f, 40 + i);
+    const GenerationResult r = s.alone(prompts[i], 20 + static_cast<int64_t>(i), i % 3 ? 0.9f : 0.0f, 40 + i);
     EXPECT_EQ(texts[i], through_json(r.text));
     EXPECT_EQ(finishes[i], finish_reason_name(r.finish));
     if (i % 2 == 0) {
@@ -151,6 +151,9 @@ TEST(Server, ConcurrentClientsGetWhatTheGeneratorGivesAlone) {
     }
   }
   EXPECT_EQ(s.server->stats().in_flight, 0);
+  // The requests shared batches: fewer forward passes than tokens.
+  const std::string m = s.client().Get("/metrics")->body;
+  EXPECT_LT(metric(m, "loom_decode_steps_total"), metric(m, "loom_tokens_generated_total"));
 }
 
 TEST(Server, StopStringsEndTheTextAsTheyDoAlone) {
@@ -235,6 +238,7 @@ TEST(Server, HealthAndMetricsMove) {
   ASSERT_GT(tokens, 1);
   const std::string after = c.Get("/metrics")->body;
   EXPECT_EQ(metric(after, "loom_tokens_generated_total"), static_cast<double>(tokens));
+  EXPECT_EQ(metric(after, "loom_decode_steps_total"), static_cast<double>(tokens));  // alone: one per token
   EXPECT_EQ(metric(after, "loom_time_to_first_token_seconds_count"), 1.0);
   EXPECT_EQ(metric(after, "loom_inter_token_latency_seconds_count"), static_cast<double>(tokens - 1));
   EXPECT_EQ(metric(after, "loom_inter_token_latency_seconds_bucket{le=\"+Inf\"}"), static_cast<double>(tokens - 1));
