@@ -281,8 +281,6 @@ TEST(Server, ADisconnectMidStreamFreesTheSlot) {
   EXPECT_GT(held, 0u);
   EXPECT_GT(generated, 0);
   EXPECT_TRUE(drains(*s.server));
-  // Generation stopped well short of the budget.
-  EXPECT_LT(s.server->stats().tokens_generated, 100000);
 }
 
 // A stream in flight when the server stops.
