@@ -11,6 +11,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   liburing-dev libssl-dev
   libtomlplusplus-dev nlohmann-json3-dev libcli11-dev
+  libcpp-httplib-dev
 )
 
 missing=()

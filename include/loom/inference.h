@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -57,6 +58,8 @@ struct GenerationRequest {
   // Each piece of text as it is final (held back while it may begin a stop
   // string). Called on the thread that runs step().
   std::function<void(const std::string&)> on_text;
+  // Each kept token as it is sampled (on the thread that runs step()).
+  std::function<void(int32_t)> on_token;
 };
 
 struct GenerationResult {
@@ -83,6 +86,10 @@ class Generator {
   // The result of a finished request, handed out once; may be called from
   // any thread.
   std::optional<GenerationResult> take(int64_t id);
+  // Drops a request that has not finished (from any thread): a waiting one
+  // at once, an active one at the start of the next step, which frees its KV
+  // cache slot. It leaves no result (a finished one's result stays).
+  void cancel(int64_t id);
   // Submits the requests, steps until all are done and returns their results
   // in order.
   std::vector<GenerationResult> run(std::vector<GenerationRequest> requests);
@@ -103,6 +110,8 @@ class Generator {
     size_t emitted = 0;  // bytes of result.text handed to on_text
   };
   void admit();
+  // Retires the active sequences cancel() named.
+  void drop_cancelled();
   // Adds a sampled token; returns whether the sequence is finished.
   bool advance(Sequence& s, int32_t token);
   void finish(Sequence& s, FinishReason reason);
@@ -112,8 +121,9 @@ class Generator {
   const Tokenizer* tok_;
   KVCachePool pool_;
   std::vector<Sequence> active_;
-  std::mutex mutex_;  // guards waiting_, results_ and next_id_
+  std::mutex mutex_;  // guards waiting_, results_, cancelled_ and next_id_
   std::deque<Sequence> waiting_;
+  std::vector<int64_t> cancelled_;  // active requests to drop
   std::map<int64_t, GenerationResult> results_;
   int64_t next_id_ = 0;
 };
@@ -140,5 +150,49 @@ std::vector<PromptSpec> read_prompts(const std::filesystem::path& path, const Pr
 // One line of a results file (no newline): {"index", "prompt", "text",
 // "tokens", "finish_reason"}.
 std::string result_json_line(int64_t index, const std::string& prompt, const GenerationResult& result);
+
+// `loom serve`: an HTTP server over one Generator (docs/inference.md).
+// Handler threads submit requests and wait for, or stream, their text; one
+// engine thread steps the Generator, so concurrent requests share batches.
+// Endpoints: POST /v1/completions (OpenAI's completions API), GET /health,
+// GET /metrics (Prometheus text).
+struct ServeOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;  // 0: a free port the OS chooses
+  int64_t max_batch = 8;
+  std::string model = "loom";  // the name responses echo when a request names none
+};
+
+struct ServerStats {
+  int64_t in_flight = 0;         // requests waiting or being generated
+  size_t kv_bytes_in_use = 0;    // the Generator's KV cache pool, after its last step
+  int64_t tokens_generated = 0;  // all requests'
+};
+
+class Server {
+ public:
+  // Binds the address (throws Error when it cannot) and starts the engine
+  // thread; the model and tokenizer must outlive the server.
+  Server(const GPT& model, ParamStore& params, const Tokenizer& tok, ServeOptions opts);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  int port() const;
+  // Serves until stop().
+  void run();
+  // Serves until stop() or SIGTERM/SIGINT, whose handlers it installs while
+  // it runs.
+  void run_until_signal();
+  // Stops accepting, cancels the requests in flight (a stream ends, a
+  // waiting request gets 503) and makes run() return. Any thread.
+  void stop();
+  ServerStats stats() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace loom

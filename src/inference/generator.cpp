@@ -43,6 +43,32 @@ std::optional<GenerationResult> Generator::take(int64_t id) {
   return r;
 }
 
+void Generator::cancel(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = std::find_if(waiting_.begin(), waiting_.end(), [&](const Sequence& s) { return s.id == id; });
+  if (it != waiting_.end())
+    waiting_.erase(it);
+  else if (!results_.count(id))
+    cancelled_.push_back(id);  // active, or taken already: step() tells them apart
+}
+
+void Generator::drop_cancelled() {
+  std::vector<int64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ids.swap(cancelled_);
+  }
+  if (ids.empty()) return;
+  std::vector<Sequence> still;
+  for (Sequence& s : active_) {
+    if (std::find(ids.begin(), ids.end(), s.id) != ids.end())
+      pool_.release(s.slot);
+    else
+      still.push_back(std::move(s));
+  }
+  active_ = std::move(still);
+}
+
 void Generator::admit() {
   while (true) {
     Sequence s;
@@ -80,6 +106,7 @@ bool Generator::advance(Sequence& s, int32_t token) {
     return true;
   }
   s.result.tokens.push_back(token);
+  if (r.on_token) r.on_token(token);
   s.context.push_back(token);
   s.pending.assign(1, token);
   if (tok_) {
@@ -121,6 +148,7 @@ bool Generator::step() {
   // Each decode step is progress for the watchdog of a launched rank (the
   // sample `loom train` prints at the end of a run).
   report_progress("sampling");
+  drop_cancelled();
   admit();
   if (active_.empty()) return false;
   const int64_t block = model_.config().block_size, V = model_.config().vocab_size;

@@ -146,5 +146,41 @@ TEST(Generator, RefusesWhatItCannotDo) {
   EXPECT_EQ(none.finish, FinishReason::length);
 }
 
+// Cancelling frees an active sequence's slot at the next step and drops a
+// waiting one; the others' tokens are untouched.
+TEST(Generator, CancelFreesTheSlotAndLeavesTheOthers) {
+  const GPTConfig cfg = small_config("tiny");
+  const GPT model(cfg);
+  ParamStore ps(model.layout(), 5);
+  std::vector<GenerationRequest> reqs = requests(cfg, false);
+  reqs.resize(3);
+  for (GenerationRequest& r : reqs) r.max_tokens = 10;
+  const std::vector<GenerationResult> alone = one_at_a_time(model, ps, reqs);
+
+  Generator gen(model, ps, 2);
+  int64_t counted = 0;
+  reqs[0].on_token = [&](int32_t) { ++counted; };
+  std::vector<int64_t> ids;
+  for (const GenerationRequest& r : reqs) ids.push_back(gen.submit(r));
+  ASSERT_TRUE(gen.step());
+  ASSERT_TRUE(gen.step());
+  EXPECT_EQ(counted, 2);
+  EXPECT_EQ(gen.pool().bytes_in_use(), 2 * gen.pool().slot_bytes());
+  gen.cancel(ids[0]);  // active
+  gen.cancel(ids[2]);  // waiting
+  ASSERT_TRUE(gen.step());
+  EXPECT_EQ(gen.active(), 1);
+  EXPECT_EQ(gen.pool().bytes_in_use(), gen.pool().slot_bytes());
+  while (gen.step()) {
+  }
+  EXPECT_EQ(counted, 2);
+  EXPECT_EQ(gen.pool().bytes_in_use(), 0u);
+  EXPECT_FALSE(gen.take(ids[0]).has_value());
+  EXPECT_FALSE(gen.take(ids[2]).has_value());
+  const std::optional<GenerationResult> kept = gen.take(ids[1]);
+  ASSERT_TRUE(kept.has_value());
+  EXPECT_EQ(kept->tokens, alone[1].tokens);
+}
+
 }  // namespace
 }  // namespace loom

@@ -1,4 +1,4 @@
-// The `loom` command line: prepare, train, generate, eval, export, calibrate.
+// The `loom` command line: prepare, train, generate, serve, eval, export, calibrate.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
@@ -143,6 +143,17 @@ int main(int argc, char** argv) {
                   "standard output)");
   gen->add_option("--max-batch", max_batch, "with --prompts: sequences generated together")->capture_default_str();
 
+  // serve
+  auto* serve = app.add_subcommand(
+      "serve", "serve a checkpoint over HTTP: OpenAI-compatible /v1/completions, /health, /metrics (docs/inference.md)");
+  ServeOptions serve_opts;
+  serve->add_option("--checkpoint", ckpt,
+                    "checkpoint directory, a run directory (uses latest), or hf:DIR (a Hugging Face checkpoint)")
+      ->required();
+  serve->add_option("--host", serve_opts.host, "address to listen on")->capture_default_str();
+  serve->add_option("--port", serve_opts.port, "port to listen on; 0 = any free port")->capture_default_str();
+  serve->add_option("--max-batch", serve_opts.max_batch, "sequences generated together")->capture_default_str();
+
   // eval
   auto* eval = app.add_subcommand("eval", "mean loss of a checkpoint over a token-shard file");
   std::string eval_data;
@@ -255,6 +266,18 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       });
       std::printf("\n");
+    } else if (serve->parsed()) {
+      LoadedModel m(ckpt);
+      // Responses name the model by its directory unless a request names it.
+      fs::path dir(ckpt);
+      if (dir.filename().empty()) dir = dir.parent_path();  // a trailing slash
+      if (!dir.filename().empty()) serve_opts.model = dir.filename().string();
+      Server server(*m.model, *m.params, m.tokenizer, serve_opts);
+      std::printf("serving %s on http://%s:%d (POST /v1/completions, GET /health, GET /metrics); Ctrl-C stops\n",
+                  ckpt.c_str(), serve_opts.host.c_str(), server.port());
+      std::fflush(stdout);
+      server.run_until_signal();
+      std::printf("stopped\n");
     } else if (eval->parsed()) {
       LoadedModel m(ckpt);
       const fs::path data(eval_data);
