@@ -557,9 +557,44 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
   return {.final_eval = final_eval, .steps_done = plan.steps};
 }
 
+// parallel.auto: `given` with its layout keys replaced by the search's
+// fastest layout that fits, on as many ranks, priced with this machine's
+// calibration.
+Config with_searched_layout(const Config& given, bool quiet) {
+  MachineRates rates;
+  try {
+    rates = find_machine_rates({});
+  } catch (const Error& e) {
+    throw ConfigError(given, "parallel.auto", str("chooses the layout by predicted step time, and ", e.what()),
+                      "run `loom calibrate` first, or set parallel.auto = false and choose the layout yourself");
+  }
+  const int64_t world =
+      given.get<int64_t>("parallel.dp") * given.get<int64_t>("parallel.tp") * given.get<int64_t>("parallel.pp");
+  const LayoutSearch search = search_layouts(given, rates, world, plan_device_budget(given, {}, rates));
+  if (search.ranked.empty())
+    throw ConfigError(given, "parallel.auto",
+                      str("found no layout of ", world, " ranks that fits memory.device_budget = ",
+                          format_bytes(search.device_budget), " (", search.too_large, " valid layouts do not fit)"),
+                      "raise memory.device_budget or the ranks (parallel.dp); `loom plan --search` lists the "
+                      "rejections");
+  Config cfg = given;
+  std::string chosen;
+  for (const std::string& setting : layout_settings(search.ranked.front().layout)) {
+    cfg.set_override(setting);
+    chosen += " " + setting;
+  }
+  if (!quiet)
+    std::printf("parallel.auto chose%s: predicted %.4g ms per step, the fastest of %zu layouts of %lld ranks that "
+                "fit\n",
+                chosen.c_str(), search.ranked.front().time.step_s * 1e3, search.ranked.size(),
+                static_cast<long long>(world));
+  return cfg;
+}
+
 }  // namespace
 
-RunResult run_training(const Config& cfg, const RunOptions& run) {
+RunResult run_training(const Config& given, const RunOptions& run) {
+  const Config cfg = given.get<bool>("parallel.auto") ? with_searched_layout(given, run.quiet) : given;
   const TrainPlan plan = plan_training(cfg);
   check_out_dir(plan.out_dir, run);
   const StopSignals stop_signals;
