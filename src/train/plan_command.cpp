@@ -79,10 +79,17 @@ std::string format_seconds(double s) {
 
 std::string format_budget(double bytes) { return std::isinf(bytes) ? "unlimited" : format_bytes(bytes); }
 
+// "--set parallel.dp=2 parallel.tp=1 ...", as `loom train` takes it.
 std::string settings_line(const Layout& layout) {
-  std::string line;
-  for (const std::string& s : layout_settings(layout)) line += str(line.empty() ? "" : " ", "--set ", s);
+  std::string line = "--set";
+  for (const std::string& s : layout_settings(layout)) line += " " + s;
   return line;
+}
+
+// A hardware file's description runs on with its sources: its first sentence.
+std::string first_sentence(const std::string& text) {
+  const size_t end = text.find(". ");
+  return end == std::string::npos ? text : text.substr(0, end + 1);
 }
 
 std::string time_line(const StepTimePrediction& t) {
@@ -129,7 +136,7 @@ void print_config_plan(const Config& cfg, const MachineRates& rates, double devi
   const std::vector<RankMemory> ranks = predict_step_memory(problem, layout, memory);
   const StepTimePrediction t = predict_step_time(problem, layout, memory.precision, rates, memory.bucket_bytes);
   out << "layout: " << settings_line(layout) << "\n";
-  out << "rates: " << rates.description << "\n";
+  out << "rates: " << first_sentence(rates.description) << "\n";
   const size_t host = cfg.get_bytes("memory.host_budget");
   out << "memory per rank (device budget " << format_budget(device_budget) << ", host budget "
       << format_budget(host == kUnlimited ? std::numeric_limits<double>::infinity() : static_cast<double>(host))
@@ -179,7 +186,7 @@ LayoutSearch search_layouts(const Config& cfg, const MachineRates& rates, int64_
   for (const Layout& layout : candidates) {
     if (const std::optional<LayoutViolation> broken = check_layout(problem, layout)) {
       RuleRejections& r = by_rule[broken->rule];
-      if (r.count++ == 0) r.example = str(broken->key, " ", broken->problem);
+      if (r.count++ == 0) r.example = str(broken->key, ": ", broken->problem);
       continue;
     }
     const StepMemoryOptions memory = step_memory_options(cfg, problem, layout);
