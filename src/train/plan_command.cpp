@@ -155,6 +155,9 @@ void print_search(const LayoutSearch& s, int64_t top, std::ostream& out) {
       << format_budget(s.device_budget) << "\n";
   for (const RuleRejections& r : s.rules)
     out << "  " << r.count << " rejected by " << r.rule << ", e.g. " << r.example << "\n";
+  if (s.equivalent > 0)
+    out << "  " << s.equivalent << " left out: without a pipeline (parallel.pp = 1) their parallel.schedule "
+        << "runs the same step as " << pipeline_schedule_name(Layout{}.schedule) << "\n";
   if (s.too_large > 0)
     out << "  " << s.too_large << " do not fit: the smallest of their device peaks is "
         << format_bytes(s.too_large_least_peak) << "\n";
@@ -187,6 +190,11 @@ LayoutSearch search_layouts(const Config& cfg, const MachineRates& rates, int64_
     if (const std::optional<LayoutViolation> broken = check_layout(problem, layout)) {
       RuleRejections& r = by_rule[broken->rule];
       if (r.count++ == 0) r.example = str(broken->key, ": ", broken->problem);
+      continue;
+    }
+    // Without a pipeline the schedule runs the same step: one of them is kept.
+    if (layout.pp == 1 && layout.schedule != Layout{}.schedule) {
+      ++s.equivalent;
       continue;
     }
     const StepMemoryOptions memory = step_memory_options(cfg, problem, layout);

@@ -561,13 +561,15 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
 // fastest layout that fits, on as many ranks, priced with this machine's
 // calibration.
 Config with_searched_layout(const Config& given, bool quiet) {
-  MachineRates rates;
-  try {
-    rates = find_machine_rates({});
-  } catch (const Error& e) {
-    throw ConfigError(given, "parallel.auto", str("chooses the layout by predicted step time, and ", e.what()),
-                      "run `loom calibrate` first, or set parallel.auto = false and choose the layout yourself");
-  }
+  const fs::path calibration = default_calibration_path();
+  std::error_code ec;
+  if (!fs::exists(calibration, ec))
+    throw ConfigError(given, "parallel.auto",
+                      str("prices the layouts with this machine's calibration, and there is none at ",
+                          calibration.string()),
+                      "run `loom calibrate` first, or set parallel.auto = false and choose the layout (`loom plan "
+                      "--search` ranks them)");
+  const MachineRates rates = load_machine_rates(calibration);
   const int64_t world =
       given.get<int64_t>("parallel.dp") * given.get<int64_t>("parallel.tp") * given.get<int64_t>("parallel.pp");
   const LayoutSearch search = search_layouts(given, rates, world, plan_device_budget(given, {}, rates));

@@ -133,7 +133,8 @@ TEST(PlanCommand, SearchAccountsForEveryCandidateAndRanksWhatFitsByTime) {
   EXPECT_GT(s.too_large, 0);
   EXPECT_GT(s.too_large_least_peak, budget);
   ASSERT_FALSE(s.ranked.empty());
-  EXPECT_EQ(rejected + s.too_large + static_cast<int64_t>(s.ranked.size()), s.candidates);
+  EXPECT_GT(s.equivalent, 0);
+  EXPECT_EQ(rejected + s.equivalent + s.too_large + static_cast<int64_t>(s.ranked.size()), s.candidates);
 
   for (size_t i = 0; i < s.ranked.size(); ++i) {
     const RankedLayout& r = s.ranked[i];
@@ -163,6 +164,7 @@ TEST(PlanCommand, SearchAccountsForEveryCandidateAndRanksWhatFitsByTime) {
       plan_output(cfg, {.rates = {.rates = dir / "rates.json"}, .search = true, .top = 3, .ranks = world});
   EXPECT_CONTAINS(out, str(s.candidates, " layouts of 4 ranks"));
   for (const RuleRejections& r : s.rules) EXPECT_CONTAINS(out, str(r.count, " rejected by ", r.rule, ", e.g. "));
+  EXPECT_CONTAINS(out, str(s.equivalent, " left out"));
   EXPECT_CONTAINS(out, str(s.too_large, " do not fit"));
   EXPECT_CONTAINS(out, str(s.ranked.size(), " fit; the fastest 3:"));
   // The best three in their order, each with its rates and --set line.
