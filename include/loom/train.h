@@ -362,6 +362,9 @@ struct LayoutSearch {
 // 30,000 candidates of 8 ranks of a small model).
 LayoutSearch search_layouts(const Config& cfg, const MachineRates& rates, int64_t world, double device_budget);
 
+// "380.5 us per step (10763845 tokens/s, MFU 47.38%)".
+std::string describe_step_time(const StepTimePrediction& t);
+
 struct PlanCommandOptions {
   RatesSource rates = {};
   bool search = false;

@@ -92,11 +92,6 @@ std::string first_sentence(const std::string& text) {
   return end == std::string::npos ? text : text.substr(0, end + 1);
 }
 
-std::string time_line(const StepTimePrediction& t) {
-  char rate[64];
-  std::snprintf(rate, sizeof rate, "%.0f tokens/s, MFU %.2f%%", t.tokens_per_s, 100.0 * t.mfu);
-  return str(format_seconds(t.step_s), " per step (", rate, ")");
-}
 
 // The ranks whose peaks are the same on every tier: one role each (the dp
 // replicas of a stage, usually), printed once.
@@ -145,7 +140,7 @@ void print_config_plan(const Config& cfg, const MachineRates& rates, double devi
   const double worst = worst_device_peak(ranks);
   if (worst > device_budget)
     out << "  does not fit: the largest device peak " << format_bytes(worst) << " exceeds the budget\n";
-  out << "step time: " << time_line(t) << "\n";
+  out << "step time: " << describe_step_time(t) << "\n";
   out << "  compute " << format_seconds(t.compute_s) << ", exposed communication " << format_seconds(t.communication_s)
       << ", bubble " << format_seconds(t.bubble_s) << ", optimizer " << format_seconds(t.optimizer_s) << "\n";
 }
@@ -170,12 +165,18 @@ void print_search(const LayoutSearch& s, int64_t top, std::ostream& out) {
   out << "; the fastest " << shown << ":\n";
   for (size_t i = 0; i < shown; ++i) {
     const RankedLayout& r = s.ranked[i];
-    out << "  " << i + 1 << ". " << time_line(r.time) << ", device peak " << format_bytes(r.device_peak) << "\n"
+    out << "  " << i + 1 << ". " << describe_step_time(r.time) << ", device peak " << format_bytes(r.device_peak) << "\n"
         << "     " << settings_line(r.layout) << "\n";
   }
 }
 
 }  // namespace
+
+std::string describe_step_time(const StepTimePrediction& t) {
+  char rate[64];
+  std::snprintf(rate, sizeof rate, "%.0f tokens/s, MFU %.2f%%", t.tokens_per_s, 100.0 * t.mfu);
+  return str(format_seconds(t.step_s), " per step (", rate, ")");
+}
 
 LayoutSearch search_layouts(const Config& cfg, const MachineRates& rates, int64_t world, double device_budget) {
   LayoutSearch s;

@@ -586,9 +586,8 @@ Config with_searched_layout(const Config& given, bool quiet) {
     chosen += " " + setting;
   }
   if (!quiet)
-    std::printf("parallel.auto chose%s: predicted %.4g ms per step, the fastest of %zu layouts of %lld ranks that "
-                "fit\n",
-                chosen.c_str(), search.ranked.front().time.step_s * 1e3, search.ranked.size(),
+    std::printf("parallel.auto chose%s: predicted %s, the fastest of %zu layouts of %lld ranks that fit\n",
+                chosen.c_str(), describe_step_time(search.ranked.front().time).c_str(), search.ranked.size(),
                 static_cast<long long>(world));
   return cfg;
 }
