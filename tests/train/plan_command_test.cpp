@@ -25,21 +25,9 @@ Config tiny(std::initializer_list<std::string> overrides = {}) {
   return c;
 }
 
-// A machine with a flat GEMM rate and priced links, as a hardware file gives
-// it; saved and read back as `loom plan --rates` reads it.
-MachineRates synthetic_rates() {
-  MachineRates r;
-  r.description = "synthetic";
-  r.peak_flops_fp32 = 1e11;
-  r.peak_flops_bf16 = 4e11;
-  r.gemm_efficiency = 0.5;
-  r.memory_bytes_per_s = 1e10;
-  r.device_memory_bytes = 1e9;
-  r.ranks_per_node = 2;
-  r.intra_node = {1e-5, 1e10};
-  r.inter_node = {2e-5, 1e9};
-  return r;
-}
+// A machine's rates without calibrating: the H100 description, saved as
+// `loom calibrate` saves rates and read back as `loom plan --rates` reads them.
+MachineRates h100() { return load_machine_rates(LOOM_SOURCE_DIR "/hardware/h100-sxm.json"); }
 
 std::string plan_output(const Config& cfg, const PlanCommandOptions& options) {
   std::ostringstream out;
@@ -67,7 +55,7 @@ Config with_layout(const Config& cfg, const Layout& layout) {
 
 TEST(PlanCommand, PrintsThePlannersMemoryAndTimeOfTheConfigsLayout) {
   TempDir dir;
-  save_machine_rates(synthetic_rates(), dir / "rates.json");
+  save_machine_rates(h100(), dir / "rates.json");
   const Config cfg = tiny({"parallel.dp=2", "parallel.tp=2", "zero.stage=1", "train.batch_size=4"});
   const std::string out = plan_output(cfg, {.rates = {.rates = dir / "rates.json"}});
 
@@ -90,9 +78,9 @@ TEST(PlanCommand, PrintsThePlannersMemoryAndTimeOfTheConfigsLayout) {
   EXPECT_CONTAINS(out, "device budget unlimited");
 
   // A hardware file's device memory is the budget unless the config sets one.
-  save_machine_rates(synthetic_rates(), dir / "hw.json");
+  save_machine_rates(h100(), dir / "hw.json");
   EXPECT_CONTAINS(plan_output(cfg, {.rates = {.hardware = dir / "hw.json"}}),
-                  "device budget " + format_bytes(synthetic_rates().device_memory_bytes));
+                  "device budget " + format_bytes(h100().device_memory_bytes));
   Config budgeted = cfg;
   budgeted.set_override("memory.device_budget=3MiB");
   EXPECT_CONTAINS(plan_output(budgeted, {.rates = {.hardware = dir / "hw.json"}}), "device budget " + format_bytes(3 << 20));
@@ -104,7 +92,7 @@ TEST(PlanCommand, PrintsThePlannersMemoryAndTimeOfTheConfigsLayout) {
 
 TEST(PlanCommand, SearchAccountsForEveryCandidateAndRanksWhatFitsByTime) {
   TempDir dir;
-  save_machine_rates(synthetic_rates(), dir / "rates.json");
+  save_machine_rates(h100(), dir / "rates.json");
   const MachineRates rates = load_machine_rates(dir / "rates.json");
   const Config base = tiny({"train.batch_size=8"});
   const int64_t world = 4;
@@ -198,8 +186,8 @@ TEST(PlanCommand, MissingRatesSayToCalibrateOrPassAHardwareFile) {
 
   // The default calibration is where the planner looks without flags.
   std::filesystem::create_directories(default_calibration_path().parent_path());
-  save_machine_rates(synthetic_rates(), default_calibration_path());
-  EXPECT_CONTAINS(plan_output(tiny(), {}), "rates: synthetic");
+  save_machine_rates(h100(), default_calibration_path());
+  EXPECT_CONTAINS(plan_output(tiny(), {}), "rates: NVIDIA H100");
 }
 
 }  // namespace
