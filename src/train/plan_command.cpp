@@ -46,6 +46,7 @@ MemoryOptions memory_options_for(const Config& cfg, const LayoutProblem& problem
   m.nvme_dir = cfg.get<std::string>("memory.nvme_dir");
   m.nvme_io_uring = cfg.get<bool>("memory.nvme_io_uring");
   m.prefetch = static_cast<int>(cfg.get<int64_t>("memory.prefetch"));
+  // "unlimited" is refused by plan_training; here it only must not wrap.
   m.chunk_bytes = static_cast<int64_t>(std::min(cfg.get_bytes("memory.chunk_bytes"), size_t{1} << 62));
   m.micro_batches = problem.global_batch / (layout.dp * layout.micro_batch);
   return m;
