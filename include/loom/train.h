@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <functional>
+#include <iosfwd>
 #include <memory>
 #include <optional>
 #include <span>
@@ -17,6 +18,7 @@
 #include "loom/nn.h"
 #include "loom/optim.h"
 #include "loom/parallel.h"
+#include "loom/planner.h"
 #include "loom/store.h"
 #include "loom/trace.h"
 #include "loom/zero.h"
@@ -324,6 +326,75 @@ struct TrainPlan {
 };
 // Throws ConfigError naming the field, its origin, the rule and the fix.
 TrainPlan plan_training(const Config& cfg);
+
+// The layout keys of `cfg` (parallel.*, train.micro_batch_size, zero.stage,
+// train.activation_checkpointing, memory.policy).
+Layout layout_of(const Config& cfg);
+// What a layout of `cfg` is held against: `model` (model_config_from's), the
+// batch, and what the config fixes (parallel.stage_layers, model.preset).
+LayoutProblem layout_problem_of(const Config& cfg, const GPTConfig& model);
+
+// ---------------------------------------------------------------------------
+// `loom plan`: a config's predicted memory and step time, and the search for
+// the fastest layout that fits (docs/planning.md)
+// ---------------------------------------------------------------------------
+
+// Where the machine's rates come from: `rates` (a calibration), else
+// `hardware` (a hardware description), else default_calibration_path() if it
+// exists.
+struct RatesSource {
+  std::filesystem::path rates = {}, hardware = {};
+};
+// Error saying to run `loom calibrate` or pass --hardware when there are none.
+MachineRates find_machine_rates(const RatesSource& source);
+
+// The bytes a rank's device may hold: memory.device_budget when set, else a
+// hardware file's device_memory_bytes, else unlimited (infinity).
+double plan_device_budget(const Config& cfg, const RatesSource& source, const MachineRates& rates);
+
+// A layout the search kept, with its predictions.
+struct RankedLayout {
+  Layout layout;
+  StepTimePrediction time;
+  double device_peak = 0.0;  // the busiest rank's device peak
+};
+// The candidates one layout rule rejected.
+struct RuleRejections {
+  std::string rule;
+  int64_t count = 0;
+  std::string example;  // the first one's violation, "key: problem"
+};
+struct LayoutSearch {
+  int64_t world = 1;
+  int64_t candidates = 0;              // layout_candidates' count
+  std::vector<RuleRejections> rules;   // in layout_rules() order, rules that rejected any
+  // Valid, but the same step as a candidate kept: parallel.pp = 1 with a
+  // schedule other than the default.
+  int64_t equivalent = 0;
+  int64_t too_large = 0;               // valid, but a rank's device peak exceeds the budget
+  double too_large_least_peak = 0.0;   // the smallest such peak
+  double device_budget = 0.0;
+  std::vector<RankedLayout> ranked;    // every one that fits, fastest first
+};
+// Every candidate layout of `world` ranks for `cfg`'s model and batch, held to
+// the layout rules and the device budget and ranked by predicted step time
+// (ties: the smaller device peak, then candidate order). The memory model
+// and the time model run on every valid candidate (about a second for the
+// 30,000 candidates of 8 ranks of a small model).
+LayoutSearch search_layouts(const Config& cfg, const MachineRates& rates, int64_t world, double device_budget);
+
+// "380.5 us per step (10763845 tokens/s, MFU 47.38%)".
+std::string describe_step_time(const StepTimePrediction& t);
+
+struct PlanCommandOptions {
+  RatesSource rates = {};
+  bool search = false;
+  int64_t top = 5;    // layouts --search prints
+  int64_t ranks = 0;  // the search's world size; 0: parallel.dp * tp * pp
+};
+// `loom plan`: without search, the config (validated by plan_training) with
+// its per-rank memory peaks and step time; with search, the best layouts.
+void run_plan(const Config& cfg, const PlanCommandOptions& options, std::ostream& out);
 
 // Checkpoints: <root>/step_XXXXXXXX/, committed atomically, then
 // <root>/latest, then retention (docs/checkpoints.md). Sharded: one

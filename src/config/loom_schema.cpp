@@ -108,6 +108,9 @@ ConfigSchema build_loom_schema() {
   s.add_string("parallel.stage_layers", "",
                "layers per virtual stage in order, e.g. \"3,3,2\"; empty = balanced by estimated cost");
   s.add_choice("parallel.backend", "local", {"local", "mpi"}, "communicator: ranks as threads (local) or processes (mpi)");
+  s.add_bool("parallel.auto", false,
+             "replace the layout keys by the fastest layout of parallel.dp * tp * pp ranks that fits, as "
+             "`loom plan --search` ranks them (needs `loom calibrate`)");
   s.add_int("parallel.nproc", 0, "ranks to run; 0 = parallel.dp * parallel.tp * parallel.pp", 0, 1 << 20);
 
   s.add_int("zero.stage", 0, "ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded", 0, 3);

@@ -222,8 +222,6 @@ void check_chunk_bytes(const Config& cfg, const TrainPlan& p, const ParamLayout&
 // plan_memory): a run that cannot fit fails here, before anything is
 // allocated. Throws plan_memory's Error, which names the tier, what it needs
 // and its budget.
-Layout layout_of(const Config& cfg);
-
 void check_memory_fits(const Config& cfg, const TrainPlan& p) {
   // GPT's constructor declares the layout and allocates no parameters.
   const GPT whole(p.model);
@@ -235,8 +233,7 @@ void check_memory_fits(const Config& cfg, const TrainPlan& p) {
   step.precision = p.options.zero.precision;
   step.bucket_bytes = p.options.zero.bucket_bytes;
   step.memory = p.options.memory;
-  const LayoutProblem problem{.model = p.model, .global_batch = p.global_batch, .seq_len = p.seq_len};
-  const double beside_chunks = device_bytes_beside_chunks(problem, layout_of(cfg), step);
+  const double beside_chunks = device_bytes_beside_chunks(layout_problem_of(cfg, p.model), layout_of(cfg), step);
   // Parameters train.freeze freezes besides the model's own stay out of the
   // chunks too: on the device in the working precision, and below fp32 two
   // groups of them at a time also in fp32 while acquired (FrozenParamStore).
@@ -270,9 +267,6 @@ void check_memory_fits(const Config& cfg, const TrainPlan& p) {
 
 }  // namespace
 
-namespace {
-
-// The layout keys of `cfg`, for check_layout.
 Layout layout_of(const Config& cfg) {
   return Layout{.dp = cfg.get<int64_t>("parallel.dp"),
                 .tp = cfg.get<int64_t>("parallel.tp"),
@@ -285,6 +279,16 @@ Layout layout_of(const Config& cfg) {
                 .recompute = cfg.get<bool>("train.activation_checkpointing"),
                 .memory_policy = parse_memory_policy(cfg.get<std::string>("memory.policy"))};
 }
+
+LayoutProblem layout_problem_of(const Config& cfg, const GPTConfig& model) {
+  return LayoutProblem{.model = model,
+                       .global_batch = cfg.get<int64_t>("train.batch_size"),
+                       .seq_len = cfg.get<int64_t>("train.seq_len"),
+                       .stage_layers_given = !cfg.get<std::string>("parallel.stage_layers").empty(),
+                       .model_shape_settable = cfg.get<std::string>("model.preset") == "custom"};
+}
+
+namespace {
 
 // init.from's model: config.json's, which the model.* keys a user set may
 // repeat but not contradict.
@@ -403,12 +407,7 @@ TrainPlan plan_training(const Config& cfg) {
     throw ConfigError(cfg, "train.seq_len", str("may not exceed the model's context block_size = ", p.model.block_size),
                       str("set train.seq_len <= ", p.model.block_size, " or raise model.block_size"));
   const Layout layout = layout_of(cfg);
-  const LayoutProblem problem{.model = p.model,
-                              .global_batch = p.global_batch,
-                              .seq_len = p.seq_len,
-                              .stage_layers_given = !cfg.get<std::string>("parallel.stage_layers").empty(),
-                              .model_shape_settable = cfg.get<std::string>("model.preset") == "custom"};
-  if (const std::optional<LayoutViolation> broken = check_layout(problem, layout))
+  if (const std::optional<LayoutViolation> broken = check_layout(layout_problem_of(cfg, p.model), layout))
     throw ConfigError(cfg, broken->key, broken->problem, broken->fix);
   p.accumulation = p.global_batch / (dp * p.micro_batch);
   // A tokenizer beside an imported checkpoint replaces data.vocab_size's (the

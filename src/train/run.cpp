@@ -557,9 +557,45 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
   return {.final_eval = final_eval, .steps_done = plan.steps};
 }
 
+// parallel.auto: `given` with its layout keys replaced by the search's
+// fastest layout that fits, on as many ranks, priced with this machine's
+// calibration.
+Config with_searched_layout(const Config& given, bool quiet) {
+  const fs::path calibration = default_calibration_path();
+  std::error_code ec;
+  if (!fs::exists(calibration, ec))
+    throw ConfigError(given, "parallel.auto",
+                      str("prices the layouts with this machine's calibration, and there is none at ",
+                          calibration.string()),
+                      "run `loom calibrate` first, or set parallel.auto = false and choose the layout (`loom plan "
+                      "--search` ranks them)");
+  const MachineRates rates = load_machine_rates(calibration);
+  const int64_t world =
+      given.get<int64_t>("parallel.dp") * given.get<int64_t>("parallel.tp") * given.get<int64_t>("parallel.pp");
+  const LayoutSearch search = search_layouts(given, rates, world, plan_device_budget(given, {}, rates));
+  if (search.ranked.empty())
+    throw ConfigError(given, "parallel.auto",
+                      str("found no layout of ", world, " ranks that fits memory.device_budget = ",
+                          format_bytes(search.device_budget), " (", search.too_large, " valid layouts do not fit)"),
+                      "raise memory.device_budget or the ranks (parallel.dp); `loom plan --search` lists the "
+                      "rejections");
+  Config cfg = given;
+  std::string chosen;
+  for (const std::string& setting : layout_settings(search.ranked.front().layout)) {
+    cfg.set_override(setting);
+    chosen += " " + setting;
+  }
+  if (!quiet)
+    std::printf("parallel.auto chose%s: predicted %s, the fastest of %zu layouts of %lld ranks that fit\n",
+                chosen.c_str(), describe_step_time(search.ranked.front().time).c_str(), search.ranked.size(),
+                static_cast<long long>(world));
+  return cfg;
+}
+
 }  // namespace
 
-RunResult run_training(const Config& cfg, const RunOptions& run) {
+RunResult run_training(const Config& given, const RunOptions& run) {
+  const Config cfg = given.get<bool>("parallel.auto") ? with_searched_layout(given, run.quiet) : given;
   const TrainPlan plan = plan_training(cfg);
   check_out_dir(plan.out_dir, run);
   const StopSignals stop_signals;

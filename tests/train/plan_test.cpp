@@ -23,27 +23,6 @@ Config tiny(std::initializer_list<const char*> overrides = {}) {
   return c;
 }
 
-// Sets an environment variable for the scope of a test, restoring it after.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (old_)
-      setenv(name_, old_->c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
-
 TEST(PlanTraining, DefaultsAreTheSingleRankReference) {
   const TrainPlan p = plan_training(tiny());
   EXPECT_EQ(p.dp, 1);
@@ -327,7 +306,7 @@ TEST(PlanTraining, MpiBackendNeedsMpirun) {
 
 TEST(PlanTraining, UnderMpirunTheBackendAndRankCountMustFit) {
   if (launched_by_mpirun()) GTEST_SKIP() << "fakes mpirun's environment, so runs outside it only";
-  ScopedEnv world("OMPI_COMM_WORLD_SIZE", "4");
+  const testing::ScopedEnv world("OMPI_COMM_WORLD_SIZE", "4");
   std::string e = error_of([] { plan_training(tiny({"parallel.dp=2"})); });
   EXPECT_CONTAINS(e, "parallel.backend = \"local\"");
   EXPECT_CONTAINS(e, "one of 4 that mpirun started");

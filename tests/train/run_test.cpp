@@ -15,6 +15,7 @@
 #include <thread>
 #include <tuple>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -181,6 +182,35 @@ TEST_F(MainJob, DataParallelZero1ReproducesTheSingleRankLosses) {
   EXPECT_EQ(info.step, 10);
   EXPECT_EQ(info.fields.at("layout").at("dp"), 2);
   EXPECT_EQ(info.fields.at("layout").at("zero_stage"), 1);
+}
+
+TEST_F(MainJob, ParallelAutoTrainsTheSearchsFastestLayout) {
+  // This machine's calibration, as `loom calibrate` would leave it: here the
+  // H100 description, so that the test does not measure.
+  TempDir cache;
+  const testing::ScopedEnv home("XDG_CACHE_HOME", cache.path().string());
+  const MachineRates rates = load_machine_rates(LOOM_SOURCE_DIR "/hardware/h100-sxm.json");
+  fs::create_directories(default_calibration_path().parent_path());
+  save_machine_rates(rates, default_calibration_path());
+
+  Config cfg = config("auto");
+  cfg.set_override("train.steps=2");
+  cfg.set_override("train.checkpoint_interval=2");
+  cfg.set_override("parallel.dp=2");
+  cfg.set_override("parallel.auto=true");
+  const LayoutSearch search = search_layouts(cfg, rates, 2, std::numeric_limits<double>::infinity());
+  ASSERT_FALSE(search.ranked.empty());
+  EXPECT_EQ(run_training(cfg, quiet()).steps_done, 2);
+
+  // The run is the config with the search's first layout.
+  Config expected = cfg;
+  for (const std::string& s : layout_settings(search.ranked.front().layout)) expected.set_override(s);
+  const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(*dir_ / "auto"));
+  EXPECT_EQ(info.step, 2);
+  EXPECT_EQ(info.fields.at("config"), expected.to_json());
+  const std::vector<double> trained = losses(*dir_ / "auto" / "metrics.jsonl");
+  ASSERT_EQ(trained.size(), 2u);
+  for (double loss : trained) EXPECT_TRUE(std::isfinite(loss));
 }
 
 TEST_F(MainJob, Zero3Bf16ResumesBitIdentically) {

@@ -1,4 +1,4 @@
-// The `loom` command line: prepare, train, generate, serve, eval, export, calibrate.
+// The `loom` command line: prepare, train, generate, serve, eval, export, calibrate, plan.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
@@ -190,6 +190,25 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   calibrate->add_option("--nvme-dir", calibration_nvme, "also measure sequential read/write in this directory");
 
+  // plan
+  auto* plan = app.add_subcommand(
+      "plan", "predict a config's memory per rank and step time, or search for the fastest layout that fits "
+              "(docs/planning.md)");
+  std::vector<std::string> plan_overrides;
+  std::string plan_config = "configs/shakespeare.toml", plan_rates, plan_hardware;
+  PlanCommandOptions plan_options;
+  plan->add_option("--config", plan_config, "TOML config")->capture_default_str();
+  plan->add_option("--set", plan_overrides, "override keys, as for train (repeatable)");
+  auto* rates_opt = plan->add_option("--rates", plan_rates, "machine rates from `loom calibrate --out FILE`");
+  plan->add_option("--hardware", plan_hardware,
+                   "a hardware description (hardware/h100-sxm.json); its device memory is the budget unless "
+                   "memory.device_budget is set")
+      ->excludes(rates_opt);
+  plan->add_flag("--search", plan_options.search, "rank every layout of the world size by predicted step time");
+  plan->add_option("--top", plan_options.top, "with --search: the layouts to print")->capture_default_str();
+  plan->add_option("--ranks", plan_options.ranks,
+                   "with --search: the world size (default: parallel.dp * parallel.tp * parallel.pp)");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (prepare->parsed()) {
@@ -322,6 +341,9 @@ int main(int argc, char** argv) {
         std::printf("wrote %s (%s, %s)\n", export_out.c_str(), dtype_name(eo.dtype),
                     m.tokenizer.path().filename().string().c_str());
       }
+    } else if (plan->parsed()) {
+      plan_options.rates = {.rates = plan_rates, .hardware = plan_hardware};
+      run_plan(load_config(plan_config, plan_overrides), plan_options, std::cout);
     } else if (calibrate->parsed()) {
       const fs::path out(calibration_out);
       std::error_code ec;

@@ -1,0 +1,194 @@
+// `loom plan`: the config's predicted figures as the planner computes them,
+// the layout search's accounting and ranking, and where the rates come from.
+#include <gtest/gtest.h>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <optional>
+#include <sstream>
+
+#include "test_util.h"
+#include "loom/config.h"
+#include "loom/planner.h"
+#include "loom/train.h"
+
+namespace loom {
+namespace {
+
+using testing::error_of;
+using testing::TempDir;
+
+Config tiny(std::initializer_list<std::string> overrides = {}) {
+  Config c(loom_schema());
+  c.load_toml(LOOM_SOURCE_DIR "/configs/tiny-test.toml");
+  for (const std::string& o : overrides) c.set_override(o);
+  return c;
+}
+
+// A machine's rates without calibrating: the H100 description, saved as
+// `loom calibrate` saves rates and read back as `loom plan --rates` reads them.
+MachineRates h100() { return load_machine_rates(LOOM_SOURCE_DIR "/hardware/h100-sxm.json"); }
+
+std::string plan_output(const Config& cfg, const PlanCommandOptions& options) {
+  std::ostringstream out;
+  run_plan(cfg, options, out);
+  return out.str();
+}
+
+std::string rate_text(const StepTimePrediction& t) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.0f tokens/s, MFU %.2f%%", t.tokens_per_s, 100.0 * t.mfu);
+  return buf;
+}
+
+double worst_device_peak(const std::vector<RankMemory>& ranks) {
+  double most = 0.0;
+  for (const RankMemory& r : ranks) most = std::max(most, r.peak(Tier::device));
+  return most;
+}
+
+Config with_layout(const Config& cfg, const Layout& layout) {
+  Config c = cfg;
+  for (const std::string& s : layout_settings(layout)) c.set_override(s);
+  return c;
+}
+
+TEST(PlanCommand, PrintsThePlannersMemoryAndTimeOfTheConfigsLayout) {
+  TempDir dir;
+  save_machine_rates(h100(), dir / "rates.json");
+  const Config cfg = tiny({"parallel.dp=2", "parallel.tp=2", "zero.stage=1", "train.batch_size=4"});
+  const std::string out = plan_output(cfg, {.rates = {.rates = dir / "rates.json"}});
+
+  const TrainPlan plan = plan_training(cfg);
+  const LayoutProblem problem = layout_problem_of(cfg, plan.model);
+  const Layout layout = layout_of(cfg);
+  StepMemoryOptions memory;
+  memory.precision = plan.options.zero.precision;
+  memory.bucket_bytes = plan.options.zero.bucket_bytes;
+  memory.memory = plan.options.memory;
+  const std::vector<RankMemory> ranks = predict_step_memory(problem, layout, memory);
+  ASSERT_EQ(ranks.size(), 4u);
+  for (const RankMemory& r : ranks) EXPECT_CONTAINS(out, "device " + format_bytes(r.peak(Tier::device)));
+  const StepTimePrediction t =
+      predict_step_time(problem, layout, memory.precision, load_machine_rates(dir / "rates.json"), memory.bucket_bytes);
+  EXPECT_CONTAINS(out, rate_text(t));
+  std::string line = "layout: --set";
+  for (const std::string& s : layout_settings(layout)) line += " " + s;
+  EXPECT_CONTAINS(out, line);
+  EXPECT_CONTAINS(out, "device budget unlimited");
+
+  // A hardware file's device memory is the budget unless the config sets one.
+  save_machine_rates(h100(), dir / "hw.json");
+  EXPECT_CONTAINS(plan_output(cfg, {.rates = {.hardware = dir / "hw.json"}}),
+                  "device budget " + format_bytes(h100().device_memory_bytes));
+  Config budgeted = cfg;
+  budgeted.set_override("memory.device_budget=3MiB");
+  EXPECT_CONTAINS(plan_output(budgeted, {.rates = {.hardware = dir / "hw.json"}}), "device budget " + format_bytes(3 << 20));
+
+  // The config is validated as `loom train` validates it.
+  EXPECT_CONTAINS(error_of([&] { plan_output(tiny({"train.batch_size=5"}), {.rates = {.rates = dir / "rates.json"}}); }),
+                  "train.batch_size");
+}
+
+TEST(PlanCommand, SearchAccountsForEveryCandidateAndRanksWhatFitsByTime) {
+  TempDir dir;
+  save_machine_rates(h100(), dir / "rates.json");
+  const MachineRates rates = load_machine_rates(dir / "rates.json");
+  const Config base = tiny({"train.batch_size=8"});
+  const int64_t world = 4;
+
+  // Unlimited: every valid layout fits. Then a budget that half of them exceed.
+  const LayoutSearch all = search_layouts(base, rates, world, std::numeric_limits<double>::infinity());
+  ASSERT_GT(all.ranked.size(), 4u);
+  EXPECT_EQ(all.too_large, 0);
+  std::vector<double> peaks;
+  for (const RankedLayout& r : all.ranked) peaks.push_back(r.device_peak);
+  std::sort(peaks.begin(), peaks.end());
+  const double budget = std::floor(peaks[peaks.size() / 2]);
+  Config cfg = base;
+  cfg.set_override(str("memory.device_budget=", static_cast<int64_t>(budget)));
+
+  const LayoutSearch s = search_layouts(cfg, rates, world, plan_device_budget(cfg, {}, rates));
+  EXPECT_EQ(s.device_budget, budget);
+  const LayoutProblem problem = layout_problem_of(cfg, model_config_from(cfg));
+  EXPECT_EQ(s.candidates, static_cast<int64_t>(layout_candidates(problem, world).size()));
+  int64_t rejected = 0;
+  for (const RuleRejections& r : s.rules) {
+    EXPECT_GT(r.count, 0);
+    rejected += r.count;
+  }
+  EXPECT_FALSE(s.rules.empty());
+  EXPECT_GT(s.too_large, 0);
+  EXPECT_GT(s.too_large_least_peak, budget);
+  ASSERT_FALSE(s.ranked.empty());
+  EXPECT_GT(s.equivalent, 0);
+  EXPECT_EQ(rejected + s.equivalent + s.too_large + static_cast<int64_t>(s.ranked.size()), s.candidates);
+
+  for (size_t i = 0; i < s.ranked.size(); ++i) {
+    const RankedLayout& r = s.ranked[i];
+    if (i > 0) {
+      EXPECT_LE(s.ranked[i - 1].time.step_s, r.time.step_s);
+    }
+    EXPECT_LE(r.device_peak, budget);
+    // Every proposal is a config `loom train` accepts, budget included.
+    const Config chosen = with_layout(cfg, r.layout);
+    EXPECT_NO_THROW(plan_training(chosen)) << ::testing::PrintToString(layout_settings(r.layout));
+    EXPECT_EQ(layout_of(chosen).dp * layout_of(chosen).tp * layout_of(chosen).pp, world);
+  }
+  // The printed figures are the planner's for the best layouts.
+  for (size_t i = 0; i < 3; ++i) {
+    const RankedLayout& r = s.ranked[i];
+    StepMemoryOptions memory;
+    memory.precision = parse_dtype(cfg.get<std::string>("precision"));
+    memory.bucket_bytes = cfg.get<int64_t>("zero.bucket_mb") << 20;
+    memory.memory.policy = r.layout.memory_policy;
+    memory.memory.micro_batches = problem.global_batch / (r.layout.dp * r.layout.micro_batch);
+    EXPECT_EQ(r.device_peak, worst_device_peak(predict_step_memory(problem, r.layout, memory)));
+    EXPECT_EQ(r.time.step_s,
+              predict_step_time(problem, r.layout, memory.precision, rates, memory.bucket_bytes).step_s);
+  }
+
+  const std::string out =
+      plan_output(cfg, {.rates = {.rates = dir / "rates.json"}, .search = true, .top = 3, .ranks = world});
+  EXPECT_CONTAINS(out, str(s.candidates, " layouts of 4 ranks"));
+  for (const RuleRejections& r : s.rules) EXPECT_CONTAINS(out, str(r.count, " rejected by ", r.rule, ", e.g. "));
+  EXPECT_CONTAINS(out, str(s.equivalent, " left out"));
+  EXPECT_CONTAINS(out, str(s.too_large, " do not fit"));
+  EXPECT_CONTAINS(out, str(s.ranked.size(), " fit; the fastest 3:"));
+  // The best three in their order, each with its rates and --set line.
+  size_t previous = 0;
+  for (size_t i = 0; i < 3; ++i) {
+    std::string line = "--set";
+    for (const std::string& setting : layout_settings(s.ranked[i].layout)) line += " " + setting;
+    const size_t at = out.find(line);
+    ASSERT_NE(at, std::string::npos) << line;
+    EXPECT_GT(at, previous);
+    previous = at;
+    EXPECT_CONTAINS(out, rate_text(s.ranked[i].time));
+  }
+  EXPECT_EQ(out.find("  4. "), std::string::npos);
+}
+
+TEST(PlanCommand, MissingRatesSayToCalibrateOrPassAHardwareFile) {
+  TempDir dir;
+  const testing::ScopedEnv home("XDG_CACHE_HOME", dir.path().string());
+  std::string e = error_of([] { plan_output(tiny(), {}); });
+  EXPECT_CONTAINS(e, "loom calibrate");
+  EXPECT_CONTAINS(e, "--hardware hardware/h100-sxm.json");
+  EXPECT_CONTAINS(e, default_calibration_path().string());
+
+  // parallel.auto refuses to guess, before anything is read or allocated.
+  RunOptions quiet;
+  quiet.quiet = true;
+  e = error_of([&] { run_training(tiny({"parallel.auto=true"}), quiet); });
+  EXPECT_CONTAINS(e, "parallel.auto");
+  EXPECT_CONTAINS(e, "loom calibrate");
+
+  // The default calibration is where the planner looks without flags.
+  std::filesystem::create_directories(default_calibration_path().parent_path());
+  save_machine_rates(h100(), default_calibration_path());
+  EXPECT_CONTAINS(plan_output(tiny(), {}), "rates: NVIDIA H100");
+}
+
+}  // namespace
+}  // namespace loom
