@@ -383,6 +383,7 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
     TierTraffic before;
     if (logged && placed) before = trainer.memory_report().traffic;
     StepStats st;
+    int signal = 0;
     {
       // A traced step starts and ends on every rank together, so that it is
       // one interval of every rank's timeline (the ranks would otherwise
@@ -407,6 +408,15 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
         }
       }
       st = trainer.step(micro);
+      // Under asynchronous streams the step's last kernels (the optimizer's)
+      // may still run when step() returns: a traced step holds them.
+      if (traced) ops::synchronize();
+      if (run.after_step) run.after_step(done);
+      // Whether a signal asks the run to stop after this step: part of the
+      // step, so that the step's logged and traced times hold it. A signal
+      // that comes later in this iteration (validation, a checkpoint) stops
+      // the run after the next step.
+      signal = agreed_stop_signal(world);
       if (traced && world) world->barrier();
     }
     // Under asynchronous streams a step's last kernels run into the next
@@ -478,7 +488,8 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
       } else {
         say(line);
       }
-      t_window = now;
+      // Writing the record and the line is not the next step's time.
+      t_window = seconds_now();
       window_steps = 0;
     }
     if (recorder && done == last_traced) write_timeline();
@@ -494,10 +505,8 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
       if (tty) std::printf("\n");
       checkpoint();
     }
-    if (run.after_step) run.after_step(done);
     // A signal stops the run after any step, the last included: its final
     // validation and sample then run on --resume.
-    const int signal = agreed_stop_signal(world);
     if (signal != 0 || (run.stop_after > 0 && done >= run.stop_after && done < plan.steps)) {
       if (tty) std::printf("\n");
       if (!checkpointed) checkpoint();

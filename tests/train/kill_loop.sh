@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Kill/restart loop: a two-rank run under `loom train --max-restarts` has its
 # process killed with SIGKILL CYCLES times at random moments (in a step, in a
-# checkpoint write, in the optimizer, at start-up); the supervisor restarts it
+# checkpoint write, in the optimizer); the supervisor restarts it
 # from its newest checkpoint each time. The finished run must have lost no
 # step and end bit-identical to an uninterrupted run: the same loss at every
 # step (the last record of each: steps after a checkpoint run again) and the
@@ -17,7 +17,7 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# Long enough that every kill lands before the run ends.
+# Kill i waits for step 20 i; 20 more steps follow the last.
 steps=$((20 * cycles + 20))
 corpus="$work/corpus.txt"
 head -c 200000 "$root/../shared/data/tinyshakespeare.txt" > "$corpus"
@@ -32,10 +32,19 @@ common=(--config "$root/configs/tiny-test.toml"
 supervisor=$!
 # Records in the killed run's metrics.jsonl holding "$1" (0 before it exists).
 count() { local n; n=$(grep -c "\"$1\"" "$work/killed/metrics.jsonl" 2>/dev/null); echo "${n:-0}"; }
+# The newest step the run has logged (0 before its first).
+logged_step() {
+  local line
+  line=$(grep '"loss"' "$work/killed/metrics.jsonl" 2>/dev/null | tail -1)
+  [[ -n "$line" ]] && sed -E 's/.*"step":([0-9]+).*/\1/' <<< "$line" || echo 0
+}
+# Kill i lands at a random moment 10 to 40 ms after step 20 i is logged
+# (within a step, a checkpoint write or the optimizer), so every kill lands
+# however fast or slow the machine runs the steps.
 killed=0
 while ((killed < cycles)) && kill -0 "$supervisor" 2>/dev/null; do
-  # Somewhere in the next 0.05 to 0.6 s of the run.
-  sleep "0.$((RANDOM % 55 + 5))"
+  until (($(logged_step) >= 20 * (killed + 1))) || ! kill -0 "$supervisor" 2>/dev/null; do sleep 0.002; done
+  sleep "0.0$((RANDOM % 30 + 10))"
   child=$(cat "/proc/$supervisor/task/$supervisor/children" 2>/dev/null | awk '{print $1}' || true)
   if [[ -n "$child" ]] && kill -KILL "$child" 2>/dev/null; then
     killed=$((killed + 1))

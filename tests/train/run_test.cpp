@@ -723,8 +723,8 @@ TEST_F(MainJob, GenerationIsSeededAndEvaluationReportsPerCharLoss) {
 }
 
 // A traced run's timeline on every layout: each rank has a step span per
-// traced step, the step's direct children (idle included) tile it, and the
-// step span measures the step time the run logs itself.
+// traced step, the step's direct children (idle included) tile it, and rank
+// 0's step span measures the step time the run logs itself.
 TEST_F(MainJob, TraceTimelineTilesEveryRanksStepsAndMatchesTheLoggedStepTime) {
   const std::vector<std::pair<std::string, std::vector<std::string>>> layouts = {
       {"trace_single", {}},
@@ -781,7 +781,12 @@ TEST_F(MainJob, TraceTimelineTilesEveryRanksStepsAndMatchesTheLoggedStepTime) {
         ASSERT_TRUE(steps[r].count(name)) << "rank " << r << " " << name;
         const double dur = steps[r][name].second;
         EXPECT_NEAR(children[r][name], dur, 0.05 * dur) << "rank " << r << " " << name;
-        EXPECT_NEAR(dur, logged_us.at(n), 0.05 * logged_us.at(n)) << "rank " << r << " " << name;
+        // The logged step time is rank 0's clock; another rank's step starts
+        // when the scheduler wakes it from the barrier, which on a loaded
+        // machine is a tick or two later.
+        if (r == 0) {
+          EXPECT_NEAR(dur, logged_us.at(n), 0.05 * logged_us.at(n)) << name;
+        }
       }
     }
   }
