@@ -342,7 +342,9 @@ struct RankMemory {
 // The peak bytes per rank and tier of one steady-state training step (the
 // second: the first learns ZeRO-3's acquisition order and auto's placement)
 // of `layout`, as the allocators count them: Allocator::peak (bytes
-// requested) and peak_reserved (blocks of the caching allocator). Built
+// requested) and peak_reserved (blocks of the caching allocator; which
+// cached block a tensor reuses is as with synchronous streams, since under
+// asynchronous ones a block returns to the cache when its stream's work ends). Built
 // from how loom allocates, not from running it: the parameter groups each
 // rank holds (its pipeline stage's layers, tensor-parallel shards, LoRA's
 // frozen base), the ZeRO stores' buffers (working parameters, gradients,
