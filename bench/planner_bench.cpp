@@ -77,14 +77,7 @@ TrainPlan plan_of(const Case& c) {
 double measure(const TrainPlan& plan, const std::vector<int32_t>& data, int steps) {
   std::vector<std::vector<double>> times(static_cast<size_t>(plan.nproc));
   run_local(plan.nproc, [&](Communicator& world) {
-    std::unique_ptr<DeviceMesh> mesh;
-    if (plan.tp > 1 || plan.pp > 1) {
-      MeshShape shape;
-      shape[MeshAxis::dp] = static_cast<int>(plan.dp);
-      shape[MeshAxis::tp] = static_cast<int>(plan.tp);
-      shape[MeshAxis::pp] = static_cast<int>(plan.pp);
-      mesh = std::make_unique<DeviceMesh>(world, shape);
-    }
+    const std::unique_ptr<DeviceMesh> mesh = plan_mesh(plan, world);
     Trainer trainer = mesh ? Trainer(plan.model, plan.options, *mesh) : Trainer(plan.model, plan.options, &world);
     const int replica = mesh ? mesh->coord(MeshAxis::dp) : world.rank();
     std::vector<MicroBatch> mbs;

@@ -2,6 +2,8 @@
 // and the counter-based RNG that makes initialization layout-independent.
 #pragma once
 
+#include <signal.h>
+
 #include <array>
 #include <atomic>
 #include <cstddef>
@@ -54,6 +56,25 @@ namespace detail {
     if (!(cond)) [[unlikely]]                                                          \
       ::loom::detail::check_failed(__FILE__, __LINE__, #cond, ::loom::str(__VA_ARGS__)); \
   } while (0)
+
+// ---------------------------------------------------------------------------
+// Termination signals
+// ---------------------------------------------------------------------------
+
+// Installs `handler` for SIGTERM and SIGINT (sigaction with `flags`, e.g.
+// SA_RESTART) for this object's lifetime and restores the handlers in place
+// before when it goes. The handler may only do what is async-signal-safe:
+// set a flag, or kill() another process.
+class ScopedTerminationHandler {
+ public:
+  ScopedTerminationHandler(void (*handler)(int), int flags);
+  ~ScopedTerminationHandler();
+  ScopedTerminationHandler(const ScopedTerminationHandler&) = delete;
+  ScopedTerminationHandler& operator=(const ScopedTerminationHandler&) = delete;
+
+ private:
+  struct sigaction previous_term_ {}, previous_int_ {};
+};
 
 // ---------------------------------------------------------------------------
 // Data types

@@ -326,6 +326,9 @@ struct TrainPlan {
 };
 // Throws ConfigError naming the field, its origin, the rule and the fix.
 TrainPlan plan_training(const Config& cfg);
+// The dp x tp x pp mesh a plan's ranks run on, over `world`; null without
+// tensor or pipeline parallelism (data-parallel ranks then use `world`).
+std::unique_ptr<DeviceMesh> plan_mesh(const TrainPlan& plan, Communicator& world);
 
 // The layout keys of `cfg` (parallel.*, train.micro_batch_size, zero.stage,
 // train.activation_checkpointing, memory.policy).

@@ -432,11 +432,7 @@ void Server::run() {
 
 void Server::run_until_signal() {
   g_signal = 0;
-  struct sigaction action {}, old_term{}, old_int{};
-  action.sa_handler = on_signal;
-  sigemptyset(&action.sa_mask);
-  sigaction(SIGTERM, &action, &old_term);
-  sigaction(SIGINT, &action, &old_int);
+  const ScopedTerminationHandler handler(on_signal, 0);
   std::atomic<bool> done{false};
   // A signal handler may only set a flag; this thread turns it into stop().
   std::thread watcher([&] {
@@ -451,8 +447,6 @@ void Server::run_until_signal() {
   run();
   done = true;
   watcher.join();
-  sigaction(SIGTERM, &old_term, nullptr);
-  sigaction(SIGINT, &old_int, nullptr);
 }
 
 void Server::stop() {

@@ -364,6 +364,15 @@ void plan_trace(const Config& cfg, TrainPlan& p) {
 
 }  // namespace
 
+std::unique_ptr<DeviceMesh> plan_mesh(const TrainPlan& plan, Communicator& world) {
+  if (plan.tp == 1 && plan.pp == 1) return nullptr;
+  MeshShape shape;
+  shape[MeshAxis::dp] = static_cast<int>(plan.dp);
+  shape[MeshAxis::tp] = static_cast<int>(plan.tp);
+  shape[MeshAxis::pp] = static_cast<int>(plan.pp);
+  return std::make_unique<DeviceMesh>(world, shape);
+}
+
 TrainPlan plan_training(const Config& cfg) {
   TrainPlan p;
   p.model = model_config_from(cfg);

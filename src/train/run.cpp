@@ -107,33 +107,6 @@ volatile std::sig_atomic_t g_stop_signal = 0;
 
 void on_stop_signal(int signal) { g_stop_signal = signal; }
 
-// SIGTERM and SIGINT ask the run to stop for as long as it runs; the
-// handlers in place before are restored afterwards. SA_RESETHAND: a second
-// signal of the same kind finds the default action and ends the process at
-// once (a user pressing Ctrl-C twice, a scheduler that will not wait).
-class StopSignals {
- public:
-  StopSignals() {
-    g_stop_signal = 0;
-    struct sigaction action {};
-    action.sa_handler = on_stop_signal;
-    sigemptyset(&action.sa_mask);
-    action.sa_flags = SA_RESTART | SA_RESETHAND;
-    sigaction(SIGTERM, &action, &previous_term_);
-    sigaction(SIGINT, &action, &previous_int_);
-  }
-  ~StopSignals() {
-    sigaction(SIGTERM, &previous_term_, nullptr);
-    sigaction(SIGINT, &previous_int_, nullptr);
-    g_stop_signal = 0;
-  }
-  StopSignals(const StopSignals&) = delete;
-  StopSignals& operator=(const StopSignals&) = delete;
-
- private:
-  struct sigaction previous_term_ {}, previous_int_ {};
-};
-
 // The stop signal as the ranks agree on it: a signal may reach one process of
 // an MPI job only, or arrive while the rank threads of a local run read the
 // flag one after the other, so every rank takes the largest any rank saw and
@@ -233,14 +206,7 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
                                    " or prepare the data with a smaller vocabulary")));
   const Tokenizer tokenizer = Tokenizer::load(data.tokenizer);
 
-  std::unique_ptr<DeviceMesh> mesh;
-  if (plan.tp > 1 || plan.pp > 1) {
-    MeshShape shape;
-    shape[MeshAxis::dp] = static_cast<int>(plan.dp);
-    shape[MeshAxis::tp] = static_cast<int>(plan.tp);
-    shape[MeshAxis::pp] = static_cast<int>(plan.pp);
-    mesh = std::make_unique<DeviceMesh>(*world, shape);
-  }
+  const std::unique_ptr<DeviceMesh> mesh = world ? plan_mesh(plan, *world) : nullptr;
 
   // Every tensor- and pipeline-parallel rank of a replica reads the
   // replica's batches.
@@ -607,7 +573,12 @@ RunResult run_training(const Config& given, const RunOptions& run) {
   const Config cfg = given.get<bool>("parallel.auto") ? with_searched_layout(given, run.quiet) : given;
   const TrainPlan plan = plan_training(cfg);
   check_out_dir(plan.out_dir, run);
-  const StopSignals stop_signals;
+  // SIGTERM and SIGINT ask the run to stop for as long as it runs.
+  // SA_RESETHAND: a second signal of the same kind finds the default action
+  // and ends the process at once (a user pressing Ctrl-C twice, a scheduler
+  // that will not wait).
+  g_stop_signal = 0;
+  const ScopedTerminationHandler stop_signals(on_stop_signal, SA_RESTART | SA_RESETHAND);
   // The reference run stays on this thread, exactly as without parallelism,
   // with allocators of its own as every launched rank has: the run's budgets
   // and high-water marks are its own, not the process's.

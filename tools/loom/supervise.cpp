@@ -26,29 +26,6 @@ void forward_signal(int signal) {
   if (g_child > 0) ::kill(static_cast<pid_t>(g_child), signal);
 }
 
-// Forwarding for the supervisor's lifetime, the previous handlers restored
-// afterwards.
-class ForwardSignals {
- public:
-  ForwardSignals() {
-    struct sigaction action {};
-    action.sa_handler = forward_signal;
-    sigemptyset(&action.sa_mask);
-    action.sa_flags = SA_RESTART;
-    sigaction(SIGTERM, &action, &previous_term_);
-    sigaction(SIGINT, &action, &previous_int_);
-  }
-  ~ForwardSignals() {
-    sigaction(SIGTERM, &previous_term_, nullptr);
-    sigaction(SIGINT, &previous_int_, nullptr);
-  }
-  ForwardSignals(const ForwardSignals&) = delete;
-  ForwardSignals& operator=(const ForwardSignals&) = delete;
-
- private:
-  struct sigaction previous_term_ {}, previous_int_ {};
-};
-
 // The child: one attempt of the run, its outcome as an exit status.
 [[noreturn]] void run_child(const Config& cfg, const RunOptions& run) {
   int status = 0;
@@ -98,7 +75,7 @@ int run_training_with_restarts(const Config& cfg, const RunOptions& run, int max
   if (plan.backend != "local")
     throw Error(str("--max-restarts restarts the local backend's ranks; under parallel.backend = \"", plan.backend,
                     "\" each process is one rank: restart mpirun itself (e.g. in the job script) with --resume"));
-  const ForwardSignals forwarding;
+  const ScopedTerminationHandler forwarding(forward_signal, SA_RESTART);
   RunOptions attempt = run;
   Config current = cfg;
   for (int restarts = 0;; ++restarts) {
