@@ -1,5 +1,6 @@
 // The `loom` command line: prepare, train, generate, serve, eval, export, calibrate, plan.
 #include <CLI/CLI.hpp>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -66,6 +67,10 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Past a file-size limit (ulimit -f) a write then fails with an error that
+  // names the file, and a checkpoint follows train.checkpoint_failure,
+  // instead of the signal ending the process.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"loom: train GPT-class transformers in C++"};
   app.require_subcommand(1);
 
