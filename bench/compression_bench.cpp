@@ -1,0 +1,102 @@
+// Batch-1 decode with weight-only int8 and int4 weights against fp32, on a
+// model whose weights are larger than the CPU caches: tokens/s as ratios to
+// fp32, and each as a fraction of the memory-bandwidth bound (the bytes of
+// weights one token reads / the copy bandwidth measured in this run).
+//
+//   compression_bench [--layers 6] [--width 1024] [--tokens 12]
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "loom/inference.h"
+#include "loom/quant.h"
+
+using namespace loom;
+
+namespace {
+
+// Bytes moved per second by memcpy of a buffer far larger than the caches
+// (read + write), in parallel chunks; best of 5.
+double copy_bandwidth(size_t bytes) {
+  std::vector<char> a(bytes, 1), b(bytes, 0);
+  double best = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    const double t0 = bench::now_seconds();
+    const int64_t chunks = 64;
+    const size_t chunk = bytes / chunks;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) std::memcpy(b.data() + c * chunk, a.data() + c * chunk, chunk);
+    best = std::min(best, bench::now_seconds() - t0);
+  }
+  return 2.0 * static_cast<double>(bytes) / best;
+}
+
+// Greedy decode of `tokens` tokens after a one-token prompt; tokens/s.
+double decode_rate(const GPT& model, ParamStore& params, int64_t tokens) {
+  GenerationRequest r;
+  r.prompt = {1};
+  r.max_tokens = tokens;
+  r.sample.temperature = 0.0f;
+  Generator(model, params, 1).run({r});  // warm-up
+  std::vector<double> times;
+  for (int rep = 0; rep < 3; ++rep) {
+    const double t0 = bench::now_seconds();
+    Generator(model, params, 1).run({r});
+    times.push_back(bench::now_seconds() - t0);
+  }
+  return static_cast<double>(tokens) / bench::median(times);
+}
+
+// The weight bytes one decoded token reads: every parameter (the position
+// table, of which a token reads one row, counted whole: block_size rows, a
+// small share here).
+double bytes_per_token(const GPT& model, const ParamStore& params) {
+  double bytes = 0.0;
+  const ParamLayout& layout = model.layout();
+  for (size_t i = 0; i < layout.params().size(); ++i) {
+    const QuantizedWeight* q = params.quantized(static_cast<int>(i));
+    bytes += q != nullptr ? static_cast<double>(q->nbytes()) : 4.0 * static_cast<double>(layout.params()[i].numel());
+  }
+  return bytes;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t layers = 6, width = 1024, tokens = 12;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    const int64_t v = std::stoll(argv[i + 1]);
+    if (flag == "--layers") layers = v;
+    else if (flag == "--width") width = v;
+    else if (flag == "--tokens") tokens = v;
+  }
+  GPTConfig cfg = GPTConfig::preset("tiny");
+  cfg.n_layer = layers;
+  cfg.n_embd = width;
+  cfg.n_head = width / 64;
+  cfg.vocab_size = 8192;
+  cfg.block_size = 64;
+  cfg.validate();
+  const GPT model(cfg);
+  ParamStore fp32(model.layout(), 1);
+  const auto int8 = quantize_params(model.layout(), fp32, {QuantMethod::int8, 0});
+  const auto int4 = quantize_params(model.layout(), fp32, {QuantMethod::int4, 128});
+
+  const double bandwidth = copy_bandwidth(size_t{512} << 20);
+  std::printf("model: %lld layers, width %lld, vocab %lld; %d threads; copy bandwidth %.2f GB/s (read + write)\n",
+              static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_embd),
+              static_cast<long long>(cfg.vocab_size), cpu::num_threads(), bandwidth / 1e9);
+  std::printf("%-6s %14s %12s %10s %14s\n", "", "MB/token", "tokens/s", "vs fp32", "of bw bound");
+  double base = 0.0;
+  for (const auto& [name, params] :
+       {std::pair<const char*, ParamStore*>{"fp32", &fp32}, {"int8", int8.get()}, {"int4", int4.get()}}) {
+    const double rate = decode_rate(model, *params, tokens), bytes = bytes_per_token(model, *params);
+    if (base == 0.0) base = rate;
+    std::printf("%-6s %14.1f %12.2f %9.2fx %13.1f%%\n", name, bytes / 1e6, rate, rate / base,
+                100.0 * rate / (bandwidth / bytes));
+  }
+  return 0;
+}
