@@ -3,9 +3,13 @@
 // fp32, and each as a fraction of the memory-bandwidth bound (the bytes of
 // weights one token reads / the copy bandwidth measured in this run).
 //
+// Also one prefill-sized linear (32 rows) through each kernel, as a ratio to
+// fp32's BLAS GEMM.
+//
 //   compression_bench [--layers 6] [--width 1024] [--tokens 12]
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -62,6 +66,37 @@ double bytes_per_token(const GPT& model, const ParamStore& params) {
   return bytes;
 }
 
+// GFLOP/s of one linear layer's forward over `n` rows (a prefill chunk):
+// fp32 (BLAS) and the quantized kernels; best of 5.
+void prefill_rates(int64_t n, int64_t in, int64_t out) {
+  std::vector<float> w(static_cast<size_t>(in * out)), x(static_cast<size_t>(n * in)), y(static_cast<size_t>(n * out));
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>((i * 7919) % 255) / 255.0f - 0.5f;
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 104729) % 251) / 251.0f - 0.5f;
+  const QuantizedWeight q8 = quantize_int8(w.data(), out, in), q4 = quantize_int4(w.data(), out, in, 128);
+  auto rate = [&](const std::function<void()>& run) {
+    run();
+    double best = 1e30;
+    for (int rep = 0; rep < 5; ++rep) {
+      const double t0 = bench::now_seconds();
+      run();
+      best = std::min(best, bench::now_seconds() - t0);
+    }
+    return 2.0 * static_cast<double>(n * in * out) / best / 1e9;
+  };
+  const double fp32 = rate([&] { cpu::linear_forward(y.data(), x.data(), w.data(), nullptr, n, in, out); });
+  const double int8 = rate([&] {
+    cpu::linear_forward_int8(y.data(), out, x.data(), q8.values.data<int8_t>(), q8.scales.data<float>(), nullptr, n,
+                             in, out);
+  });
+  const double int4 = rate([&] {
+    cpu::linear_forward_int4(y.data(), out, x.data(), q4.values.data<uint8_t>(), q4.scales.data<float>(),
+                             q4.zeros.data<uint8_t>(), nullptr, n, in, out, 128);
+  });
+  std::printf("prefill linear %lld x %lld -> %lld: fp32 %.1f GFLOP/s, int8 %.2fx, int4 %.2fx of it\n",
+              static_cast<long long>(n), static_cast<long long>(in), static_cast<long long>(out), fp32, int8 / fp32,
+              int4 / fp32);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -98,5 +133,6 @@ int main(int argc, char** argv) {
     std::printf("%-6s %14.1f %12.2f %9.2fx %13.1f%%\n", name, bytes / 1e6, rate, rate / base,
                 100.0 * rate / (bandwidth / bytes));
   }
+  prefill_rates(32, width, 4 * width);
   return 0;
 }

@@ -97,7 +97,7 @@ void save_quantized_checkpoint(const CheckpointInfo& source, const ParamLayout& 
       specs.push_back({p.name, DType::f32, p.shape});
     }
   }
-  nlohmann::json quantization = {{"method", quant_method_name(options.method)}, {"source", source.dir.string()}};
+  nlohmann::json quantization = {{"method", quant_method_name(options.method)}, {"source", fs::absolute(source.dir).lexically_normal().string()}};
   if (options.method == QuantMethod::int4) quantization["group"] = options.group;
   std::map<std::string, std::string> metadata{{"format", "loom"}, {"quantization", quantization.dump()}};
 
