@@ -3,8 +3,9 @@
 // fp32, and each as a fraction of the memory-bandwidth bound (the bytes of
 // weights one token reads / the copy bandwidth measured in this run).
 //
-// Also one prefill-sized linear (32 rows) through each kernel, as a ratio to
-// fp32's BLAS GEMM.
+// Also one linear layer through each kernel, as a ratio to fp32's BLAS: one
+// row (decode, 64 MB of fp32 weights: memory-bound) and 32 rows (a prefill
+// chunk, 4096 x 1024 weights: compute-bound).
 //
 //   compression_bench [--layers 6] [--width 1024] [--tokens 12]
 #include <cstdio>
@@ -66,9 +67,9 @@ double bytes_per_token(const GPT& model, const ParamStore& params) {
   return bytes;
 }
 
-// GFLOP/s of one linear layer's forward over `n` rows (a prefill chunk):
-// fp32 (BLAS) and the quantized kernels; best of 5.
-void prefill_rates(int64_t n, int64_t in, int64_t out) {
+// GFLOP/s of one linear layer's forward over `n` rows: fp32 (BLAS) and the
+// quantized kernels; best of 5.
+void linear_rates(int64_t n, int64_t in, int64_t out) {
   std::vector<float> w(static_cast<size_t>(in * out)), x(static_cast<size_t>(n * in)), y(static_cast<size_t>(n * out));
   for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>((i * 7919) % 255) / 255.0f - 0.5f;
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 104729) % 251) / 251.0f - 0.5f;
@@ -92,7 +93,7 @@ void prefill_rates(int64_t n, int64_t in, int64_t out) {
     cpu::linear_forward_int4(y.data(), out, x.data(), q4.values.data<uint8_t>(), q4.scales.data<float>(),
                              q4.zeros.data<uint8_t>(), nullptr, n, in, out, 128);
   });
-  std::printf("prefill linear %lld x %lld -> %lld: fp32 %.1f GFLOP/s, int8 %.2fx, int4 %.2fx of it\n",
+  std::printf("linear %lld x %lld -> %lld: fp32 %.1f GFLOP/s, int8 %.2fx, int4 %.2fx of it\n",
               static_cast<long long>(n), static_cast<long long>(in), static_cast<long long>(out), fp32, int8 / fp32,
               int4 / fp32);
 }
@@ -133,6 +134,7 @@ int main(int argc, char** argv) {
     std::printf("%-6s %14.1f %12.2f %9.2fx %13.1f%%\n", name, bytes / 1e6, rate, rate / base,
                 100.0 * rate / (bandwidth / bytes));
   }
-  prefill_rates(32, width, 4 * width);
+  linear_rates(1, 4096, 4096);
+  linear_rates(32, width, 4 * width);
   return 0;
 }

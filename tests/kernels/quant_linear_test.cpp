@@ -79,7 +79,7 @@ TEST_P(QuantLinear, MatchesTheDequantizedWeightsInFp32) {
 // must not depend on one another.
 TEST_P(QuantLinear, ARowDoesNotDependOnTheBatch) {
   const Case k = GetParam();
-  const int64_t OC = 13, N = 7;
+  const int64_t OC = 13, N = 11;  // a tile of 8 tokens and 3 alone
   const QuantizedWeight q = quantized(k, random_vector(OC * k.C, 4), OC);
   const std::vector<float> x = random_vector(N * k.C, 5), bias = random_vector(OC, 6);
   const std::vector<float> batch = run(q, x, bias.data(), N, OC);

@@ -3,12 +3,12 @@
 // batch-1 decode reads a quarter (int8) or an eighth (int4) of fp32's bytes.
 //
 // Every output element is one dot product over the input columns in column
-// order, into two accumulator vectors (even and odd 8-column steps of each
-// block) summed at the end, whatever the tiling: tiles of 4 rows x 1 token
-// (decode: the input row is reused from registers/L1 for 4 weight rows) or
-// 1 row x 4 tokens (prefill: the dequantized block is reused for 4 tokens)
-// change the order of the work, never the arithmetic of one element. So the
-// results do not depend on N, on a row's neighbours or on the thread count.
+// order, into one accumulator vector (8 lanes) summed at the end, whatever
+// the tiling: tiles of 4 rows x 1 token (decode: 4 independent chains, the
+// input block reused for 4 weight rows) or 1 row x 8 tokens (prefill: the
+// dequantized block reused for 8 tokens) change the order of the work, never
+// the arithmetic of one element. So the results do not depend on N, on a
+// row's neighbours or on the thread count.
 #include <bit>
 #include <vector>
 
@@ -86,9 +86,9 @@ inline float hsum(__m256 v) {
 template <int RB, int TB, typename Row>
 void tile(float* out, int64_t ldo, const float* inp, int64_t C, const Row* rows, int64_t o0, const float* bias,
           int64_t t0) {
-  __m256 acc[RB][TB][2];
+  __m256 acc[RB][TB];
   for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < TB; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+    for (int t = 0; t < TB; ++t) acc[r][t] = _mm256_setzero_ps();
   const int64_t vc = rows[0].vector_cols;
   for (int64_t c = 0; c < vc; c += kInt4Block) {
     for (int r = 0; r < RB; ++r) {
@@ -96,16 +96,13 @@ void tile(float* out, int64_t ldo, const float* inp, int64_t C, const Row* rows,
       rows[r].block(c, w);
       for (int t = 0; t < TB; ++t) {
         const float* x = inp + (t0 + t) * C + c;
-        acc[r][t][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(x), acc[r][t][0]);
-        acc[r][t][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), acc[r][t][1]);
-        acc[r][t][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), acc[r][t][0]);
-        acc[r][t][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), acc[r][t][1]);
+        for (int k = 0; k < 4; ++k) acc[r][t] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(x + 8 * k), acc[r][t]);
       }
     }
   }
   for (int r = 0; r < RB; ++r)
     for (int t = 0; t < TB; ++t) {
-      float y = hsum(_mm256_add_ps(acc[r][t][0], acc[r][t][1]));
+      float y = hsum(acc[r][t]);
       const float* x = inp + (t0 + t) * C;
       for (int64_t c = vc; c < C; ++c) y += rows[r].scalar(c) * x[c];
       if (bias != nullptr) y += bias[o0 + r];
@@ -116,7 +113,7 @@ void tile(float* out, int64_t ldo, const float* inp, int64_t C, const Row* rows,
 // Output rows in tiles of kRows, in parallel (each element written by one
 // thread, computed as above).
 constexpr int64_t kRows = 4;
-constexpr int64_t kTokens = 4;
+constexpr int64_t kTokens = 8;
 
 template <typename MakeRow>
 void quantized_linear(float* out, int64_t ldo, const float* inp, const float* bias, int64_t N, int64_t C, int64_t OC,
