@@ -1,6 +1,8 @@
 // Quantized checkpoints: model.safetensors with the Linear weights as
 // integers plus their scales (and zero points), every other parameter in
 // fp32, and a manifest naming the method; committed atomically.
+#include <bit>
+
 #include <nlohmann/json.hpp>
 
 #include "loom/device.h"
@@ -39,9 +41,12 @@ QuantizedWeight read_quantized(const SafetensorsReader& r, const ParamSpec& p) {
   q.group = groups > 0 && cols % groups == 0 ? cols / groups : 0;
   const bool int4 = q.method == QuantMethod::int4;
   const Shape values_shape{rows, int4 ? cols / 2 : cols};
+  // The kernels take int4 groups of a power of two, at least a block.
   const bool valid = (values.dtype == DType::i8 || values.dtype == DType::u8) && values.shape == values_shape &&
-                     scales.dtype == DType::f32 && scales.shape[0] == rows && q.group > 0 &&
-                     (int4 ? q.group % cpu::kInt4Block == 0 && r.contains(zero_name(name)) : groups == 1);
+                     scales.dtype == DType::f32 && q.group > 0 && scales.shape[0] == rows &&
+                     (int4 ? std::has_single_bit(static_cast<uint64_t>(q.group)) && q.group >= cpu::kInt4Block &&
+                                 r.contains(zero_name(name))
+                           : groups == 1);
   if (!valid)
     throw Error(str("quantized weight '", name, "' in '", r.path().string(), "' is ", dtype_name(values.dtype), " ",
                     shape_str(values.shape), " with scales ", shape_str(scales.shape),

@@ -2,6 +2,7 @@
 // and its use through the kernels of kernels.h.
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "loom/device.h"
 #include "loom/quant.h"

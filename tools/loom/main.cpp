@@ -1,8 +1,8 @@
 // The `loom` command line: prepare, train, generate, serve, eval, export, quantize, calibrate, plan.
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
-#include <cmath>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -366,7 +366,7 @@ int main(int argc, char** argv) {
       }
     } else if (quant->parsed()) {
       const QuantizeOptions qo{parse_quant_method(quant_method), quant_group};
-      if (qo.method == QuantMethod::int4) check_quant_group(qo.group);
+      if (qo.method == QuantMethod::int4) check_quant_group(qo.group);  // before the model loads
       LoadedModel m(ckpt);
       if (!m.info) throw Error("quantize reads a loom checkpoint; import an hf: model with `loom train` first");
       const auto q = quantize_checkpoint(*m.info, m.model->layout(), *m.params, qo, quant_out);
