@@ -8,6 +8,9 @@
 // chunk, 4096 x 1024 weights: compute-bound).
 //
 //   compression_bench [--layers 6] [--width 1024] [--tokens 12]
+//
+// On a machine whose cores are shared, OMP_NUM_THREADS=1 gives steadier
+// figures (a parallel region waits for its slowest thread).
 #include <cstdio>
 #include <cstring>
 #include <functional>
