@@ -148,7 +148,7 @@ TEST(QuantizedCheckpointFile, RefusalsNameTheFix) {
   EXPECT_CONTAINS(again, "is already quantized (int8)");
   EXPECT_CONTAINS(again, (dir / "src").string());
   ParamStore fp32(model.layout(), 0);
-  EXPECT_CONTAINS(error_of([&] { load_weights(info, model, fp32); }), "train or export from the fp32 checkpoint");
+  EXPECT_CONTAINS(error_of([&] { load_weights(info, model, fp32); }), "train from the fp32 checkpoint it was made from");
 }
 
 }  // namespace
