@@ -314,7 +314,8 @@ const nlohmann::json* manifest_part(const CheckpointInfo& info, const char* key,
 void reject_quantized(const CheckpointInfo& info) {
   if (info.fields.contains(kQuantizationField))
     throw Error(str("checkpoint '", info.dir.string(), "' holds quantized weights (loom quantize): they serve ",
-                    "inference (loom generate, eval, serve); train from the fp32 checkpoint it was made from"));
+                    "inference (loom generate, eval, serve); train from the fp32 checkpoint it was made from, ",
+                    info.fields.at(kQuantizationField).value("source", std::string("its source"))));
 }
 }  // namespace
 
