@@ -15,6 +15,7 @@
 #include "io/posix_file.h"
 #include "loom/comm.h"
 #include "loom/io.h"
+#include "loom/quant.h"
 #include "loom/device.h"
 #include "loom/train.h"
 #include "train/model_json.h"
@@ -378,6 +379,13 @@ const nlohmann::json* manifest_part(const CheckpointInfo& info, const char* key,
     throw Error(str("manifest of checkpoint '", info.dir.string(), "' has a malformed '", key, "': ", part.dump()));
   return &part;
 }
+// The fp32 loaders' guard: a quantized checkpoint is for inference.
+void reject_quantized(const CheckpointInfo& info) {
+  if (info.fields.contains(kQuantizationField))
+    throw Error(str("checkpoint '", info.dir.string(), "' holds quantized weights (loom quantize): they serve ",
+                    "inference (loom generate, eval, serve); train from the fp32 checkpoint it was made from, ",
+                    info.fields.at(kQuantizationField).value("source", std::string("its source"))));
+}
 }  // namespace
 
 fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json& fields, int64_t keep_last,
@@ -571,8 +579,10 @@ CheckpointInfo read_checkpoint_info(const fs::path& dir) {
   // as each rank first reads one: no rank reads files it does not need.
   const bool sharded = is_sharded(dir, read_manifest(dir).fields);
   Manifest m = verify_checkpoint_dir(dir, !sharded);
+  // A quantized checkpoint (quant.h) holds weights only.
+  const bool quantized = m.fields.contains(kQuantizationField);
   for (const char* file : {kModelFile, kOptimizerFile})
-    if (!sharded && !m.files.count(file))
+    if (!sharded && !m.files.count(file) && !(quantized && file == kOptimizerFile))
       throw Error(str("checkpoint '", dir.string(), "' lists no ", file, ": it is incomplete"));
   CheckpointInfo info;
   info.dir = dir;
@@ -596,6 +606,7 @@ GPTConfig checkpoint_model_config(const CheckpointInfo& info) {
 }
 
 void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& params) {
+  reject_quantized(info);
   Tensor flat = params.flat();
   // The files are read straight into the parameters.
   const HostSection host;
@@ -604,6 +615,7 @@ void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& para
 
 CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
   CheckpointInfo info = read_checkpoint_info(dir);
+  reject_quantized(info);
   const GPTConfig saved = checkpoint_model_config(info);
   const GPTConfig& mc = trainer.model().config();
   if (saved.n_layer != mc.n_layer || saved.n_head != mc.n_head || saved.n_embd != mc.n_embd ||

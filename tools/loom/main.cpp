@@ -1,5 +1,6 @@
-// The `loom` command line: prepare, train, generate, serve, eval, export, calibrate, plan.
+// The `loom` command line: prepare, train, generate, serve, eval, export, quantize, calibrate, plan.
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -13,6 +14,7 @@
 #include "loom/inference.h"
 #include "loom/io.h"
 #include "loom/planner.h"
+#include "loom/quant.h"
 #include "loom/train.h"
 #include "supervise.h"
 
@@ -31,11 +33,12 @@ struct LoadedModel {
   Tokenizer tokenizer;
 
   explicit LoadedModel(const std::string& checkpoint) : tokenizer(open(checkpoint)) {
+    if (!hf) {
+      params = load_inference_weights(*info, *model);  // fp32, or quantized as the checkpoint holds
+      return;
+    }
     params = std::make_unique<ParamStore>(model->layout(), 0);
-    if (hf)
-      load_hf_weights(*hf, *model, *params);
-    else
-      load_weights(*info, *model, *params);
+    load_hf_weights(*hf, *model, *params);
   }
 
  private:
@@ -56,6 +59,31 @@ struct LoadedModel {
     return Tokenizer::load(info->fields.at("tokenizer").get<std::string>());
   }
 };
+
+// `loom eval`'s evaluation of `params` (m's model) over a token shard: its
+// dataset.json checks the tokenizer and gives chars per token (0 without).
+EvalResult evaluate_shard(LoadedModel& m, ParamStore& params, const std::string& shard, int64_t seq_len,
+                          int64_t batch, double& chars_per_token) {
+  const fs::path data(shard);
+  chars_per_token = 0.0;
+  int64_t T = seq_len > 0 ? seq_len : m.model->config().block_size;
+  std::vector<fs::path> masks;
+  std::error_code ec;
+  if (fs::exists(data.parent_path() / "dataset.json", ec)) {
+    const DatasetInfo d = DatasetInfo::read(data.parent_path());
+    const std::string wanted =
+        m.info ? m.info->fields.value("tokenizer_sha256", std::string()) : sha256_file(m.tokenizer.path());
+    if (d.tokenizer_sha256 != wanted)
+      throw Error(str("'", shard, "' was tokenized with ", d.tokenizer.string(),
+                      ", not the checkpoint's tokenizer: evaluate on data prepared with the same tokenizer"));
+    const SplitInfo& split = fs::equivalent(data, d.val.file, ec) ? d.val : d.train;
+    chars_per_token = split.chars_per_token();
+    masks = split.masks();
+    // Packed rows are whole windows only at the packing's length.
+    if (seq_len == 0 && d.mode == DatasetMode::sft) T = d.seq_len;
+  }
+  return evaluate(*m.model, params, {data}, T, batch, chars_per_token, 0, nullptr, masks);
+}
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
   Config cfg(loom_schema());
@@ -187,6 +215,18 @@ int main(int argc, char** argv) {
                   "shard the weights above this size (an index lists the shards), e.g. 2GB")
       ->capture_default_str();
 
+  // quantize
+  auto* quant = app.add_subcommand(
+      "quantize", "write a weight-only int8/int4 checkpoint for generate, eval and serve (docs/checkpoints.md)");
+  std::string quant_out, quant_method = "int8", quant_data;
+  int64_t quant_group = 128;
+  quant->add_option("--checkpoint", ckpt, "checkpoint directory, or a run directory (uses latest)")->required();
+  quant->add_option("--method", quant_method, "int8 (per output channel) or int4 (group-wise, zero points)")
+      ->capture_default_str();
+  quant->add_option("--group", quant_group, "int4: input columns per scale: 32, 64 or 128")->capture_default_str();
+  quant->add_option("--out", quant_out, "output checkpoint directory")->required();
+  quant->add_option("--data", quant_data, "token shard: report its loss and perplexity before and after");
+
   // calibrate
   auto* calibrate = app.add_subcommand(
       "calibrate", "measure this machine's GEMM, memory, collective (and NVMe) rates for the planner");
@@ -304,25 +344,8 @@ int main(int argc, char** argv) {
       std::printf("stopped\n");
     } else if (eval->parsed()) {
       LoadedModel m(ckpt);
-      const fs::path data(eval_data);
       double chars_per_token = 0.0;
-      int64_t T = eval_seq > 0 ? eval_seq : m.model->config().block_size;
-      std::vector<fs::path> masks;
-      std::error_code ec;
-      if (fs::exists(data.parent_path() / "dataset.json", ec)) {
-        const DatasetInfo d = DatasetInfo::read(data.parent_path());
-        const std::string wanted =
-            m.info ? m.info->fields.value("tokenizer_sha256", std::string()) : sha256_file(m.tokenizer.path());
-        if (d.tokenizer_sha256 != wanted)
-          throw Error(str("'", eval_data, "' was tokenized with ", d.tokenizer.string(),
-                          ", not the checkpoint's tokenizer: evaluate on data prepared with the same tokenizer"));
-        const SplitInfo& split = fs::equivalent(data, d.val.file, ec) ? d.val : d.train;
-        chars_per_token = split.chars_per_token();
-        masks = split.masks();
-        // Packed rows are whole windows only at the packing's length.
-        if (eval_seq == 0 && d.mode == DatasetMode::sft) T = d.seq_len;
-      }
-      const EvalResult r = evaluate(*m.model, *m.params, {data}, T, eval_batch, chars_per_token, 0, nullptr, masks);
+      const EvalResult r = evaluate_shard(m, *m.params, eval_data, eval_seq, eval_batch, chars_per_token);
       std::printf("loss %.6f nats/token", r.loss_per_token);
       if (chars_per_token > 0) std::printf(", %.6f nats/char", r.loss_per_char);
       std::printf(" over %lld tokens\n", static_cast<long long>(r.tokens));
@@ -345,6 +368,26 @@ int main(int argc, char** argv) {
                       fs::copy_options::overwrite_existing);
         std::printf("wrote %s (%s, %s)\n", export_out.c_str(), dtype_name(eo.dtype),
                     m.tokenizer.path().filename().string().c_str());
+      }
+    } else if (quant->parsed()) {
+      const QuantizeOptions qo{parse_quant_method(quant_method), quant_group};
+      if (qo.method == QuantMethod::int4) check_quant_group(qo.group);  // before the model loads
+      LoadedModel m(ckpt);
+      if (!m.info) throw Error("quantize reads a loom checkpoint; import an hf: model with `loom train` first");
+      const auto q = quantize_checkpoint(*m.info, m.model->layout(), *m.params, qo, quant_out);
+      const double fp32 = 4.0 * static_cast<double>(m.model->layout().numel()), size = static_cast<double>(q->nbytes());
+      std::printf("wrote %s (%s): weights %.0f bytes, %.1f%% of fp32's %.0f\n", quant_out.c_str(),
+                  quant_method_name(qo.method), size, 100.0 * size / fp32, fp32);
+      if (!quant_data.empty()) {
+        double cpt = 0.0;
+        const EvalResult before = evaluate_shard(m, *m.params, quant_data, 0, 8, cpt);
+        const EvalResult after = evaluate_shard(m, *q, quant_data, 0, 8, cpt);
+        std::printf("loss %.6f -> %.6f nats/token (%+.3f%%), perplexity %.4f -> %.4f (%+.3f%%) over %lld tokens\n",
+                    before.loss_per_token, after.loss_per_token,
+                    100.0 * (after.loss_per_token / before.loss_per_token - 1.0), std::exp(before.loss_per_token),
+                    std::exp(after.loss_per_token),
+                    100.0 * (std::exp(after.loss_per_token - before.loss_per_token) - 1.0),
+                    static_cast<long long>(after.tokens));
       }
     } else if (plan->parsed()) {
       plan_options.rates = {.rates = plan_rates, .hardware = plan_hardware};
