@@ -101,6 +101,29 @@ INSTANTIATE_TEST_SUITE_P(Layouts, DistillationLayouts,
                                                          .sequence_parallel = true}),
                          [](const auto& info) { return info.param.name; });
 
+// The teacher's weights from a Hugging Face checkpoint, whole and split
+// over tp: a student imported from the same checkpoint has zero KL, one that
+// is not has some.
+TEST(Distillation, AHuggingFaceTeacherLoadsIntoEveryLayout) {
+  const std::string dir = LOOM_SOURCE_DIR "/tests/fixtures/hf/gpt2";
+  const HFImport src{std::filesystem::path(dir)};
+  for (int tp : {1, 2}) {
+    DataParallelRun r = distilled(tp == 1 ? 0 : 1, {src.model, {2.0f, 1.0f}}, 1);
+    r.tp = tp;
+    r.model = src.model;
+    r.init = [&](Trainer& t) {
+      load_hf_weights(src, t);
+      load_teacher("hf:" + dir, t);
+    };
+    const RunResult same = testing::run_layout(r);
+    EXPECT_NEAR(same.stats[0].loss, 0.0f, 1e-6f) << "tp " << tp;
+    EXPECT_NEAR(part(same.stats[0], "kl"), 0.0, 1e-7) << "tp " << tp;
+    r.init = [&](Trainer& t) { load_teacher("hf:" + dir, t); };
+    const RunResult fresh = testing::run_layout(r);
+    EXPECT_GT(part(fresh.stats[0], "kl"), 1e-3) << "tp " << tp;
+  }
+}
+
 void expect_error_naming(const std::function<void()>& f, std::initializer_list<std::string_view> parts) {
   try {
     f();
