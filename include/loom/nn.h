@@ -593,21 +593,35 @@ class Loss {
                         float dloss) const = 0;
 };
 
+// A loss over this rank's slice of the logits: columns [first, first +
+// local vocab) of vocab_size classes, the first `real` of them classes (the
+// rest padding); the whole vocabulary without tensor parallelism.
+class VocabularyLoss : public Loss {
+ public:
+  VocabularyLoss() = default;
+  VocabularyLoss(int64_t vocab_size, int64_t local_vocab, const TensorParallel& tp)
+      : V_(vocab_size), local_vocab_(local_vocab), tp_(tp) {}
+
+ protected:
+  struct Slice {
+    int64_t first = 0, real = 0;
+  };
+  Slice slice() const;
+
+  int64_t V_ = 0, local_vocab_ = 0;
+  TensorParallel tp_;
+};
+
 // Softmax cross-entropy; under tensor parallelism the vocabulary-parallel
 // form (Megatron): the ranks agree on each row's max and sums in two
 // all-reduces over the tp group, and the full logits never meet.
-class CrossEntropyLoss final : public Loss {
+class CrossEntropyLoss final : public VocabularyLoss {
  public:
-  CrossEntropyLoss() = default;
-  CrossEntropyLoss(int64_t vocab_size, int64_t local_vocab, const TensorParallel& tp);
+  using VocabularyLoss::VocabularyLoss;
   void forward(Saved& s, const Tensor& logits, const Tensor& targets, const Tensor& teacher, const Tensor& sum,
                std::optional<float> dloss) const override;
   void backward(Saved& s, const Tensor& logits, const Tensor& targets, const Tensor& teacher,
                 float dloss) const override;
-
- private:
-  int64_t V_ = 0, local_vocab_ = 0;
-  TensorParallel tp_;
 };
 
 using cpu::Distillation;
@@ -618,7 +632,7 @@ using cpu::Distillation;
 // (both unweighted). Vocabulary-parallel as CrossEntropyLoss is, with the
 // teacher's row max beside the student's and the KL's sums beside the
 // cross-entropy's in the same two all-reduces.
-class DistillationLoss final : public Loss {
+class DistillationLoss final : public VocabularyLoss {
  public:
   DistillationLoss(int64_t vocab_size, int64_t local_vocab, const TensorParallel& tp, Distillation d);
   std::vector<std::string_view> term_names() const override { return {"loss", "kl", "ce"}; }
@@ -628,8 +642,6 @@ class DistillationLoss final : public Loss {
                 float dloss) const override;
 
  private:
-  int64_t V_ = 0, local_vocab_ = 0;
-  TensorParallel tp_;
   Distillation d_;
 };
 

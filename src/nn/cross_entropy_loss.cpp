@@ -7,16 +7,6 @@ namespace loom {
 
 namespace {
 
-// This rank's columns of the vocabulary: [first, first + local vocab), of
-// which the first `real` are classes (the rest padding).
-struct VocabSlice {
-  int64_t first = 0, real = 0;
-};
-VocabSlice vocab_slice(const TensorParallel& tp, int64_t V, int64_t Vl) {
-  const int64_t first = tp.rank() * Vl;
-  return {first, std::clamp<int64_t>(V - first, 0, Vl)};
-}
-
 // dObjective/dloss_i for each of N positions.
 Tensor per_position(float dloss, int64_t N) {
   Tensor dl = Tensor::empty({N});
@@ -31,8 +21,10 @@ void check_sum(const Tensor& sum, int64_t terms) {
 
 }  // namespace
 
-CrossEntropyLoss::CrossEntropyLoss(int64_t vocab_size, int64_t local_vocab, const TensorParallel& tp)
-    : V_(vocab_size), local_vocab_(local_vocab), tp_(tp) {}
+VocabularyLoss::Slice VocabularyLoss::slice() const {
+  const int64_t first = tp_.rank() * local_vocab_;
+  return {first, std::clamp<int64_t>(V_ - first, 0, local_vocab_)};
+}
 
 void CrossEntropyLoss::forward(Saved& s, const Tensor& logits, const Tensor& targets, const Tensor& teacher,
                                const Tensor& sum, std::optional<float> dloss) const {
@@ -52,7 +44,7 @@ void CrossEntropyLoss::forward(Saved& s, const Tensor& logits, const Tensor& tar
     else
       ops::cross_entropy_forward(losses.data<float>(), s.lse.data<float>(), x, t, N, V_);
   } else {
-    const VocabSlice v = vocab_slice(tp_, V_, Vl);
+    const Slice v = slice();
     Tensor row_max = Tensor::empty({N});
     ops::cross_entropy_shard_max(row_max.data<float>(), x, N, Vl, v.real);
     tp_.group->all_reduce(row_max, ReduceOp::max);
@@ -80,14 +72,14 @@ void CrossEntropyLoss::backward(Saved& s, const Tensor& logits, const Tensor& ta
   if (tp_.size() == 1) {
     ops::cross_entropy_backward(x, x, s.lse.data<float>(), targets.data<int32_t>(), dl.data<float>(), N, V_);
   } else {
-    const VocabSlice v = vocab_slice(tp_, V_, Vl);
+    const Slice v = slice();
     ops::cross_entropy_shard_backward(x, x, s.lse.data<float>(), targets.data<int32_t>(), dl.data<float>(), v.first,
                                       N, Vl, v.real);
   }
 }
 
 DistillationLoss::DistillationLoss(int64_t vocab_size, int64_t local_vocab, const TensorParallel& tp, Distillation d)
-    : V_(vocab_size), local_vocab_(local_vocab), tp_(tp), d_(d) {
+    : VocabularyLoss(vocab_size, local_vocab, tp), d_(d) {
   LOOM_CHECK(d.temperature > 0.0f && d.alpha >= 0.0f && d.alpha <= 1.0f, "distillation at temperature ",
              d.temperature, " with alpha ", d.alpha);
 }
@@ -114,7 +106,7 @@ void DistillationLoss::forward(Saved& s, const Tensor& logits, const Tensor& tar
     else
       ops::distill_forward(losses.data<float>(), kl.data<float>(), ce.data<float>(), stats, x, z, t, d_, N, V_);
   } else {
-    const VocabSlice v = vocab_slice(tp_, V_, Vl);
+    const Slice v = slice();
     Tensor row_max = Tensor::empty({N, 2});
     ops::distill_shard_max(row_max.data<float>(), x, z, N, Vl, v.real);
     tp_.group->all_reduce(row_max, ReduceOp::max);
@@ -143,7 +135,7 @@ void DistillationLoss::backward(Saved& s, const Tensor& logits, const Tensor& ta
   if (tp_.size() == 1) {
     ops::distill_backward(x, x, z, s.lse.data<float>(), t, dl.data<float>(), d_, N, V_);
   } else {
-    const VocabSlice v = vocab_slice(tp_, V_, Vl);
+    const Slice v = slice();
     ops::distill_shard_backward(x, x, z, s.lse.data<float>(), t, dl.data<float>(), d_, v.first, N, Vl, v.real);
   }
 }

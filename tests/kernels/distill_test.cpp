@@ -111,12 +111,19 @@ TEST(Distill, AStudentEqualToItsTeacherHasZeroKLAndLogitsFarFromZeroStayFinite) 
   EXPECT_TRUE(std::isfinite(g.kl[0]));
 }
 
-// Over a vocabulary large enough for the parallel path and the vector tails.
+// Student and teacher logits over a vocabulary large enough for the
+// parallel path and the vector tails, with some positions masked.
+struct LargeRows {
+  static constexpr int64_t N = 23, V = 3001;
+  std::vector<float> x = random_vector(N * V, 1, -5.0f, 5.0f), z = random_vector(N * V, 2, -5.0f, 5.0f),
+                     dloss = random_vector(N, 3);
+  std::vector<int32_t> targets = some_targets(N, V);
+};
+
 TEST(Distill, FusedForwardBackwardIsBitIdenticalToTheSeparatePasses) {
-  const int64_t N = 23, V = 3001;
-  const auto x = random_vector(N * V, 1, -5.0f, 5.0f), z = random_vector(N * V, 2, -5.0f, 5.0f);
-  const auto dloss = random_vector(N, 3);
-  const auto targets = some_targets(N, V);
+  const LargeRows in;
+  const int64_t N = in.N, V = in.V;
+  const auto& [x, z, dloss, targets] = in;
   const Distillation d{2.0f, 0.5f};
   const Forward f = forward(x, z, targets, d, N, V);
   std::vector<float> grad(N * V);
@@ -133,10 +140,9 @@ TEST(Distill, FusedForwardBackwardIsBitIdenticalToTheSeparatePasses) {
 }
 
 TEST(Distill, ResultsDoNotDependOnThreadCount) {
-  const int64_t N = 23, V = 3001;
-  const auto x = random_vector(N * V, 1, -5.0f, 5.0f), z = random_vector(N * V, 2, -5.0f, 5.0f);
-  const auto dloss = random_vector(N, 3);
-  const auto targets = some_targets(N, V);
+  const LargeRows in;
+  const int64_t N = in.N, V = in.V;
+  const auto& [x, z, dloss, targets] = in;
   const Distillation d{1.5f, 0.8f};
   kernel_testing::expect_thread_invariant([&] {
     Forward f = forward(x, z, targets, d, N, V);
