@@ -290,7 +290,8 @@ class Trainer {
   void build_teacher(int pp);
   // The mesh step: this rank's micro-batches through the pipeline schedule;
   // returns the sums of the loss's terms.
-  std::vector<double> run_micro_batches(std::span<const MicroBatch> micro_batches, const ForwardOptions& base, float dloss);
+  std::vector<double> run_micro_batches(std::span<const MicroBatch> micro_batches, const ForwardOptions& base,
+                                        float dloss);
   // Tensor-parallel partial gradients and the tied embedding's copies are
   // summed over their groups, then the data-parallel reduction starts.
   void reduce_model_parallel_gradients();

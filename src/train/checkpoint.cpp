@@ -512,7 +512,8 @@ void load_teacher(const std::string& source, Trainer& trainer) {
   if (const std::optional<fs::path> dir = hf_dir_of(source)) {
     const HFImport src(*dir);
     const uint64_t seed = trainer.options().seed;
-    trainer.load_teacher_weights([&](const ParamLayout& layout, FlatRange r, float* p) { src.fill(layout, r, p, seed); });
+    trainer.load_teacher_weights(
+        [&](const ParamLayout& layout, FlatRange r, float* p) { src.fill(layout, r, p, seed); });
     return;
   }
   const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(source));

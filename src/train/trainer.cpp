@@ -122,7 +122,8 @@ class MicroBatchWork final : public PipelineStageWork {
   // ranks all the same ones). One read of the device accumulator.
   std::vector<double> loss_sums(Communicator& pipeline) const {
     std::vector<double> sums = host_sums(loss_sum_);
-    if (pipeline.size() > 1) pipeline.all_reduce(sums.data(), static_cast<int64_t>(sums.size()), DType::f64, ReduceOp::sum);
+    if (pipeline.size() > 1)
+      pipeline.all_reduce(sums.data(), static_cast<int64_t>(sums.size()), DType::f64, ReduceOp::sum);
     return sums;
   }
 

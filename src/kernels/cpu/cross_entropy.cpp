@@ -183,7 +183,8 @@ void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, c
 void distill_forward(float* losses, float* kl, float* ce, float* stats, const float* logits, const float* teacher,
                      const int32_t* targets, Distillation d, int64_t N, int64_t V) {
 #pragma omp parallel for schedule(static) if (N * V >= kMinParallelWork)
-  for (int64_t i = 0; i < N; ++i) distill_row_forward(losses, kl, ce, stats, logits + i * V, teacher + i * V, targets, d, i, V);
+  for (int64_t i = 0; i < N; ++i)
+    distill_row_forward(losses, kl, ce, stats, logits + i * V, teacher + i * V, targets, d, i, V);
 }
 
 void distill_backward(float* dlogits, const float* logits, const float* teacher, const float* stats,
