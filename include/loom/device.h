@@ -138,6 +138,7 @@ class HostSection {
 namespace ops {
 
 using cpu::AdamWStep;
+using cpu::Distillation;
 using cpu::GradWrite;
 
 // C[M,N] = alpha op(A) op(B) + beta C with leading dimensions (kernels.h's
@@ -221,6 +222,20 @@ void cross_entropy_shard_backward(float* dlogits, const float* logits, const flo
                                   const float* dloss, int64_t first, int64_t N, int64_t V, int64_t real);
 void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, const float* sums,
                               const int32_t* targets, int64_t N);
+void distill_forward(float* losses, float* kl, float* ce, float* stats, const float* logits, const float* teacher,
+                     const int32_t* targets, Distillation d, int64_t N, int64_t V);
+void distill_backward(float* dlogits, const float* logits, const float* teacher, const float* stats,
+                      const int32_t* targets, const float* dloss, Distillation d, int64_t N, int64_t V);
+void distill_forward_backward(float* losses, float* kl, float* ce, float* stats, float* logits, const float* teacher,
+                              const int32_t* targets, const float* dloss, Distillation d, int64_t N, int64_t V);
+void distill_shard_max(float* row_max, const float* logits, const float* teacher, int64_t N, int64_t V, int64_t real);
+void distill_shard_sums(float* sums, const float* logits, const float* teacher, const float* row_max,
+                        const int32_t* targets, Distillation d, int64_t first, int64_t N, int64_t V, int64_t real);
+void distill_shard_loss(float* losses, float* kl, float* ce, float* stats, const float* row_max, const float* sums,
+                        const int32_t* targets, Distillation d, int64_t N);
+void distill_shard_backward(float* dlogits, const float* logits, const float* teacher, const float* stats,
+                            const int32_t* targets, const float* dloss, Distillation d, int64_t first, int64_t N,
+                            int64_t V, int64_t real);
 
 void dropout_forward(float* out, const float* inp, int64_t rows, int64_t cols, int64_t stride, float p,
                      uint64_t key, uint64_t first);

@@ -329,6 +329,51 @@ void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, c
                               const int32_t* targets, int64_t N);
 
 // ---------------------------------------------------------------------------
+// Knowledge distillation (Hinton et al.): a student's logits x against a
+// teacher's z over V classes, at temperature T with weight alpha. Per row i
+// with a target (a target of -1 gives 0 everywhere, as cross-entropy does):
+//   kl[i]     = KL(softmax(z_i / T) || softmax(x_i / T))
+//   ce[i]     = lse(x_i) - x_i[target]
+//   losses[i] = alpha * T^2 * kl[i] + (1 - alpha) * ce[i]
+// stats[3i..3i+2] = lse(x_i), lse(x_i / T), lse(z_i / T): what backward
+// needs. Every log-softmax subtracts its row's max first; the KL is
+//   sum_j p_j (z_j - x_j) / T - lse(z/T) + lse(x/T),  p = softmax(z / T),
+// so the vocabulary-parallel form needs only sums over the columns.
+// backward writes (not accumulates; dlogits may alias logits)
+//   dlogits = dloss_i * (alpha T (softmax(x/T) - p) + (1 - alpha)(softmax(x) - onehot)).
+// ---------------------------------------------------------------------------
+
+struct Distillation {
+  float temperature = 1.0f;  // > 0
+  float alpha = 0.5f;        // weight of the KL term, in [0, 1]
+};
+
+void distill_forward(float* losses, float* kl, float* ce, float* stats, const float* logits, const float* teacher,
+                     const int32_t* targets, Distillation d, int64_t N, int64_t V);
+void distill_backward(float* dlogits, const float* logits, const float* teacher, const float* stats,
+                      const int32_t* targets, const float* dloss, Distillation d, int64_t N, int64_t V);
+// Both in one pass over the rows, the same bits as the two calls.
+void distill_forward_backward(float* losses, float* kl, float* ce, float* stats, float* logits, const float* teacher,
+                              const int32_t* targets, const float* dloss, Distillation d, int64_t N, int64_t V);
+
+// Vocabulary-parallel distillation, columns [first, first + V) of both
+// logits of which the first `real` are classes, around two all-reduces:
+//   shard_max:  row_max[2i] = max of x, row_max[2i+1] = max of z  -> all-reduce max
+//   shard_sums: sums[5i..5i+4] = sum exp(x - mx), sum exp((x - mx) / T),
+//               sum exp((z - mz) / T), sum exp((z - mz) / T) (z - x), and the
+//               target's logit if it is here, else 0                -> all-reduce sum
+//   shard_loss: losses, kl, ce and stats from them.
+// shard_backward writes this rank's columns of the gradient (zero for padding).
+void distill_shard_max(float* row_max, const float* logits, const float* teacher, int64_t N, int64_t V, int64_t real);
+void distill_shard_sums(float* sums, const float* logits, const float* teacher, const float* row_max,
+                        const int32_t* targets, Distillation d, int64_t first, int64_t N, int64_t V, int64_t real);
+void distill_shard_loss(float* losses, float* kl, float* ce, float* stats, const float* row_max, const float* sums,
+                        const int32_t* targets, Distillation d, int64_t N);
+void distill_shard_backward(float* dlogits, const float* logits, const float* teacher, const float* stats,
+                            const int32_t* targets, const float* dloss, Distillation d, int64_t first, int64_t N,
+                            int64_t V, int64_t real);
+
+// ---------------------------------------------------------------------------
 // Dropout with counter-based masks over a [rows, cols] block (contiguous)
 // of a larger tensor whose rows are `stride` elements apart (stride == cols:
 // a contiguous range; rows 1: n = cols elements): element (i, j) is kept iff

@@ -8,6 +8,7 @@
 // activation checkpointing is a matter of keeping less and recomputing.
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -137,6 +138,11 @@ struct ForwardOptions {
   // loss then writes the logits' gradient in its forward pass, and backward
   // must be given the same value.
   std::optional<float> dloss;
+  // A distillation loss's teacher: the teacher model's logits of the same
+  // micro-batch over the same vocabulary slice as the student's ([N, local
+  // vocab] on the device); undefined for cross-entropy. Freed after the
+  // loss's backward.
+  Tensor teacher_logits;
 };
 
 // Everything a forward pass needs to know about its micro-batch.
@@ -560,41 +566,83 @@ struct ModelParallel {
   bool last_stage = true;   // holds the final norm and the output head, after its last chunk
 };
 
-// An objective over the output head's logits: cross-entropy now;
-// distillation and masked losses are other implementations.
+// An objective over the output head's logits: cross-entropy, or
+// distillation from a teacher's logits.
 class Loss {
  public:
   struct Saved {
-    Tensor lse;          // [N] each row's log-sum-exp over the whole vocabulary
+    Tensor lse;          // per-row statistics for backward ([N] log-sum-exp for cross-entropy)
     bool fused = false;  // forward already wrote the logits' gradient
   };
   virtual ~Loss() = default;
+  // The f64 sums forward adds to, by name: the objective ("loss"), then its
+  // parts.
+  virtual std::vector<std::string_view> term_names() const { return {"loss"}; }
+  int64_t terms() const { return static_cast<int64_t>(term_names().size()); }
   // logits: this rank's vocabulary slice [N, local vocab] (the whole
   // vocabulary without tensor parallelism); targets: [N] int32 on the
-  // device, -1 ignores a position. Adds the fixed-order double sum of the
-  // per-position losses to `sum` ([1] f64 on the device): the host reads it
+  // device, -1 ignores a position; teacher: ForwardOptions::teacher_logits.
+  // Adds the fixed-order double sums of the per-position losses (and of
+  // their parts) to `sum` ([terms()] f64 on the device): the host reads it
   // once per step, not per micro-batch. With dloss, also writes the logits'
   // gradient over them in the same pass (the logits are then gone).
-  virtual void forward(Saved& s, const Tensor& logits, const Tensor& targets, const Tensor& sum,
-                       std::optional<float> dloss) const = 0;
+  virtual void forward(Saved& s, const Tensor& logits, const Tensor& targets, const Tensor& teacher,
+                       const Tensor& sum, std::optional<float> dloss) const = 0;
   // Writes the logits' gradient over them in place (nothing when forward did).
-  virtual void backward(Saved& s, const Tensor& logits, const Tensor& targets, float dloss) const = 0;
+  virtual void backward(Saved& s, const Tensor& logits, const Tensor& targets, const Tensor& teacher,
+                        float dloss) const = 0;
+};
+
+// A loss over this rank's slice of the logits: columns [first, first +
+// local vocab) of vocab_size classes, the first `real` of them classes (the
+// rest padding); the whole vocabulary without tensor parallelism.
+class VocabularyLoss : public Loss {
+ public:
+  VocabularyLoss() = default;
+  VocabularyLoss(int64_t vocab_size, int64_t local_vocab, const TensorParallel& tp)
+      : V_(vocab_size), local_vocab_(local_vocab), tp_(tp) {}
+
+ protected:
+  struct Slice {
+    int64_t first = 0, real = 0;
+  };
+  Slice slice() const;
+
+  int64_t V_ = 0, local_vocab_ = 0;
+  TensorParallel tp_;
 };
 
 // Softmax cross-entropy; under tensor parallelism the vocabulary-parallel
 // form (Megatron): the ranks agree on each row's max and sums in two
 // all-reduces over the tp group, and the full logits never meet.
-class CrossEntropyLoss final : public Loss {
+class CrossEntropyLoss final : public VocabularyLoss {
  public:
-  CrossEntropyLoss() = default;
-  CrossEntropyLoss(int64_t vocab_size, int64_t local_vocab, const TensorParallel& tp);
-  void forward(Saved& s, const Tensor& logits, const Tensor& targets, const Tensor& sum,
+  using VocabularyLoss::VocabularyLoss;
+  void forward(Saved& s, const Tensor& logits, const Tensor& targets, const Tensor& teacher, const Tensor& sum,
                std::optional<float> dloss) const override;
-  void backward(Saved& s, const Tensor& logits, const Tensor& targets, float dloss) const override;
+  void backward(Saved& s, const Tensor& logits, const Tensor& targets, const Tensor& teacher,
+                float dloss) const override;
+};
+
+using cpu::Distillation;
+
+// Knowledge distillation (kernels.h's distill_*): per position with a
+// target, alpha T^2 KL(teacher || student at temperature T) + (1 - alpha)
+// cross-entropy. Its terms are the objective, the KL and the cross-entropy
+// (both unweighted). Vocabulary-parallel as CrossEntropyLoss is, with the
+// teacher's row max beside the student's and the KL's sums beside the
+// cross-entropy's in the same two all-reduces.
+class DistillationLoss final : public VocabularyLoss {
+ public:
+  DistillationLoss(int64_t vocab_size, int64_t local_vocab, const TensorParallel& tp, Distillation d);
+  std::vector<std::string_view> term_names() const override { return {"loss", "kl", "ce"}; }
+  void forward(Saved& s, const Tensor& logits, const Tensor& targets, const Tensor& teacher, const Tensor& sum,
+               std::optional<float> dloss) const override;
+  void backward(Saved& s, const Tensor& logits, const Tensor& targets, const Tensor& teacher,
+                float dloss) const override;
 
  private:
-  int64_t V_ = 0, local_vocab_ = 0;
-  TensorParallel tp_;
+  Distillation d_;
 };
 
 // One micro-batch's activations on a rank, from its forward to its backward.
@@ -610,8 +658,9 @@ struct MicroBatchState {
   Norm::Saved ln_f;
   Tensor head_input, logits;
   Loss::Saved loss;
-  // [1] f64 on the device: the last stage adds the losses of the positions
-  // with a target to it (an accumulator several micro-batches may share).
+  // [loss terms] f64 on the device: the last stage adds the losses of the
+  // positions with a target to it (an accumulator several micro-batches may
+  // share).
   Tensor loss_sum;
   int64_t valid_targets = 0;  // their number
   // loss_sum read on the host (a blocking copy).
@@ -636,6 +685,11 @@ class GPT {
   // This rank's vocabulary rows of the token table (vocab_size without
   // tensor parallelism; padded rows included).
   int64_t local_vocab() const { return local_vocab_; }
+  // The objective of the head (cross-entropy unless distill() chose another).
+  const Loss& loss() const { return *loss_; }
+  // Trains against a teacher's logits (ForwardOptions::teacher_logits) with
+  // DistillationLoss instead of cross-entropy.
+  void distill(Distillation d);
 
   // Forward of one micro-batch with targets on a rank that holds the whole
   // pipeline, keeping in s what backward needs: s.logits ([B, T, V]; this
@@ -699,7 +753,7 @@ class GPT {
   std::vector<Block> blocks_;  // this rank's, in chunk order
   std::vector<int> chunk_first_block_;  // index into blocks_ of each chunk's first block
   Norm ln_f_;
-  CrossEntropyLoss loss_;
+  std::unique_ptr<Loss> loss_;
 };
 
 }  // namespace loom

@@ -10,6 +10,9 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -33,6 +36,16 @@ struct ModelParallelOptions {
   // Layers of each virtual stage in order (pp * virtual_stages entries summing
   // to n_layer); empty: balanced by the cost estimate (pipeline_layer_costs).
   std::vector<int> stage_layers;
+};
+
+// Knowledge distillation: the student trains with DistillationLoss against
+// the logits of a frozen teacher, a second model of the same vocabulary run
+// forward in the same micro-batch, placed as the student is (its own copy on
+// every data-parallel rank, split over the same tensor-parallel ranks; not
+// with pipeline parallelism).
+struct DistillOptions {
+  GPTConfig teacher;
+  Distillation loss;  // temperature, alpha
 };
 
 struct TrainOptions {
@@ -67,6 +80,9 @@ struct TrainOptions {
   // or gradient throws at once and no spike is looked for.
   int64_t max_skipped_steps = 0;
   double skip_spike_factor = 0.0;
+  // Distillation; its teacher's weights start as TrainOptions::seed draws
+  // them until Trainer::load_teacher_weights.
+  std::optional<DistillOptions> distill;
 };
 
 // Why a step applied no update.
@@ -104,6 +120,9 @@ struct MicroBatch {
 
 struct StepStats {
   float loss = 0.0f;       // mean over the global batch's target tokens
+  // The loss's parts, each a mean as `loss` (Loss::term_names() after the
+  // first: distillation's kl and ce), by name; empty for cross-entropy.
+  std::vector<std::pair<std::string_view, double>> loss_parts;
   double grad_norm = 0.0;  // before clipping (unscaled); not finite when skipped
   float lr = 0.0f;
   int64_t tokens = 0;      // of the global batch
@@ -111,6 +130,29 @@ struct StepStats {
   StepSkip skip = StepSkip::none;
   float loss_scale = 1.0f;  // the scale the step ran with
   double loss_mean = 0.0;   // the running mean the loss was compared with (0 before any update)
+};
+
+// Throws Error naming the key and the fix when `d` cannot distill into
+// `student` on `pp` pipeline stages (a temperature not above 0, alpha
+// outside [0, 1], a vocabulary other than the student's, pp > 1).
+void check_distillation(const GPTConfig& student, const DistillOptions& d, int64_t pp);
+
+// A distillation run's teacher on one rank: its model under the student's
+// tensor-parallel layout (whole on every data-parallel rank) and its weights
+// in a ParamStore of their own, fp32, with no gradient and no optimizer state.
+class Teacher {
+ public:
+  Teacher(const GPTConfig& model, const TensorParallel& tp, uint64_t seed);
+  const GPT& model() const { return model_; }
+  ParamStore& params() { return params_; }
+  // Forward only (no dropout; block inputs alone kept, and only until it
+  // returns): the micro-batch's logits over this rank's vocabulary slice.
+  // Collective over the tp group.
+  Tensor logits(const MicroBatch& mb);
+
+ private:
+  GPT model_;
+  ParamStore params_;
 };
 
 // The training step. Without a communicator it is the single-rank fp32
@@ -199,6 +241,11 @@ class Trainer {
   // policy), so each rank reads only the pieces its layout holds.
   using WeightFiller = std::function<void(const ParamLayout& layout, FlatRange range, float* params)>;
   void load_weights(const WeightFiller& fill);
+  // Distillation: the teacher's weights, `fill` as load_weights's over this
+  // rank's layout of the teacher (teacher()->model().layout()). Not collective.
+  void load_teacher_weights(const WeightFiller& fill);
+  // The teacher (nullptr without TrainOptions::distill).
+  Teacher* teacher() { return teacher_.get(); }
 
   // Sharded checkpoints: each rank saves only the state it holds. `n`
   // elements of the whole model's flat state (state_layout()) from `global`,
@@ -238,8 +285,13 @@ class Trainer {
   // After the stores are built: with frozen parameters, the stores put
   // back in the model's layout (FrozenParamStore, ...).
   void wrap_frozen();
-  // The mesh step: this rank's micro-batches through the pipeline schedule.
-  double run_micro_batches(std::span<const MicroBatch> micro_batches, const ForwardOptions& base, float dloss);
+  // Before anything is allocated: TrainOptions::distill against the model
+  // and the layout (pp: pipeline stages); builds the teacher.
+  void build_teacher(int pp);
+  // The mesh step: this rank's micro-batches through the pipeline schedule;
+  // returns the sums of the loss's terms.
+  std::vector<double> run_micro_batches(std::span<const MicroBatch> micro_batches, const ForwardOptions& base,
+                                        float dloss);
   // Tensor-parallel partial gradients and the tied embedding's copies are
   // summed over their groups, then the data-parallel reduction starts.
   void reduce_model_parallel_gradients();
@@ -274,6 +326,7 @@ class Trainer {
   std::unique_ptr<LossScaler> scaler_;
   LossWatch loss_watch_;
   int64_t steps_ = 0;
+  std::unique_ptr<Teacher> teacher_;
 };
 
 }  // namespace loom
@@ -308,6 +361,9 @@ struct TrainPlan {
   // The tokenizer beside it (hf_tokenizer_file), which then tokenizes the
   // data; empty: the dataset's own.
   std::filesystem::path init_tokenizer;
+  // distill.teacher: the teacher's checkpoint (options.distill holds its
+  // model), a loom checkpoint directory or "hf:DIR"; empty: no distillation.
+  std::string distill_teacher;
   int64_t dp = 1;                 // data-parallel ranks
   int64_t tp = 1;                 // tensor-parallel ranks
   int64_t pp = 1;                 // pipeline stages
@@ -496,6 +552,11 @@ void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& para
 // Resolves a checkpoint argument: a step directory, or a run directory whose
 // `latest` names one.
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
+// Distillation (distill.teacher): the model of `source`, a loom checkpoint
+// (resolve_checkpoint) or "hf:DIR", validated; and its weights into the
+// trainer's teacher, each rank reading only the pieces its layout holds.
+GPTConfig teacher_model_config(const std::string& source);
+void load_teacher(const std::string& source, Trainer& trainer);
 
 // Hugging Face checkpoints (hf.h) as a run's weights, and loom's weights as
 // one. A directory is named "hf:DIR" wherever a checkpoint or an initial

@@ -46,6 +46,14 @@ ConfigSchema build_loom_schema() {
                "initial weights: empty = a fresh initialization; \"hf:DIR\" = the Hugging Face checkpoint in DIR "
                "(its config.json fixes the model, a tokenizer beside it tokenizes the data)");
 
+  s.add_string("distill.teacher", "",
+               "knowledge distillation from this teacher: a loom checkpoint directory (or a run directory whose "
+               "latest checkpoint it is) or \"hf:DIR\"; empty = no distillation. Same vocabulary as the model");
+  s.add_float("distill.temperature", 2.0, "softmax temperature T of the KL term (> 0); its gradient is scaled by T^2",
+              0.0);
+  s.add_float("distill.alpha", 0.5,
+              "weight of the KL term: loss = alpha T^2 KL(teacher || student) + (1 - alpha) cross-entropy", 0.0, 1.0);
+
   s.add_int("lora.r", 0, "LoRA adapter rank; 0 = no adapters (the whole model trains)", 0, kMaxDim);
   s.add_float("lora.alpha", 8.0, "LoRA scale numerator: adapters add (alpha / r) x A^T B^T", 0.0);
   s.add_float("lora.dropout", 0.0, "dropout probability on each adapter's input (PEFT's lora_dropout)", 0.0, 1.0);

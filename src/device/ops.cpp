@@ -195,6 +195,35 @@ void cross_entropy_shard_loss(float* losses, float* lse, const float* row_max, c
   LOOM_LAUNCH(cross_entropy_shard_loss, losses, lse, row_max, sums, targets, N);
 }
 
+void distill_forward(float* losses, float* kl, float* ce, float* stats, const float* logits, const float* teacher,
+                     const int32_t* targets, Distillation d, int64_t N, int64_t V) {
+  LOOM_LAUNCH(distill_forward, losses, kl, ce, stats, logits, teacher, targets, d, N, V);
+}
+void distill_backward(float* dlogits, const float* logits, const float* teacher, const float* stats,
+                      const int32_t* targets, const float* dloss, Distillation d, int64_t N, int64_t V) {
+  LOOM_LAUNCH(distill_backward, dlogits, logits, teacher, stats, targets, dloss, d, N, V);
+}
+void distill_forward_backward(float* losses, float* kl, float* ce, float* stats, float* logits, const float* teacher,
+                              const int32_t* targets, const float* dloss, Distillation d, int64_t N, int64_t V) {
+  LOOM_LAUNCH(distill_forward_backward, losses, kl, ce, stats, logits, teacher, targets, dloss, d, N, V);
+}
+void distill_shard_max(float* row_max, const float* logits, const float* teacher, int64_t N, int64_t V, int64_t real) {
+  LOOM_LAUNCH(distill_shard_max, row_max, logits, teacher, N, V, real);
+}
+void distill_shard_sums(float* sums, const float* logits, const float* teacher, const float* row_max,
+                        const int32_t* targets, Distillation d, int64_t first, int64_t N, int64_t V, int64_t real) {
+  LOOM_LAUNCH(distill_shard_sums, sums, logits, teacher, row_max, targets, d, first, N, V, real);
+}
+void distill_shard_loss(float* losses, float* kl, float* ce, float* stats, const float* row_max, const float* sums,
+                        const int32_t* targets, Distillation d, int64_t N) {
+  LOOM_LAUNCH(distill_shard_loss, losses, kl, ce, stats, row_max, sums, targets, d, N);
+}
+void distill_shard_backward(float* dlogits, const float* logits, const float* teacher, const float* stats,
+                            const int32_t* targets, const float* dloss, Distillation d, int64_t first, int64_t N,
+                            int64_t V, int64_t real) {
+  LOOM_LAUNCH(distill_shard_backward, dlogits, logits, teacher, stats, targets, dloss, d, first, N, V, real);
+}
+
 void dropout_forward(float* out, const float* inp, int64_t rows, int64_t cols, int64_t stride, float p,
                      uint64_t key, uint64_t first) {
   LOOM_LAUNCH(dropout_forward, out, inp, rows, cols, stride, p, key, first);

@@ -15,7 +15,8 @@ constexpr uint64_t kEmbeddingDropoutLayer = ~0ull;
 constexpr std::string_view kHeadModule = "head";
 }  // namespace
 
-GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp) : cfg_(cfg), mp_(mp) {
+GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp)
+    : cfg_(cfg), mp_(mp), loss_(std::make_unique<CrossEntropyLoss>()) {
   cfg_.validate();
   const TensorParallel& tp = mp_.tp;
   if (cfg_.n_head % tp.size() != 0)
@@ -51,7 +52,7 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp) : cfg_(cfg), mp_(mp) {
   chunk_first_block_.push_back(static_cast<int>(blocks_.size()));
   if (mp_.last_stage) {
     lnf_group_ = layout_.add_group("ln_f");
-    loss_ = CrossEntropyLoss(cfg_.vocab_size, local_vocab_, tp);
+    loss_ = std::make_unique<CrossEntropyLoss>(cfg_.vocab_size, local_vocab_, tp);
     ln_f_ = Norm(layout_, "ln_f", cfg_, lnf_group_, tp.splits_tokens());
     // A tied output head multiplies by the token embedding. A last stage
     // without the embedding keeps its own copy, which starts equal (same
@@ -70,6 +71,10 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp) : cfg_(cfg), mp_(mp) {
   if (mp_.first_stage && mp_.last_stage && tp.size() == 1 && mp_.chunks.empty())
     LOOM_CHECK(layout_.numel() == cfg_.num_params(), "layout has ", layout_.numel(), " parameters, formula says ",
                cfg_.num_params());
+}
+
+void GPT::distill(Distillation d) {
+  loss_ = std::make_unique<DistillationLoss>(cfg_.vocab_size, local_vocab_, mp_.tp, d);
 }
 
 int GPT::block_group(int layer) const {
@@ -98,7 +103,7 @@ void GPT::begin(MicroBatchState& s, const int32_t* tokens, const int32_t* target
   if (mp_.last_stage) {
     s.targets = Tensor::from_host(targets, {N}, DType::i32);
     s.valid_targets = std::count_if(targets, targets + N, [](int32_t t) { return t != -1; });
-    s.loss_sum = loss_sum.defined() ? loss_sum : Tensor::zeros({1}, DType::f64);
+    s.loss_sum = loss_sum.defined() ? loss_sum : Tensor::zeros({loss_->terms()}, DType::f64);
   }
   s.blocks.resize(blocks_.size());
 }
@@ -151,7 +156,7 @@ void GPT::head_forward(ParamStore& ps, MicroBatchState& s, const Tensor& x) cons
                       Vl);
   ps.release(head_group());
 
-  loss_.forward(s.loss, s.logits, s.targets, s.loss_sum, s.opts.dloss);
+  loss_->forward(s.loss, s.logits, s.targets, s.opts.teacher_logits, s.loss_sum, s.opts.dloss);
 }
 
 Tensor GPT::head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, float dloss) const {
@@ -163,7 +168,8 @@ Tensor GPT::head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, flo
 
   LOOM_CHECK(!s.opts.dloss || *s.opts.dloss == dloss, "backward with dloss ", dloss, " after a forward that used ",
              s.opts.dloss.value_or(0.0f));
-  loss_.backward(s.loss, s.logits, s.targets, dloss);
+  loss_->backward(s.loss, s.logits, s.targets, s.opts.teacher_logits, dloss);
+  s.opts.teacher_logits = Tensor();
   const float* dlogits = s.logits.data<float>();
 
   ps.acquire(head_group());

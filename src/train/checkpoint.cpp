@@ -19,6 +19,7 @@
 #include "loom/device.h"
 #include "loom/train.h"
 #include "train/model_json.h"
+#include "train/whole_runs.h"
 
 namespace loom {
 
@@ -672,6 +673,39 @@ fs::path resolve_checkpoint(const fs::path& path) {
   if (auto latest = read_latest(path)) return *latest;
   throw Error(str("'", path.string(), "' is neither a checkpoint directory (no ", kManifestFile,
                   ") nor a run directory with a 'latest' checkpoint"));
+}
+
+
+GPTConfig teacher_model_config(const std::string& source) {
+  if (const std::optional<fs::path> dir = hf_dir_of(source)) return HFImport(*dir).model;
+  return checkpoint_model_config(read_checkpoint_info(resolve_checkpoint(source)));
+}
+
+void load_teacher(const std::string& source, Trainer& trainer) {
+  if (const std::optional<fs::path> dir = hf_dir_of(source)) {
+    const HFImport src(*dir);
+    const uint64_t seed = trainer.options().seed;
+    trainer.load_teacher_weights(
+        [&](const ParamLayout& layout, FlatRange r, float* p) { src.fill(layout, r, p, seed); });
+    return;
+  }
+  const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(source));
+  // The saved state is in the whole teacher's coordinates; a tensor-parallel
+  // rank reads the runs of its pieces.
+  const GPT whole(checkpoint_model_config(info));
+  const std::unique_ptr<SavedState> saved = open_saved_state(info, whole.layout());
+  trainer.load_teacher_weights([&](const ParamLayout& layout, FlatRange r, float* params) {
+    for_each_whole_run(
+        layout, whole.layout(),
+        [&](const ParamSpec&, int64_t at, int64_t global, int64_t n) {
+          float* dst = params + (at - r.begin);
+          if (global < 0)
+            std::fill_n(dst, n, 0.0f);  // vocabulary padding
+          else
+            saved->read(0, global, n, dst);
+        },
+        r);
+  });
 }
 
 }  // namespace loom

@@ -362,6 +362,25 @@ void plan_trace(const Config& cfg, TrainPlan& p) {
                       "create it, or set trace.path to a file in an existing directory");
 }
 
+// distill.*: the teacher's model, read from its checkpoint's config (its
+// tensors are read by the ranks once the trainer is built), checked against
+// the model and the layout.
+void plan_distillation(const Config& cfg, TrainPlan& p) {
+  p.distill_teacher = cfg.get<std::string>("distill.teacher");
+  if (p.distill_teacher.empty()) return;
+  DistillOptions d;
+  try {
+    d.teacher = teacher_model_config(p.distill_teacher);
+  } catch (const Error& e) {
+    throw ConfigError(cfg, "distill.teacher", e.what(),
+                      "give a loom checkpoint directory (or its run directory) or \"hf:DIR\"");
+  }
+  d.loss.temperature = static_cast<float>(cfg.get<double>("distill.temperature"));
+  d.loss.alpha = static_cast<float>(cfg.get<double>("distill.alpha"));
+  check_distillation(p.model, d, p.pp);
+  p.options.distill = d;
+}
+
 }  // namespace
 
 std::unique_ptr<DeviceMesh> plan_mesh(const TrainPlan& plan, Communicator& world) {
@@ -473,6 +492,7 @@ TrainPlan plan_training(const Config& cfg) {
                       str("set loss_scale.min <= ", o.loss_scale.initial_scale, " or raise loss_scale.initial"));
   if (o.memory.policy != MemoryPolicy::none) check_memory_fits(cfg, p);
   plan_trace(cfg, p);
+  plan_distillation(cfg, p);
   return p;
 }
 

@@ -243,6 +243,13 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
             src.checkpoint.tensors().size(), " tensors)"));
   }
 
+  if (!plan.distill_teacher.empty()) {
+    load_teacher(plan.distill_teacher, trainer);
+    const DistillOptions& d = *plan.options.distill;
+    say(str("distilling from ", plan.distill_teacher, " (", d.teacher.n_layer, " layers, width ", d.teacher.n_embd,
+            "): temperature ", d.loss.temperature, ", alpha ", d.loss.alpha));
+  }
+
   // MFU is against the whole job's peak: each rank measures its own share of
   // the cores at the same time, and the shares add up.
   double sgemm_gflops = ops::measure_gemm_gflops(1024, 3);
@@ -452,6 +459,11 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
         record["nvme_write_bytes"] = moved(Tier::host, Tier::nvme) + moved(Tier::device, Tier::nvme);
       }
       std::string line = str("step ", done, "/", plan.steps, "  loss ", st.loss);
+      // The loss's parts (distillation: loss_kl, loss_ce).
+      for (const auto& [name, mean] : st.loss_parts) {
+        record[str("loss_", name)] = mean;
+        line += str("  ", name, " ", static_cast<float>(mean));
+      }
       if (fp16) {
         // Skipped steps ran but applied no update; the counters say how many.
         const int64_t skipped = trainer.steps_done() - trainer.optimizer_steps();

@@ -7,6 +7,7 @@
 #include "loom/planner.h"
 #include "loom/trace.h"
 #include "loom/train.h"
+#include "train/whole_runs.h"
 
 namespace loom {
 
@@ -72,32 +73,28 @@ bool names_under(const std::string& name, const std::string& entry) {
   return name == entry || (name.size() > entry.size() && name.starts_with(entry) && name[entry.size()] == '.');
 }
 
-// Visits every element of a rank's layout (of its parameters that overlap
-// `within`) in runs: fn(spec, flat offset in `local`, flat offset in `whole`
-// or -1 for padding, length).
-template <typename Fn>
-void for_each_whole_run(const ParamLayout& local, const ParamLayout& whole, Fn fn,
-                        FlatRange within = {0, std::numeric_limits<int64_t>::max()}) {
-  for (const ParamSpec& p : local.params()) {
-    if (p.offset >= within.end || p.offset + p.numel() <= within.begin) continue;
-    const ParamSpec& w = whole.param(whole.find(p.name));
-    for (int64_t i = 0; i < p.numel();) {
-      int64_t run = 0;
-      const int64_t g = p.global_index(i, &run);
-      fn(p, p.offset + i, g < 0 ? -1 : w.offset + g, run);
-      i += run;
-    }
-  }
+// The options of micro-batch mb's forward: base's, its first sequence and,
+// when distilling, its teacher's logits.
+ForwardOptions micro_batch_options(ForwardOptions fo, const MicroBatch& mb, Teacher* teacher) {
+  fo.first_sequence = mb.first_sequence;
+  if (teacher) fo.teacher_logits = teacher->logits(mb);
+  return fo;
+}
+
+// The host's copy of a device accumulator of loss terms.
+std::vector<double> host_sums(const Tensor& sums) {
+  const Tensor host = sums.clone(Tier::host);
+  return {host.data<double>(), host.data<double>() + host.numel()};
 }
 
 // One step's micro-batches as pipeline work for this rank's chunks.
 class MicroBatchWork final : public PipelineStageWork {
  public:
   MicroBatchWork(GPT& model, ParamStore& ps, GradStore& gs, std::span<const MicroBatch> micro_batches,
-                 const ForwardOptions& base, float dloss, bool reduce_last, int64_t step)
+                 const ForwardOptions& base, float dloss, bool reduce_last, int64_t step, Teacher* teacher)
       : model_(model), ps_(ps), gs_(gs), micro_batches_(micro_batches), base_(base), dloss_(dloss),
-        reduce_last_(reduce_last), step_(step), states_(micro_batches.size()), begun_(micro_batches.size(), false),
-        loss_sum_(Tensor::zeros({1}, DType::f64)) {}
+        reduce_last_(reduce_last), step_(step), teacher_(teacher), states_(micro_batches.size()),
+        begun_(micro_batches.size(), false), loss_sum_(Tensor::zeros({model.loss().terms()}, DType::f64)) {}
 
   Shape activation_shape(int, int micro_batch) const override {
     const MicroBatch& mb = micro_batches_[static_cast<size_t>(micro_batch)];
@@ -108,9 +105,7 @@ class MicroBatchWork final : public PipelineStageWork {
     const size_t m = static_cast<size_t>(micro_batch);
     if (!begun_[m]) {
       const MicroBatch& mb = micro_batches_[m];
-      ForwardOptions fo = base_;
-      fo.first_sequence = mb.first_sequence;
-      model_.begin(states_[m], mb.tokens, mb.targets, mb.shape, fo, loss_sum_);
+      model_.begin(states_[m], mb.tokens, mb.targets, mb.shape, micro_batch_options(base_, mb, teacher_), loss_sum_);
       begun_[m] = true;
     }
     return model_.forward_chunk(ps_, states_[m], chunk, input);
@@ -122,14 +117,14 @@ class MicroBatchWork final : public PipelineStageWork {
     gs_.set_reduce(reduce_last_ && micro_batch + 1 == static_cast<int>(micro_batches_.size()));
     return model_.backward_chunk(ps_, gs_, states_[static_cast<size_t>(micro_batch)], chunk, grad_output, dloss_);
   }
-  // The micro-batches' loss sum on every rank of `pipeline`: only the last
-  // stage computes losses (its tensor-parallel ranks all the same ones).
-  // One read of the device accumulator.
-  double loss_sum(Communicator& pipeline) const {
-    double sum = loss_sum_.clone(Tier::host).data<double>()[0];
-    if (pipeline.size() == 1) return sum;
-    pipeline.all_reduce(&sum, 1, DType::f64, ReduceOp::sum);
-    return sum;
+  // The micro-batches' sums of the loss's terms on every rank of
+  // `pipeline`: only the last stage computes losses (its tensor-parallel
+  // ranks all the same ones). One read of the device accumulator.
+  std::vector<double> loss_sums(Communicator& pipeline) const {
+    std::vector<double> sums = host_sums(loss_sum_);
+    if (pipeline.size() > 1)
+      pipeline.all_reduce(sums.data(), static_cast<int64_t>(sums.size()), DType::f64, ReduceOp::sum);
+    return sums;
   }
 
  private:
@@ -141,9 +136,10 @@ class MicroBatchWork final : public PipelineStageWork {
   float dloss_;
   bool reduce_last_;
   int64_t step_;  // the training step being run, for progress reports; -1: evaluation
+  Teacher* teacher_;  // nullptr unless distilling
   std::vector<MicroBatchState> states_;
   std::vector<bool> begun_;
-  Tensor loss_sum_;  // [1] f64 on the device, shared by the micro-batches
+  Tensor loss_sum_;  // [loss terms] f64 on the device, shared by the micro-batches
 };
 
 }  // namespace
@@ -160,6 +156,7 @@ std::vector<bool> frozen_params(const ParamLayout& layout, const std::vector<std
 Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, Communicator* dp)
     : opts_(opts), dp_(dp), model_(model) {
   validate(opts_.zero);
+  build_teacher(1);
   const ZeroOptions& z = opts_.zero;
   if (opts_.memory.policy != MemoryPolicy::none) {
     build_chunk_stores();
@@ -185,6 +182,7 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, DeviceMesh& m
       mesh_(&mesh),
       model_(model, model_parallel_for(model, opts, mesh)) {
   const int pp = mesh.size(MeshAxis::pp), tp = mesh.size(MeshAxis::tp);
+  build_teacher(pp);
   if (opts_.memory.policy != MemoryPolicy::none)
     throw Error(str("memory.policy = \"", memory_policy_name(opts_.memory.policy), "\" with ", mesh.shape().describe(),
                     ": chunk placement shards over data parallelism only; use parallel.tp = 1 and parallel.pp = 1, "
@@ -278,6 +276,59 @@ void Trainer::wrap_frozen() {
   optim_ = std::make_unique<FrozenOptimizer>(*frozen_, std::move(optim_));
 }
 
+namespace {
+// The whole model on every pipeline stage (there is one), split over `tp`.
+ModelParallel split_over(const TensorParallel& tp) {
+  ModelParallel mp;
+  mp.tp = tp;
+  return mp;
+}
+}  // namespace
+
+Teacher::Teacher(const GPTConfig& model, const TensorParallel& tp, uint64_t seed)
+    : model_(model, split_over(tp)), params_(model_.layout(), seed) {}
+
+Tensor Teacher::logits(const MicroBatch& mb) {
+  ForwardOptions fo;
+  fo.training = false;
+  fo.checkpoint_activations = true;
+  fo.first_sequence = mb.first_sequence;
+  MicroBatchState s;
+  model_.forward(params_, s, mb.tokens, mb.targets, mb.shape, fo);
+  return s.logits;
+}
+
+void check_distillation(const GPTConfig& student, const DistillOptions& d, int64_t pp) {
+  if (!(d.loss.temperature > 0.0f))
+    throw Error(str("distill.temperature = ", d.loss.temperature,
+                    ": the softmax temperature must be > 0 (1 is the plain softmax; 2 to 4 are usual)"));
+  if (!(d.loss.alpha >= 0.0f && d.loss.alpha <= 1.0f))
+    throw Error(str("distill.alpha = ", d.loss.alpha,
+                    ": the weight of the KL term must be in [0, 1] (1: distillation alone, 0: cross-entropy alone)"));
+  if (d.teacher.vocab_size != student.vocab_size)
+    throw Error(str("distill.teacher has a vocabulary of ", d.teacher.vocab_size, " tokens and the model one of ",
+                    student.vocab_size, ": distillation compares the two models' logits token by token; use a "
+                    "teacher with the model's tokenizer, or set model.vocab_size = ", d.teacher.vocab_size));
+  if (pp > 1)
+    throw Error(str("distillation with parallel.pp = ", pp, " is not supported: the teacher runs beside the model's "
+                    "head; use parallel.pp = 1 (data and tensor parallelism work)"));
+}
+
+void Trainer::build_teacher(int pp) {
+  if (!opts_.distill) return;
+  check_distillation(model_.config(), *opts_.distill, pp);
+  model_.distill(opts_.distill->loss);
+  teacher_ = std::make_unique<Teacher>(opts_.distill->teacher, model_.parallel().tp, opts_.seed);
+}
+
+void Trainer::load_teacher_weights(const WeightFiller& fill) {
+  LOOM_CHECK(teacher_, "teacher weights without TrainOptions::distill");
+  // The weights are written in place, as the reference store's are.
+  const HostSection host;
+  const ParamLayout& layout = teacher_->model().layout();
+  fill(layout, {0, layout.numel()}, teacher_->params().flat().data<float>());
+}
+
 Trainer::~Trainer() = default;
 
 int64_t Trainer::optimizer_steps() const { return optim_->steps(); }
@@ -311,58 +362,62 @@ StepStats Trainer::step(std::span<const MicroBatch> micro_batches) {
   const uint64_t dropout_key = stream_key(stream_key(opts_.seed, "dropout"), static_cast<uint64_t>(steps_), 0);
   grads_->zero();
   params_->begin_step();
-  double loss_sum = 0.0;
+  std::vector<double> loss_sums;
   if (mesh_) {
     ForwardOptions base;
     base.training = true;
     base.checkpoint_activations = opts_.checkpoint_activations;
     base.dropout_key = dropout_key;
     base.dloss = dloss;
-    loss_sum = run_micro_batches(micro_batches, base, dloss);
+    loss_sums = run_micro_batches(micro_batches, base, dloss);
   } else {
     // The losses accumulate on the device; the host reads them once per step.
-    const Tensor device_loss_sum = Tensor::zeros({1}, DType::f64);
+    const Tensor device_loss_sum = Tensor::zeros({model_.loss().terms()}, DType::f64);
     for (size_t m = 0; m < micro_batches.size(); ++m) {
       const MicroBatch& mb = micro_batches[m];
       ForwardOptions fo;
       fo.training = true;
       fo.checkpoint_activations = opts_.checkpoint_activations;
       fo.dropout_key = dropout_key;
-      fo.first_sequence = mb.first_sequence;
       fo.dloss = dloss;
       // Gradient accumulation: only the last micro-batch's buckets communicate.
       grads_->set_reduce(m + 1 == micro_batches.size());
       MicroBatchState s;
       report_progress("forward", steps_ + 1, "micro-batch", static_cast<int64_t>(m));
-      model_.forward(*params_, s, mb.tokens, mb.targets, mb.shape, fo, device_loss_sum);
+      model_.forward(*params_, s, mb.tokens, mb.targets, mb.shape, micro_batch_options(fo, mb, teacher_.get()),
+                     device_loss_sum);
       report_progress("backward", steps_ + 1, "micro-batch", static_cast<int64_t>(m));
       model_.backward(*params_, *grads_, s, dloss);
     }
-    loss_sum = device_loss_sum.clone(Tier::host).data<double>()[0];
+    loss_sums = host_sums(device_loss_sum);
   }
   report_progress("gradient reduction", steps_ + 1);
   grads_->finish();
   params_->end_step();
-  if (dp_) {
-    dp_->all_reduce(&loss_sum, 1, DType::f64, ReduceOp::sum);
-  }
+  if (dp_) dp_->all_reduce(loss_sums.data(), static_cast<int64_t>(loss_sums.size()), DType::f64, ReduceOp::sum);
+  const double loss_sum = loss_sums[0];
   if (!std::isfinite(loss_sum) && opts_.max_skipped_steps == 0)
     throw Error(str("the loss is ", loss_sum, " (not finite) at step ", steps_ + 1,
                     ": training diverged; lower train.lr, enable train.grad_clip, or use a lower-risk precision"));
   stats.loss = static_cast<float>(loss_sum / static_cast<double>(targets));
+  const std::vector<std::string_view> terms = model_.loss().term_names();
+  for (size_t i = 1; i < terms.size(); ++i)
+    stats.loss_parts.emplace_back(terms[i], loss_sums[i] / static_cast<double>(targets));
   report_progress("optimizer", steps_ + 1);
   if (opts_.on_gradients) opts_.on_gradients(*grads_);
   stats.lr = opts_.schedule.at(steps_);
   return apply_update(stats);
 }
 
-double Trainer::run_micro_batches(std::span<const MicroBatch> micro_batches, const ForwardOptions& base, float dloss) {
+std::vector<double> Trainer::run_micro_batches(std::span<const MicroBatch> micro_batches, const ForwardOptions& base,
+                                               float dloss) {
   const ModelParallelOptions& o = opts_.model_parallel;
   Communicator& pipeline = mesh_->group(MeshAxis::pp);
-  MicroBatchWork work(model_, *params_, *grads_, micro_batches, base, dloss, !defer_reduction_, steps_ + 1);
+  MicroBatchWork work(model_, *params_, *grads_, micro_batches, base, dloss, !defer_reduction_, steps_ + 1,
+                      teacher_.get());
   pipeline_timing_ = run_pipeline(pipeline, o.schedule, static_cast<int>(micro_batches.size()), o.virtual_stages, work);
   if (defer_reduction_) reduce_model_parallel_gradients();
-  return work.loss_sum(pipeline);
+  return work.loss_sums(pipeline);
 }
 
 namespace {
@@ -415,16 +470,15 @@ void Trainer::reduce_model_parallel_gradients() {
 double Trainer::loss_sum(const MicroBatch& mb) {
   ForwardOptions fo;
   fo.training = false;
-  fo.first_sequence = mb.first_sequence;
   if (!mesh_) {
     MicroBatchState s;
-    model_.forward(*params_, s, mb.tokens, mb.targets, mb.shape, fo);
+    model_.forward(*params_, s, mb.tokens, mb.targets, mb.shape, micro_batch_options(fo, mb, teacher_.get()));
     return s.host_loss_sum();
   }
-  MicroBatchWork work(model_, *params_, *grads_, {&mb, 1}, fo, 0.0f, false, -1);
+  MicroBatchWork work(model_, *params_, *grads_, {&mb, 1}, fo, 0.0f, false, -1, teacher_.get());
   Communicator& pipeline = mesh_->group(MeshAxis::pp);
   run_pipeline(pipeline, PipelineSchedule::gpipe, 1, opts_.model_parallel.virtual_stages, work, true);
-  return work.loss_sum(pipeline);
+  return work.loss_sums(pipeline)[0];
 }
 
 const char* step_skip_name(StepSkip skip) {

@@ -157,6 +157,54 @@ TEST_F(MainJob, ResumedRunIsBitIdenticalToAnUninterruptedOne) {
   EXPECT_EQ(read_latest(*dir_ / "whole")->filename(), "step_00000020");
 }
 
+TEST_F(MainJob, DistillsFromALoomCheckpointUnderEveryLayout) {
+  // A teacher that is the initialization: one step at learning rate 0.
+  train("teacher_init", {"train.steps=1", "train.lr=0", "train.min_lr=0"});
+  const std::string teacher = "distill.teacher=" + (*dir_ / "teacher_init").string();
+  // The student starts equal to it (same seed), whole or split over tp.
+  for (const std::string tp : {"1", "2"}) {
+    const auto same = train("distill_same_tp" + tp, {teacher, "distill.alpha=1", "parallel.tp=" + tp, "train.steps=1"});
+    ASSERT_EQ(same.size(), 1u);
+    EXPECT_NEAR(same[0].at("loss").get<double>(), 0.0, 1e-6) << "tp " << tp;
+    EXPECT_NEAR(same[0].at("loss_kl").get<double>(), 0.0, 1e-7) << "tp " << tp;
+    EXPECT_NEAR(same[0].at("loss_ce").get<double>(), std::log(512.0), 0.1) << "tp " << tp;
+  }
+  // Another seed's student learns from it alike on one rank and on two.
+  const std::initializer_list<std::string> other = {teacher, "train.seed=7", "train.steps=3", "distill.temperature=3"};
+  const auto single = train("distill_other", other);
+  Config c = config("distill_other_dp2");
+  for (const std::string& o : other) c.set_override(o);
+  c.set_override("parallel.dp=2");
+  run_training(c, quiet());
+  const auto dp2 = step_records(*dir_ / "distill_other_dp2" / "metrics.jsonl");
+  ASSERT_EQ(single.size(), 3u);
+  ASSERT_EQ(dp2.size(), 3u);
+  EXPECT_GT(single[0].at("loss_kl").get<double>(), 0.0);
+  for (size_t i = 0; i < single.size(); ++i)
+    EXPECT_NEAR(dp2[i].at("loss").get<double>(), single[i].at("loss").get<double>(),
+                1e-5 * single[i].at("loss").get<double>())
+        << "step " << i + 1;
+}
+
+TEST_F(MainJob, DistillationSettingsAreCheckedBeforeTheRun) {
+  Config c = config("distill_bad");
+  c.set_override("distill.teacher=hf:" LOOM_SOURCE_DIR "/tests/fixtures/hf/gpt2");
+  std::string e = error_of([&] { run_training(c, quiet()); });
+  EXPECT_CONTAINS(e, "distill.teacher");
+  EXPECT_CONTAINS(e, "96");
+  EXPECT_CONTAINS(e, "512");
+  c = config("distill_bad");
+  c.set_override("distill.teacher=" + (*dir_ / "no_such_run").string());
+  EXPECT_CONTAINS(error_of([&] { run_training(c, quiet()); }), "distill.teacher");
+  EXPECT_CONTAINS(error_of([&] { c.set_override("distill.alpha=1.5"); }), "distill.alpha");
+  train("distill_teacher_for_errors", {"train.steps=1"});
+  c = config("distill_bad");
+  c.set_override("distill.teacher=" + (*dir_ / "distill_teacher_for_errors").string());
+  c.set_override("distill.temperature=0");
+  EXPECT_CONTAINS(error_of([&] { run_training(c, quiet()); }), "distill.temperature");
+  EXPECT_FALSE(fs::exists(*dir_ / "distill_bad"));
+}
+
 TEST_F(MainJob, DataParallelZero1ReproducesTheSingleRankLosses) {
   // With dropout, so the masks must follow each sequence's place in the
   // global batch, not in a rank's slice.

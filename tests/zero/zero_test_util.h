@@ -49,6 +49,7 @@ struct DataParallelRun {
   std::function<void(Trainer&)> init;
   std::vector<std::string> freeze;  // TrainOptions::freeze
   LoRAConfig lora;                  // the model's adapters
+  std::optional<DistillOptions> distill;  // TrainOptions::distill
   bool uses_mesh() const { return mesh || tp > 1 || pp > 1; }
 };
 
@@ -121,6 +122,7 @@ inline TrainOptions small_options(const DataParallelRun& r) {
   o.memory = r.memory;
   o.memory.micro_batches = r.accumulation;
   o.freeze = r.freeze;
+  o.distill = r.distill;
   return o;
 }
 
