@@ -67,6 +67,11 @@ struct ParamParallel {
   bool tied_copy = false;
 };
 
+// What a parameter is to the model, for tools that treat one kind of
+// parameter alike wherever it sits (pruning takes the linear layers'
+// weights).
+enum class ParamRole : uint8_t { other, linear_weight };
+
 struct ParamSpec {
   std::string name;    // global name, e.g. "h.3.attn.c_attn.weight"
   Shape shape;         // this rank's shape (the global shape unless split)
@@ -79,6 +84,7 @@ struct ParamSpec {
   // A frozen parameter (false) is read but never updated: it has no
   // gradient and no optimizer state (FrozenParams).
   bool trainable = true;
+  ParamRole role = ParamRole::other;
   int64_t numel() const { return shape_numel(shape); }
   // The global index (into the whole tensor, row-major) of this rank's
   // element `local`, or -1 for a padding element; *run receives how many
@@ -101,6 +107,7 @@ class ParamLayout {
   // adds its base frozen and makes the adapters trainable).
   void set_trainable(int id, bool trainable) { params_.at(static_cast<size_t>(id)).trainable = trainable; }
   void set_added_trainable(bool trainable) { added_trainable_ = trainable; }
+  void set_role(int id, ParamRole role) { params_.at(static_cast<size_t>(id)).role = role; }
 
   const std::vector<ParamSpec>& params() const { return params_; }
   const ParamSpec& param(int id) const { return params_.at(static_cast<size_t>(id)); }

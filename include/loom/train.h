@@ -433,6 +433,13 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Trainer& traine
 CheckpointInfo read_checkpoint_info(const std::filesystem::path& dir);
 GPTConfig checkpoint_model_config(const CheckpointInfo& info);
 void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& params);
+// The manifest field of a pruned checkpoint (`loom prune`, prune.h):
+// {"method", "pattern", "sparsity", "source", "params": [the pruned
+// matrices' names]}.
+inline constexpr const char* kPruningField = "pruning";
+// The matrices a checkpoint's manifest says were pruned (none when it was
+// not); Error naming the checkpoint when the field is malformed.
+std::vector<std::string> pruned_params(const CheckpointInfo& info);
 // Resolves a checkpoint argument: a step directory, or a run directory whose
 // `latest` names one.
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
@@ -502,6 +509,20 @@ struct EvalResult {
 EvalResult evaluate(GPT& model, ParamStore& params, const std::vector<std::filesystem::path>& shards,
                     int64_t seq_len, int64_t micro_batch, double chars_per_token, int64_t max_batches = 0,
                     Communicator* dp = nullptr, const std::vector<std::filesystem::path>& masks = {});
+// What evaluating on a token shard takes from the dataset.json beside it
+// (nothing for a bare shard): the windows' length, chars per token and the
+// loss masks of fine-tuning data.
+struct EvalData {
+  std::filesystem::path shard;
+  int64_t seq_len = 0;
+  double chars_per_token = 0.0;  // 0: unknown
+  std::vector<std::filesystem::path> masks;
+};
+// `seq_len` 0: `block_size` (the model's context), or a fine-tuning
+// dataset's packing length. Error when the dataset was tokenized with
+// another tokenizer than the one of SHA-256 `tokenizer_sha256`.
+EvalData eval_data(const std::filesystem::path& shard, const std::string& tokenizer_sha256, int64_t seq_len,
+                   int64_t block_size);
 // The same through a Trainer's model, whatever its layout (Trainer::loss_sum):
 // each data-parallel replica evaluates its slice of the windows. Collective
 // over the Trainer's ranks (the whole mesh under a mesh).

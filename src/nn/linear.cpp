@@ -5,6 +5,17 @@
 
 namespace loom {
 
+namespace {
+thread_local const LinearInputHook* t_linear_input_hook = nullptr;
+}  // namespace
+
+ScopedLinearInputHook::ScopedLinearInputHook(LinearInputHook hook)
+    : hook_(std::move(hook)), previous_(t_linear_input_hook) {
+  t_linear_input_hook = &hook_;
+}
+
+ScopedLinearInputHook::~ScopedLinearInputHook() { t_linear_input_hook = previous_; }
+
 Linear::Linear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group, float init_std,
                const ParamParallel& weight, const ParamParallel& bias, bool has_bias, const LoRAConfig& lora)
     : Linear(layout, {LinearPart{name, out, weight, bias, 0, 0, lora}}, in, group, init_std, has_bias) {}
@@ -15,6 +26,7 @@ Linear::Linear(ParamLayout& layout, const std::vector<LinearPart>& parts, int64_
   for (const LinearPart& p : parts) {
     Part part;
     part.weight = layout.add(p.name + ".weight", {p.out, in}, ParamInit::normal_(init_std), true, group, p.weight);
+    layout.set_role(part.weight, ParamRole::linear_weight);
     if (has_bias)
       part.bias = layout.add(p.name + ".bias", {p.out}, ParamInit::constant(0.0f), false, group, p.bias);
     const int64_t local_rows = layout.param(part.weight).shape[0];
@@ -147,6 +159,11 @@ std::vector<Tensor> Linear::grad_pieces(const GradStore& gs, bool bias) const {
 
 void Linear::forward(const ParamStore& ps, float* out, const float* in, int64_t N, bool bias,
                      const AdapterDropout& drop) const {
+  if (t_linear_input_hook) {
+    std::vector<int> weights;
+    for (const Part& p : parts_) weights.push_back(p.weight);
+    (*t_linear_input_hook)(weights, in, N, in_);
+  }
   const Tensor w = stack(pieces(ps, false), out_, in_);
   const Tensor b = bias && has_bias_ ? stack(pieces(ps, true), out_, 1) : Tensor();
   ops::linear_forward(out, in, w.data<float>(), b.defined() ? b.data<float>() : nullptr, N, in_, out_);

@@ -493,6 +493,17 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
   return info;
 }
 
+std::vector<std::string> pruned_params(const CheckpointInfo& info) {
+  if (!info.fields.contains(kPruningField)) return {};
+  const nlohmann::json& pruning = info.fields.at(kPruningField);
+  try {
+    return pruning.at("params").get<std::vector<std::string>>();
+  } catch (const nlohmann::json::exception&) {
+    throw Error(str("manifest of checkpoint '", info.dir.string(), "' has a malformed '", kPruningField,
+                    "' (it needs \"params\": [names]): ", pruning.dump()));
+  }
+}
+
 fs::path resolve_checkpoint(const fs::path& path) {
   std::error_code ec;
   if (fs::exists(path / kManifestFile, ec)) return path;

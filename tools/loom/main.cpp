@@ -1,5 +1,6 @@
-// The `loom` command line: prepare, train, generate, serve, eval, export, calibrate, plan.
+// The `loom` command line: prepare, train, generate, serve, eval, export, prune, calibrate, plan.
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -12,6 +13,7 @@
 #include "loom/inference.h"
 #include "loom/io.h"
 #include "loom/planner.h"
+#include "loom/prune.h"
 #include "loom/train.h"
 #include "supervise.h"
 
@@ -55,6 +57,11 @@ struct LoadedModel {
     return Tokenizer::load(info->fields.at("tokenizer").get<std::string>());
   }
 };
+
+// The SHA-256 of `m`'s tokenizer (what data prepared for it records).
+std::string tokenizer_sha256(const LoadedModel& m) {
+  return m.info ? m.info->fields.value("tokenizer_sha256", std::string()) : sha256_file(m.tokenizer.path());
+}
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
   Config cfg(loom_schema());
@@ -182,6 +189,20 @@ int main(int argc, char** argv) {
                   "shard the weights above this size (an index lists the shards), e.g. 2GB")
       ->capture_default_str();
 
+  // prune
+  auto* prune = app.add_subcommand("prune", "zero the linear layers' smallest weights (docs/pruning.md)");
+  std::string prune_out, prune_method = "magnitude", prune_pattern = "unstructured", prune_data;
+  double prune_sparsity = 0.5;
+  int64_t prune_batches = 0;
+  prune->add_option("--checkpoint", ckpt, "checkpoint directory, a run directory (uses latest), or hf:DIR")->required();
+  prune->add_option("--method", prune_method, "magnitude (|W|) or wanda (|W| times its input's norm)")
+      ->capture_default_str();
+  prune->add_option("--sparsity", prune_sparsity, "share of each matrix's weights to zero")->capture_default_str();
+  prune->add_option("--pattern", prune_pattern, "unstructured or 2:4")->capture_default_str();
+  prune->add_option("--data", prune_data, "token shard: the loss before and after, and wanda's calibration");
+  prune->add_option("--batches", prune_batches, "with --data: at most this many batches of 8 (0: the whole shard)");
+  prune->add_option("--out", prune_out, "new run directory for the pruned checkpoint")->required();
+
   // calibrate
   auto* calibrate = app.add_subcommand(
       "calibrate", "measure this machine's GEMM, memory, collective (and NVMe) rates for the planner");
@@ -299,27 +320,11 @@ int main(int argc, char** argv) {
       std::printf("stopped\n");
     } else if (eval->parsed()) {
       LoadedModel m(ckpt);
-      const fs::path data(eval_data);
-      double chars_per_token = 0.0;
-      int64_t T = eval_seq > 0 ? eval_seq : m.model->config().block_size;
-      std::vector<fs::path> masks;
-      std::error_code ec;
-      if (fs::exists(data.parent_path() / "dataset.json", ec)) {
-        const DatasetInfo d = DatasetInfo::read(data.parent_path());
-        const std::string wanted =
-            m.info ? m.info->fields.value("tokenizer_sha256", std::string()) : sha256_file(m.tokenizer.path());
-        if (d.tokenizer_sha256 != wanted)
-          throw Error(str("'", eval_data, "' was tokenized with ", d.tokenizer.string(),
-                          ", not the checkpoint's tokenizer: evaluate on data prepared with the same tokenizer"));
-        const SplitInfo& split = fs::equivalent(data, d.val.file, ec) ? d.val : d.train;
-        chars_per_token = split.chars_per_token();
-        masks = split.masks();
-        // Packed rows are whole windows only at the packing's length.
-        if (eval_seq == 0 && d.mode == DatasetMode::sft) T = d.seq_len;
-      }
-      const EvalResult r = evaluate(*m.model, *m.params, {data}, T, eval_batch, chars_per_token, 0, nullptr, masks);
+      const EvalData d = loom::eval_data(eval_data, tokenizer_sha256(m), eval_seq, m.model->config().block_size);
+      const EvalResult r = evaluate(*m.model, *m.params, {d.shard}, d.seq_len, eval_batch, d.chars_per_token, 0,
+                                    nullptr, d.masks);
       std::printf("loss %.6f nats/token", r.loss_per_token);
-      if (chars_per_token > 0) std::printf(", %.6f nats/char", r.loss_per_char);
+      if (d.chars_per_token > 0) std::printf(", %.6f nats/char", r.loss_per_char);
       std::printf(" over %lld tokens\n", static_cast<long long>(r.tokens));
     } else if (exp->parsed()) {
       HFExportOptions eo;
@@ -340,6 +345,41 @@ int main(int argc, char** argv) {
                       fs::copy_options::overwrite_existing);
         std::printf("wrote %s (%s, %s)\n", export_out.c_str(), dtype_name(eo.dtype),
                     m.tokenizer.path().filename().string().c_str());
+      }
+    } else if (prune->parsed()) {
+      const PruneOptions po{parse_prune_method(prune_method), parse_sparsity_pattern(prune_pattern), prune_sparsity};
+      validate(po);
+      check_prune_output(prune_out);
+      LoadedModel m(ckpt);
+      std::optional<EvalData> d;
+      if (!prune_data.empty()) d = loom::eval_data(prune_data, tokenizer_sha256(m), 0, m.model->config().block_size);
+      auto loss = [&] {
+        return evaluate(*m.model, *m.params, {d->shard}, d->seq_len, 8, d->chars_per_token, prune_batches, nullptr,
+                        d->masks);
+      };
+      std::optional<WandaCalibration> calibration;
+      if (po.method == PruneMethod::wanda && d) calibration.emplace();
+      // Wanda calibrates on the windows the loss before pruning reads.
+      const EvalResult before = d ? loss() : EvalResult{};
+      const PruneReport r = prune_model(*m.model, *m.params, po, calibration ? &*calibration : nullptr);
+      calibration.reset();
+      const fs::path dir = write_pruned_checkpoint(
+          prune_out, *m.model, *m.params, po, r,
+          {ckpt, m.tokenizer.path(), tokenizer_sha256(m)});
+      int64_t pruned = 0, zeros = 0;
+      for (const PruneReport::Matrix& x : r.matrices) pruned += x.numel, zeros += x.zeros;
+      std::printf("%s: %zu matrices at %.2f%% sparsity (%s, %s); %lld of %lld parameters nonzero (%.2f%%), %.2f MB "
+                  "dense f32\n",
+                  dir.c_str(), r.matrices.size(), 100.0 * static_cast<double>(zeros) / static_cast<double>(pruned),
+                  prune_method_name(po.method), sparsity_pattern_name(po.pattern), static_cast<long long>(r.nonzeros),
+                  static_cast<long long>(r.numel), 100.0 * static_cast<double>(r.nonzeros) / static_cast<double>(r.numel),
+                  static_cast<double>(r.numel) * 4e-6);
+      if (d) {
+        const EvalResult after = loss();
+        std::printf("loss %.6f -> %.6f nats/token (%+.2f%%), perplexity %.3f -> %.3f over %lld tokens\n",
+                    before.loss_per_token, after.loss_per_token,
+                    100.0 * (after.loss_per_token / before.loss_per_token - 1.0), std::exp(before.loss_per_token),
+                    std::exp(after.loss_per_token), static_cast<long long>(after.tokens));
       }
     } else if (plan->parsed()) {
       plan_options.rates = {.rates = plan_rates, .hardware = plan_hardware};

@@ -1,0 +1,184 @@
+#include "loom/prune.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/device.h"
+#include "loom/train.h"
+
+namespace loom {
+
+namespace fs = std::filesystem;
+
+const char* prune_method_name(PruneMethod m) { return m == PruneMethod::wanda ? "wanda" : "magnitude"; }
+
+const char* sparsity_pattern_name(SparsityPattern p) {
+  return p == SparsityPattern::two_four ? "2:4" : "unstructured";
+}
+
+PruneMethod parse_prune_method(std::string_view name) {
+  for (PruneMethod m : {PruneMethod::magnitude, PruneMethod::wanda})
+    if (name == prune_method_name(m)) return m;
+  throw Error(str("--method ", name, ": choose magnitude or wanda"));
+}
+
+SparsityPattern parse_sparsity_pattern(std::string_view name) {
+  for (SparsityPattern p : {SparsityPattern::unstructured, SparsityPattern::two_four})
+    if (name == sparsity_pattern_name(p)) return p;
+  throw Error(str("--pattern ", name, ": choose unstructured or 2:4"));
+}
+
+void validate(const PruneOptions& o) {
+  if (!(o.sparsity > 0.0 && o.sparsity < 1.0))
+    throw Error(str("--sparsity ", o.sparsity,
+                    " is outside (0, 1): give the share of each matrix's weights to zero, e.g. 0.5"));
+  if (o.pattern == SparsityPattern::two_four && o.sparsity != 0.5)
+    throw Error(str("--sparsity ", o.sparsity, " with --pattern 2:4, which zeroes 2 of every 4 weights: give "
+                                               "--sparsity 0.5 or leave it out, or use --pattern unstructured"));
+}
+
+std::vector<int> prunable_params(const ParamLayout& layout) {
+  std::vector<int> ids;
+  for (size_t i = 0; i < layout.params().size(); ++i)
+    if (layout.params()[i].role == ParamRole::linear_weight) ids.push_back(static_cast<int>(i));
+  return ids;
+}
+
+namespace {
+
+// Zeroes the `k` lowest-scoring of the elements `idx` of `w` (ties: the lower
+// index first).
+void zero_lowest(float* w, std::vector<int64_t>& idx, const std::vector<double>& score, int64_t k) {
+  if (k <= 0) return;
+  const auto lower = [&](int64_t a, int64_t b) { return score[a] < score[b] || (score[a] == score[b] && a < b); };
+  std::nth_element(idx.begin(), idx.begin() + (k - 1), idx.end(), lower);
+  for (int64_t i = 0; i < k; ++i) w[idx[static_cast<size_t>(i)]] = 0.0f;
+}
+
+}  // namespace
+
+int64_t prune_matrix(float* w, int64_t rows, int64_t cols, const PruneOptions& o, std::span<const double> col_norms,
+                     std::string_view name) {
+  LOOM_CHECK(col_norms.empty() || static_cast<int64_t>(col_norms.size()) == cols, name, ": ", col_norms.size(),
+             " input norms for ", cols, " columns");
+  const int64_t n = rows * cols;
+  std::vector<double> score(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    score[static_cast<size_t>(i)] =
+        std::fabs(static_cast<double>(w[i])) * (col_norms.empty() ? 1.0 : col_norms[static_cast<size_t>(i % cols)]);
+  std::vector<int64_t> idx;
+  if (o.pattern == SparsityPattern::two_four) {
+    if (cols % 4 != 0)
+      throw Error(str("--pattern 2:4 groups 4 consecutive input weights, and ", name, " has ", cols,
+                      " inputs, not a multiple of 4: use --pattern unstructured"));
+    for (int64_t g = 0; g < n; g += 4) {
+      idx = {g, g + 1, g + 2, g + 3};
+      zero_lowest(w, idx, score, 2);
+    }
+  } else if (col_norms.empty()) {
+    idx.resize(static_cast<size_t>(n));
+    std::iota(idx.begin(), idx.end(), int64_t{0});
+    zero_lowest(w, idx, score, std::llround(o.sparsity * static_cast<double>(n)));
+  } else {
+    // Wanda compares weights within an output row; the first rows take one
+    // more when the total does not divide.
+    const int64_t k = std::llround(o.sparsity * static_cast<double>(n));
+    for (int64_t r = 0; r < rows; ++r) {
+      idx.resize(static_cast<size_t>(cols));
+      std::iota(idx.begin(), idx.end(), r * cols);
+      zero_lowest(w, idx, score, k / rows + (r < k % rows ? 1 : 0));
+    }
+  }
+  return std::count(w, w + n, 0.0f);
+}
+
+WandaCalibration::WandaCalibration()
+    : hook_([this](std::span<const int> weights, const float* in, int64_t N, int64_t in_features) {
+        // The input is read where the kernels wrote it.
+        const HostSection host;
+        std::vector<double> squares(static_cast<size_t>(in_features), 0.0);
+        for (int64_t t = 0; t < N; ++t)
+          for (int64_t j = 0; j < in_features; ++j) {
+            const double x = in[t * in_features + j];
+            squares[static_cast<size_t>(j)] += x * x;
+          }
+        for (int id : weights) {
+          Sums& s = sums_[id];
+          s.squares.resize(squares.size(), 0.0);
+          for (size_t j = 0; j < squares.size(); ++j) s.squares[j] += squares[j];
+          s.tokens += N;
+        }
+      }) {}
+
+int64_t WandaCalibration::tokens(int id) const {
+  const auto it = sums_.find(id);
+  return it == sums_.end() ? 0 : it->second.tokens;
+}
+
+std::vector<double> WandaCalibration::input_norms(int id) const {
+  const auto it = sums_.find(id);
+  LOOM_CHECK(it != sums_.end(), "Wanda's calibration saw no input of parameter ", id);
+  std::vector<double> norms = it->second.squares;
+  for (double& x : norms) x = std::sqrt(x);
+  return norms;
+}
+
+PruneReport prune_model(const GPT& model, ParamStore& params, const PruneOptions& o,
+                        const WandaCalibration* calibration) {
+  validate(o);
+  if (o.method == PruneMethod::wanda && !calibration)
+    throw Error("--method wanda scores weights by their inputs: give calibration data with --data SHARD");
+  const ParamLayout& layout = model.layout();
+  const HostSection host;
+  float* flat = params.flat().data<float>();
+  PruneReport report;
+  report.numel = layout.numel();
+  for (int id : prunable_params(layout)) {
+    const ParamSpec& p = layout.param(id);
+    if (o.method == PruneMethod::wanda && calibration->tokens(id) == 0)
+      throw Error(str("Wanda's calibration saw no input of ", p.name,
+                      ": run the model's forward over calibration data (--data) while it collects"));
+    const std::vector<double> norms = o.method == PruneMethod::wanda ? calibration->input_norms(id)
+                                                                     : std::vector<double>{};
+    const int64_t zeros = prune_matrix(flat + p.offset, p.shape[0], p.shape[1], o, norms, p.name);
+    report.matrices.push_back({p.name, p.numel(), zeros});
+  }
+  report.nonzeros = report.numel - std::count(flat, flat + layout.numel(), 0.0f);
+  return report;
+}
+
+void check_prune_output(const fs::path& out) {
+  std::error_code ec;
+  if (fs::exists(out, ec))
+    throw Error(str("--out '", out.string(), "' exists: loom prune writes a new run directory and never "
+                                             "replaces one; choose another path or remove it"));
+}
+
+fs::path write_pruned_checkpoint(const fs::path& out, const GPT& model, const ParamStore& params,
+                                 const PruneOptions& o, const PruneReport& report,
+                                 const PrunedCheckpointSource& source) {
+  check_prune_output(out);
+  // A run's own checkpoint writer, so the result is what training writes:
+  // a reference Trainer of the same model holding the pruned weights.
+  Trainer trainer(model.config(), TrainOptions{});
+  const Tensor flat = params.flat();
+  trainer.load_weights([&](const ParamLayout&, FlatRange r, float* dst) {
+    std::copy(flat.data<float>() + r.begin, flat.data<float>() + r.end, dst);
+  });
+  nlohmann::json matrices = nlohmann::json::array();
+  for (const PruneReport::Matrix& m : report.matrices) matrices.push_back(m.name);
+  const nlohmann::json fields = {{"tokenizer", source.tokenizer.string()},
+                                 {"tokenizer_sha256", source.tokenizer_sha256},
+                                 {kPruningField,
+                                  {{"method", prune_method_name(o.method)},
+                                   {"pattern", sparsity_pattern_name(o.pattern)},
+                                   {"sparsity", o.sparsity},
+                                   {"source", source.checkpoint},
+                                   {"params", matrices}}}};
+  return save_checkpoint(out, trainer, fields, 0);
+}
+
+}  // namespace loom
