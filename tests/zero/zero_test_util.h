@@ -48,6 +48,7 @@ struct DataParallelRun {
   std::optional<GPTConfig> model;
   std::function<void(Trainer&)> init;
   std::vector<std::string> freeze;  // TrainOptions::freeze
+  std::vector<std::string> keep_zeros;  // AdamWConfig::keep_zeros
   LoRAConfig lora;                  // the model's adapters
   bool uses_mesh() const { return mesh || tp > 1 || pp > 1; }
 };
@@ -121,6 +122,7 @@ inline TrainOptions small_options(const DataParallelRun& r) {
   o.memory = r.memory;
   o.memory.micro_batches = r.accumulation;
   o.freeze = r.freeze;
+  o.adamw.keep_zeros = r.keep_zeros;
   return o;
 }
 
