@@ -305,8 +305,12 @@ struct TrainPlan {
   // init.from = "hf:DIR": the run starts from DIR's weights (the model is
   // config.json's); empty: a fresh initialization.
   std::filesystem::path init_hf;
-  // The tokenizer beside it (hf_tokenizer_file), which then tokenizes the
-  // data; empty: the dataset's own.
+  // init.from = a loom checkpoint (a step directory): the run starts from
+  // its weights with a fresh optimizer state, and keeps the zeros of the
+  // matrices its manifest says were pruned (options.adamw.keep_zeros).
+  std::filesystem::path init_checkpoint;
+  // The tokenizer beside the HF checkpoint (hf_tokenizer_file) or the loom
+  // checkpoint's, which then tokenizes the data; empty: the dataset's own.
   std::filesystem::path init_tokenizer;
   int64_t dp = 1;                 // data-parallel ranks
   int64_t tp = 1;                 // tensor-parallel ranks
@@ -433,6 +437,11 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Trainer& traine
 CheckpointInfo read_checkpoint_info(const std::filesystem::path& dir);
 GPTConfig checkpoint_model_config(const CheckpointInfo& info);
 void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& params);
+// Collective: a checkpoint's weights into a Trainer of its model (any
+// layout; each rank reads only its pieces), with a fresh optimizer state.
+// A parameter the checkpoint lacks (an adapter added for fine-tuning) keeps
+// its fresh initialization from `seed`.
+void load_weights(const CheckpointInfo& info, Trainer& trainer, uint64_t seed);
 // The manifest field of a pruned checkpoint (`loom prune`, prune.h):
 // {"method", "pattern", "sparsity", "source", "params": [the pruned
 // matrices' names]}.

@@ -44,7 +44,8 @@ ConfigSchema build_loom_schema() {
 
   s.add_string("init.from", "",
                "initial weights: empty = a fresh initialization; \"hf:DIR\" = the Hugging Face checkpoint in DIR "
-               "(its config.json fixes the model, a tokenizer beside it tokenizes the data)");
+               "(its config.json fixes the model, a tokenizer beside it tokenizes the data); a loom checkpoint "
+               "directory or run directory = its weights, model and tokenizer (a pruned one keeps its zeros)");
 
   s.add_int("lora.r", 0, "LoRA adapter rank; 0 = no adapters (the whole model trains)", 0, kMaxDim);
   s.add_float("lora.alpha", 8.0, "LoRA scale numerator: adapters add (alpha / r) x A^T B^T", 0.0);
