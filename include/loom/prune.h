@@ -8,6 +8,7 @@
 #pragma once
 
 #include <filesystem>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -19,7 +20,9 @@
 
 namespace loom {
 
-enum class PruneMethod : uint8_t { magnitude, wanda };
+// magnitude and wanda zero single weights; channels removes MLP
+// intermediate channels, giving a smaller dense model.
+enum class PruneMethod : uint8_t { magnitude, wanda, channels };
 // unstructured: any elements; two_four: 2 of every 4 consecutive weights
 // along the input dimension.
 enum class SparsityPattern : uint8_t { unstructured, two_four };
@@ -87,6 +90,35 @@ struct PruneReport {
 PruneReport prune_model(const GPT& model, ParamStore& params, const PruneOptions& options,
                         const WandaCalibration* calibration = nullptr);
 
+// Structured pruning of the MLPs: every layer keeps the same number of its
+// intermediate channels, so the result is an ordinary GPTConfig with a
+// smaller intermediate_size. A channel's importance is the product, over
+// the layer's matrices that have a row or column per channel (c_fc's row and
+// c_proj's column; SwiGLU's gate and up rows and down column), of the L2
+// norm of its row or column; each layer drops its round(sparsity * I)
+// least important (ties: the higher index). The matrices are found by data:
+// the parameters whose shape changes with intermediate_size.
+struct ChannelPruning {
+  GPTConfig config;                        // the smaller model
+  std::vector<std::vector<int64_t>> kept;  // per layer, the channels kept, ascending
+};
+// Error naming --sparsity when it is outside (0, 1) or leaves no channel.
+ChannelPruning choose_channels(const GPT& model, const ParamStore& params, double sparsity);
+// The smaller model's weights (`to` is of pruning.config): every parameter
+// of `from`, each channel dimension gathered at the kept channels.
+void copy_kept_channels(const GPT& from, const ParamStore& src, const ChannelPruning& pruning, const GPT& to,
+                        ParamStore& dst);
+
+// choose_channels and copy_kept_channels in one: the smaller model, its
+// weights and their report (no matrix pruned: the model is dense).
+struct SmallerModel {
+  ChannelPruning pruning;
+  std::unique_ptr<GPT> model;
+  std::unique_ptr<ParamStore> params;
+  PruneReport report;
+};
+SmallerModel remove_channels(const GPT& model, const ParamStore& params, double sparsity);
+
 // Where the pruned model comes from, for its manifest.
 struct PrunedCheckpointSource {
   std::string checkpoint;  // as given
@@ -96,7 +128,8 @@ struct PrunedCheckpointSource {
 // Writes the pruned model as the step-0 checkpoint of a new run directory
 // `out` (out/step_00000000 and out/latest, fresh optimizer state), its
 // manifest's "pruning" naming the method, pattern, sparsity and the pruned
-// matrices. Error when `out` exists: it is never overwritten.
+// matrices (none after channels: the smaller model is dense). Error when
+// `out` exists: it is never overwritten.
 std::filesystem::path write_pruned_checkpoint(const std::filesystem::path& out, const GPT& model,
                                               const ParamStore& params, const PruneOptions& options,
                                               const PruneReport& report, const PrunedCheckpointSource& source);

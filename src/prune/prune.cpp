@@ -13,16 +13,23 @@ namespace loom {
 
 namespace fs = std::filesystem;
 
-const char* prune_method_name(PruneMethod m) { return m == PruneMethod::wanda ? "wanda" : "magnitude"; }
+const char* prune_method_name(PruneMethod m) {
+  switch (m) {
+    case PruneMethod::magnitude: return "magnitude";
+    case PruneMethod::wanda: return "wanda";
+    case PruneMethod::channels: return "channels";
+  }
+  return "?";
+}
 
 const char* sparsity_pattern_name(SparsityPattern p) {
   return p == SparsityPattern::two_four ? "2:4" : "unstructured";
 }
 
 PruneMethod parse_prune_method(std::string_view name) {
-  for (PruneMethod m : {PruneMethod::magnitude, PruneMethod::wanda})
+  for (PruneMethod m : {PruneMethod::magnitude, PruneMethod::wanda, PruneMethod::channels})
     if (name == prune_method_name(m)) return m;
-  throw Error(str("--method ", name, ": choose magnitude or wanda"));
+  throw Error(str("--method ", name, ": choose magnitude, wanda or channels"));
 }
 
 SparsityPattern parse_sparsity_pattern(std::string_view name) {
@@ -35,6 +42,9 @@ void validate(const PruneOptions& o) {
   if (!(o.sparsity > 0.0 && o.sparsity < 1.0))
     throw Error(str("--sparsity ", o.sparsity,
                     " is outside (0, 1): give the share of each matrix's weights to zero, e.g. 0.5"));
+  if (o.pattern == SparsityPattern::two_four && o.method == PruneMethod::channels)
+    throw Error("--pattern 2:4 zeroes single weights, and --method channels removes whole channels: leave "
+                "--pattern out, or use --method magnitude or wanda");
   if (o.pattern == SparsityPattern::two_four && o.sparsity != 0.5)
     throw Error(str("--sparsity ", o.sparsity, " with --pattern 2:4, which zeroes 2 of every 4 weights: give "
                                                "--sparsity 0.5 or leave it out, or use --pattern unstructured"));
@@ -129,6 +139,7 @@ std::vector<double> WandaCalibration::input_norms(int id) const {
 PruneReport prune_model(const GPT& model, ParamStore& params, const PruneOptions& o,
                         const WandaCalibration* calibration) {
   validate(o);
+  LOOM_CHECK(o.method != PruneMethod::channels, "channels are pruned by choose_channels");
   if (o.method == PruneMethod::wanda && !calibration)
     throw Error("--method wanda scores weights by their inputs: give calibration data with --data SHARD");
   const ParamLayout& layout = model.layout();
@@ -148,6 +159,110 @@ PruneReport prune_model(const GPT& model, ParamStore& params, const PruneOptions
   }
   report.nonzeros = report.numel - std::count(flat, flat + layout.numel(), 0.0f);
   return report;
+}
+
+namespace {
+
+// The layer whose block is group `group` of `model`.
+int64_t layer_of_group(const GPT& model, int group) {
+  for (int l = 0; l < model.config().n_layer; ++l)
+    if (model.block_group(l) == group) return l;
+  LOOM_CHECK(false, "group ", group, " is no block's");
+  return -1;
+}
+
+// The dimension in which `to`'s parameter of p's name is smaller than p (the
+// channel dimension), or -1 when it is the same shape.
+int channel_dim(const ParamSpec& p, const GPT& to) {
+  const int id = to.layout().find(p.name);
+  LOOM_CHECK(id >= 0, p.name, " is missing from the pruned model");
+  const Shape& q = to.layout().param(id).shape;
+  LOOM_CHECK(q.size() == p.shape.size(), p.name, " changes rank");
+  for (size_t d = 0; d < q.size(); ++d)
+    if (q[d] != p.shape[d]) return static_cast<int>(d);
+  return -1;
+}
+
+}  // namespace
+
+ChannelPruning choose_channels(const GPT& model, const ParamStore& params, double sparsity) {
+  validate(PruneOptions{.method = PruneMethod::channels, .sparsity = sparsity});
+  const int64_t I = model.config().intermediate();
+  const int64_t keep = I - std::llround(sparsity * static_cast<double>(I));
+  if (keep < 1)
+    throw Error(str("--sparsity ", sparsity, " removes all ", I, " MLP channels of each layer: give a smaller one"));
+  ChannelPruning pruning;
+  pruning.config = model.config();
+  pruning.config.intermediate_size = keep;
+  pruning.config.validate();
+  const GPT to(pruning.config);
+  const HostSection host;
+  const float* flat = params.flat().data<float>();
+  std::vector<std::vector<double>> importance(static_cast<size_t>(model.config().n_layer),
+                                              std::vector<double>(static_cast<size_t>(I), 1.0));
+  for (const ParamSpec& p : model.layout().params()) {
+    const int d = channel_dim(p, to);
+    if (d < 0 || p.shape.size() != 2) continue;
+    std::vector<double>& layer = importance[static_cast<size_t>(layer_of_group(model, p.group))];
+    const int64_t rows = p.shape[0], cols = p.shape[1];
+    std::vector<double> squares(static_cast<size_t>(I), 0.0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const double w = flat[p.offset + r * cols + c];
+        squares[static_cast<size_t>(d == 0 ? r : c)] += w * w;
+      }
+    for (size_t ch = 0; ch < squares.size(); ++ch) layer[ch] *= std::sqrt(squares[ch]);
+  }
+  for (const std::vector<double>& layer : importance) {
+    std::vector<int64_t> order(static_cast<size_t>(I));
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return layer[static_cast<size_t>(a)] > layer[static_cast<size_t>(b)];
+    });
+    order.resize(static_cast<size_t>(keep));
+    std::sort(order.begin(), order.end());
+    pruning.kept.push_back(std::move(order));
+  }
+  return pruning;
+}
+
+void copy_kept_channels(const GPT& from, const ParamStore& src, const ChannelPruning& pruning, const GPT& to,
+                        ParamStore& dst) {
+  LOOM_CHECK(to.config() == pruning.config, "the pruned model is not of the pruning's config");
+  const HostSection host;
+  const float* in = src.flat().data<float>();
+  float* out = dst.flat().data<float>();
+  for (const ParamSpec& p : from.layout().params()) {
+    const ParamSpec& q = to.layout().param(to.layout().find(p.name));
+    const int d = channel_dim(p, to);
+    if (d < 0) {
+      std::copy(in + p.offset, in + p.offset + p.numel(), out + q.offset);
+      continue;
+    }
+    // [outer, channels, inner] with the channels at dimension d.
+    int64_t outer = 1, inner = 1;
+    for (int k = 0; k < d; ++k) outer *= p.shape[static_cast<size_t>(k)];
+    for (size_t k = static_cast<size_t>(d) + 1; k < p.shape.size(); ++k) inner *= p.shape[k];
+    const std::vector<int64_t>& kept = pruning.kept[static_cast<size_t>(layer_of_group(from, p.group))];
+    const int64_t channels = p.shape[static_cast<size_t>(d)], left = static_cast<int64_t>(kept.size());
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t k = 0; k < left; ++k)
+        std::copy_n(in + p.offset + (o * channels + kept[static_cast<size_t>(k)]) * inner, inner,
+                    out + q.offset + (o * left + k) * inner);
+  }
+}
+
+SmallerModel remove_channels(const GPT& model, const ParamStore& params, double sparsity) {
+  SmallerModel s;
+  s.pruning = choose_channels(model, params, sparsity);
+  s.model = std::make_unique<GPT>(s.pruning.config);
+  s.params = std::make_unique<ParamStore>(s.model->layout(), 0);
+  copy_kept_channels(model, params, s.pruning, *s.model, *s.params);
+  const HostSection host;
+  const float* flat = s.params->flat().data<float>();
+  s.report.numel = s.model->layout().numel();
+  s.report.nonzeros = s.report.numel - std::count(flat, flat + s.report.numel, 0.0f);
+  return s;
 }
 
 void check_prune_output(const fs::path& out) {

@@ -26,6 +26,18 @@ GPTConfig small_model() {
   return c;
 }
 
+GPTConfig llama_model() {
+  GPTConfig c = small_model();
+  const GPTConfig tiny = GPTConfig::preset("llama-tiny");
+  c.norm = tiny.norm;
+  c.positions = tiny.positions;
+  c.mlp = tiny.mlp;
+  c.packed_qkv = false;
+  c.tied_embeddings = c.attention_bias = c.mlp_bias = false;
+  c.intermediate_size = 72;
+  return c;
+}
+
 std::vector<float> values(const ParamStore& ps) {
   const Tensor f = ps.flat();
   return {f.data<float>(), f.data<float>() + f.numel()};
@@ -45,15 +57,7 @@ void calibrate(const GPT& model, const ParamStore& ps) {
 
 TEST(Prune, PrunableParamsAreTheLinearLayersWeights) {
   for (bool llama : {false, true}) {
-    GPTConfig c = small_model();
-    if (llama) {
-      const GPTConfig tiny = GPTConfig::preset("llama-tiny");
-      c.norm = tiny.norm;
-      c.positions = tiny.positions;
-      c.mlp = tiny.mlp;
-      c.packed_qkv = false;
-      c.tied_embeddings = false;
-    }
+    const GPTConfig c = llama ? llama_model() : small_model();
     GPT model(c);
     const std::vector<int> ids = prunable_params(model.layout());
     // GPT-2: c_attn, attn.c_proj, c_fc, mlp.c_proj; LLaMA: q, k, v, o, gate, up, down.
@@ -218,6 +222,80 @@ TEST(Prune, CalibrationHoldsTheL2NormOfEachInputFeature) {
   EXPECT_EQ(later.tokens(layout.find("q.weight")), 0);
 }
 
+// The logits of a forward over fixed random tokens.
+std::vector<float> logits(const GPT& model, ParamStore& ps) {
+  const std::vector<int32_t> tokens = testing::random_tokens(2 * 16 + 1, model.config().vocab_size, 11);
+  ForwardOptions fo;
+  fo.training = false;
+  MicroBatchState s;
+  model.forward(ps, s, tokens.data(), tokens.data() + 1, {2, 16}, fo);
+  const Tensor l = s.logits.clone(Tier::host);
+  return {l.data<float>(), l.data<float>() + l.numel()};
+}
+
+TEST(Prune, ChannelsGiveASmallerDenseModelWithTheMaskedOriginalsLogits) {
+  for (const GPTConfig& c : {small_model(), llama_model()}) {
+    GPT model(c);
+    ParamStore ps(model.layout(), 5);
+    const int64_t I = c.intermediate(), keep = I - std::llround(0.25 * static_cast<double>(I));
+    const SmallerModel smaller = remove_channels(model, ps, 0.25);
+    EXPECT_EQ(smaller.model->config().intermediate_size, keep);
+    EXPECT_EQ(smaller.report.numel, smaller.model->layout().numel());
+    ASSERT_EQ(smaller.pruning.kept.size(), static_cast<size_t>(c.n_layer));
+    for (const std::vector<int64_t>& kept : smaller.pruning.kept) {
+      ASSERT_EQ(static_cast<int64_t>(kept.size()), keep);
+      EXPECT_TRUE(std::is_sorted(kept.begin(), kept.end()) && std::adjacent_find(kept.begin(), kept.end()) == kept.end());
+    }
+    // The original with the removed channels zeroed: every parameter that
+    // has a row or column per channel (the shapes the two models differ in)
+    // loses the removed ones.
+    const HostSection host;
+    float* w = ps.flat().data<float>();
+    int masked = 0;
+    for (const ParamSpec& p : model.layout().params()) {
+      const Shape& q = smaller.model->layout().param(smaller.model->layout().find(p.name)).shape;
+      if (q == p.shape) continue;
+      ++masked;
+      const int64_t layer = std::stoll(p.name.substr(2, p.name.find('.', 2) - 2));
+      const std::vector<int64_t>& kept = smaller.pruning.kept[static_cast<size_t>(layer)];
+      const int64_t cols = p.shape.size() == 2 ? p.shape[1] : 1;
+      const bool rows_are_channels = p.shape[0] == I && q[0] == keep;
+      for (int64_t i = 0; i < p.numel(); ++i) {
+        const int64_t channel = rows_are_channels ? i / cols : i % cols;
+        if (!std::binary_search(kept.begin(), kept.end(), channel)) w[p.offset + i] = 0.0f;
+      }
+    }
+    // GPT-2: c_fc weight and bias, c_proj; LLaMA: gate, up, down.
+    EXPECT_EQ(masked, static_cast<int>(c.n_layer) * 3);
+    const std::vector<float> masked_logits = logits(model, ps), smaller_logits = logits(*smaller.model, *smaller.params);
+    ASSERT_EQ(masked_logits.size(), smaller_logits.size());
+    float scale = 0.0f, diff = 0.0f;
+    for (size_t i = 0; i < masked_logits.size(); ++i) {
+      scale = std::max(scale, std::fabs(masked_logits[i]));
+      diff = std::max(diff, std::fabs(masked_logits[i] - smaller_logits[i]));
+    }
+    EXPECT_LE(diff, 1e-5f * scale) << "llama " << (c.mlp == MlpKind::swiglu);
+  }
+}
+
+TEST(Prune, ChannelsDropTheLeastImportantFirst) {
+  GPT model(small_model());
+  ParamStore ps(model.layout(), 5);
+  const int64_t I = model.config().intermediate();
+  {
+    // Channel 5 of layer 1 writes nothing (its c_proj column is zero).
+    const HostSection host;
+    const ParamSpec& proj = model.layout().param(model.layout().find("h.1.mlp.c_proj.weight"));
+    for (int64_t r = 0; r < proj.shape[0]; ++r) ps.flat().data<float>()[proj.offset + r * I + 5] = 0.0f;
+  }
+  const ChannelPruning p = choose_channels(model, ps, 1.0 / static_cast<double>(I));
+  EXPECT_FALSE(std::binary_search(p.kept[1].begin(), p.kept[1].end(), int64_t{5}));
+  EXPECT_TRUE(std::binary_search(p.kept[0].begin(), p.kept[0].end(), int64_t{5}));
+  EXPECT_CONTAINS(error_of([&] { choose_channels(model, ps, 0.9999); }), "removes all");
+  EXPECT_CONTAINS(error_of([] { validate({.method = PruneMethod::channels, .pattern = SparsityPattern::two_four}); }),
+                  "--method channels");
+}
+
 TEST(Prune, BadInputsAreErrorsNamingTheFix) {
   for (double s : {0.0, 1.0, -0.5, 1.5, std::nan("")})
     EXPECT_CONTAINS(error_of([&] { validate(PruneOptions{.sparsity = s}); }), "outside (0, 1)");
@@ -228,7 +306,7 @@ TEST(Prune, BadInputsAreErrorsNamingTheFix) {
       [&] { prune_matrix(w.data(), 2, 6, {.pattern = SparsityPattern::two_four}, {}, "h.0.attn.c_proj.weight"); });
   EXPECT_CONTAINS(odd, "h.0.attn.c_proj.weight has 6 inputs");
   EXPECT_CONTAINS(odd, "--pattern unstructured");
-  EXPECT_CONTAINS(error_of([] { parse_prune_method("random"); }), "magnitude or wanda");
+  EXPECT_CONTAINS(error_of([] { parse_prune_method("random"); }), "magnitude, wanda or channels");
   EXPECT_CONTAINS(error_of([] { parse_sparsity_pattern("4:8"); }), "unstructured or 2:4");
   EXPECT_EQ(parse_sparsity_pattern("2:4"), SparsityPattern::two_four);
   GPT model(small_model());

@@ -195,9 +195,11 @@ int main(int argc, char** argv) {
   double prune_sparsity = 0.5;
   int64_t prune_batches = 0;
   prune->add_option("--checkpoint", ckpt, "checkpoint directory, a run directory (uses latest), or hf:DIR")->required();
-  prune->add_option("--method", prune_method, "magnitude (|W|) or wanda (|W| times its input's norm)")
+  prune->add_option("--method", prune_method,
+                    "magnitude (|W|), wanda (|W| times its input's norm) or channels (MLP channels, a smaller model)")
       ->capture_default_str();
-  prune->add_option("--sparsity", prune_sparsity, "share of each matrix's weights to zero")->capture_default_str();
+  prune->add_option("--sparsity", prune_sparsity, "share of each matrix's weights (channels: of each MLP's) to remove")
+      ->capture_default_str();
   prune->add_option("--pattern", prune_pattern, "unstructured or 2:4")->capture_default_str();
   prune->add_option("--data", prune_data, "token shard: the loss before and after, and wanda's calibration");
   prune->add_option("--batches", prune_batches, "with --data: at most this many batches of 8 (0: the whole shard)");
@@ -361,18 +363,30 @@ int main(int argc, char** argv) {
       if (po.method == PruneMethod::wanda && d) calibration.emplace();
       // Wanda calibrates on the windows the loss before pruning reads.
       const EvalResult before = d ? loss() : EvalResult{};
-      const PruneReport r = prune_model(*m.model, *m.params, po, calibration ? &*calibration : nullptr);
+      const int64_t intermediate = m.model->config().intermediate();
+      PruneReport r;
+      if (po.method == PruneMethod::channels) {
+        SmallerModel smaller = remove_channels(*m.model, *m.params, po.sparsity);
+        r = smaller.report;
+        m.params = std::move(smaller.params);
+        m.model = std::move(smaller.model);
+      } else {
+        r = prune_model(*m.model, *m.params, po, calibration ? &*calibration : nullptr);
+      }
       calibration.reset();
       const fs::path dir = write_pruned_checkpoint(
           prune_out, *m.model, *m.params, po, r,
           {ckpt, m.tokenizer.path(), tokenizer_sha256(m)});
       int64_t pruned = 0, zeros = 0;
       for (const PruneReport::Matrix& x : r.matrices) pruned += x.numel, zeros += x.zeros;
-      std::printf("%s: %zu matrices at %.2f%% sparsity (%s, %s); %lld of %lld parameters nonzero (%.2f%%), %.2f MB "
-                  "dense f32\n",
-                  dir.c_str(), r.matrices.size(), 100.0 * static_cast<double>(zeros) / static_cast<double>(pruned),
-                  prune_method_name(po.method), sparsity_pattern_name(po.pattern), static_cast<long long>(r.nonzeros),
-                  static_cast<long long>(r.numel), 100.0 * static_cast<double>(r.nonzeros) / static_cast<double>(r.numel),
+      const std::string what =
+          po.method == PruneMethod::channels
+              ? str("MLP channels ", intermediate, " -> ", m.model->config().intermediate(), " per layer")
+              : str(r.matrices.size(), " matrices at ", 100.0 * static_cast<double>(zeros) / static_cast<double>(pruned),
+                    "% sparsity (", prune_method_name(po.method), ", ", sparsity_pattern_name(po.pattern), ")");
+      std::printf("%s: %s; %lld of %lld parameters nonzero (%.2f%%), %.2f MB dense f32\n", dir.c_str(), what.c_str(),
+                  static_cast<long long>(r.nonzeros), static_cast<long long>(r.numel),
+                  100.0 * static_cast<double>(r.nonzeros) / static_cast<double>(r.numel),
                   static_cast<double>(r.numel) * 4e-6);
       if (d) {
         const EvalResult after = loss();
