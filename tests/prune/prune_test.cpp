@@ -9,32 +9,19 @@
 #include "loom/prune.h"
 #include "loom/train.h"
 #include "test_util.h"
+#include "zero/zero_test_util.h"
 
 namespace loom {
 namespace {
 
 using testing::error_of;
 
-GPTConfig small_model() {
-  GPTConfig c;
-  c.n_layer = 2;
-  c.n_head = 2;
-  c.n_embd = 32;
-  c.vocab_size = 61;
-  c.block_size = 16;
-  c.dropout = 0.0f;
-  return c;
-}
+GPTConfig small_model() { return testing::small_gpt(0.0f); }
 
+// LLaMA's variants: RMSNorm, RoPE, SwiGLU, q, k, v apart, no biases.
 GPTConfig llama_model() {
   GPTConfig c = small_model();
-  const GPTConfig tiny = GPTConfig::preset("llama-tiny");
-  c.norm = tiny.norm;
-  c.positions = tiny.positions;
-  c.mlp = tiny.mlp;
-  c.packed_qkv = false;
-  c.tied_embeddings = c.attention_bias = c.mlp_bias = false;
-  c.intermediate_size = 72;
+  testing::llama_variant(2)(c);
   return c;
 }
 

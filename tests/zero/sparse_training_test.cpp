@@ -1,7 +1,7 @@
 // Fine-tuning a pruned model keeps its masks (AdamWConfig::keep_zeros) under
 // every layout: the pruned weights stay exactly zero through 20 steps with
-// ZeRO-2 and 3 over dp 2, tensor parallelism over 2 ranks (with ZeRO-1 over
-// dp 2) and chunk placement with offloaded optimizer state, and
+// ZeRO 0-3 over dp 2, tensor parallelism over 2 ranks (alone and with ZeRO-1
+// over dp 2) and chunk placement with offloaded optimizer state, and
 // each run matches the single-rank masked run.
 #include <gtest/gtest.h>
 
@@ -76,10 +76,7 @@ TEST(SparseTraining, TheReferenceKeepsThePrunedWeightsZeroAndTrainsTheRest) {
   EXPECT_LT(zeros_kept(free), pruned / 100);
 }
 
-struct Case {
-  std::string name;
-  DataParallelRun run;
-};
+using Case = testing::NamedLayout;
 
 class SparseLayouts : public ::testing::TestWithParam<Case> {};
 
@@ -93,19 +90,10 @@ TEST_P(SparseLayouts, KeepTheMasksAndMatchTheMaskedReference) {
 }
 
 std::vector<Case> cases() {
-  std::vector<Case> v{{"dp2_zero3", testing::layout(2, 3)}};
-  DataParallelRun tp = testing::layout(1, 0);
-  tp.tp = 2;
-  v.push_back({"tp2", tp});
+  std::vector<Case> v = testing::store_family_layouts();
   DataParallelRun dp_tp = testing::layout(2, 1);
   dp_tp.tp = 2;
   v.push_back({"dp2_tp2_zero1", dp_tp});
-  v.push_back({"dp2_zero2", testing::layout(2, 2)});
-  DataParallelRun chunks = testing::layout(2, 3);
-  chunks.memory.policy = MemoryPolicy::fixed;
-  chunks.memory.offload_param_frac = 0.5;
-  chunks.memory.offload_optim_frac = 1.0;
-  v.push_back({"dp2_chunks_offloaded", chunks});
   return v;
 }
 
