@@ -80,7 +80,7 @@ class ScopedTerminationHandler {
 // Data types
 // ---------------------------------------------------------------------------
 
-enum class DType : uint8_t { f32, bf16, f16, i32, i64, u8, f64 };
+enum class DType : uint8_t { f32, bf16, f16, i32, i64, u8, f64, i8 };
 
 size_t dtype_size(DType dt);
 const char* dtype_name(DType dt);
@@ -386,6 +386,7 @@ constexpr int Tensor::type_tag() {
   else if constexpr (std::is_same_v<T, int64_t>) return 3;
   else if constexpr (std::is_same_v<T, uint8_t>) return 4;
   else if constexpr (std::is_same_v<T, double>) return 5;
+  else if constexpr (std::is_same_v<T, int8_t>) return 6;
   else return -1;
 }
 

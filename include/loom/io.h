@@ -59,7 +59,7 @@ std::string sha256_file(const std::filesystem::path& path);
 // "__metadata__": {str: str}}, then the data section; offsets are relative to
 // the data section and tile it exactly.
 
-// "F32", "BF16", "F16", "I32", "I64", "U8".
+// "F32", "BF16", "F16", "I32", "I64", "U8", "I8".
 const char* safetensors_dtype_name(DType dt);
 // The inverse; throws Error for other tags (F64, BOOL, ...) naming what loom reads.
 DType parse_safetensors_dtype(std::string_view tag);

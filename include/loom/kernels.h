@@ -78,6 +78,34 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
 void add_bias(float* out, const float* bias, int64_t N, int64_t OC);
 
 // ---------------------------------------------------------------------------
+// Weight-only quantized linear (inference): out[N, :OC] (rows ldo apart) =
+// inp[N,C] @ W^T + bias[OC], W [OC,C] dequantized in registers, each output
+// a dot product in a fixed order: a row of out depends on its own input row
+// alone, whatever N and the thread count (no RowBlocking needed).
+// Formats (what quantize_int8/int4 of quant.h write):
+// - int8: w[o,c] = scale[o] * q[o,c], q int8 in [-127, 127].
+// - int4: `group` input columns share a scale and a zero point (group a
+//   power of two, at least kInt4Block, dividing C): w[o,c] = scale[o,g] * (q[o,c] -
+//   zero[o,g]) with g = c / group, q and zero in [0, 15]. Row o packs q in
+//   C/2 bytes: in each block of kInt4Block columns from column b, byte
+//   b/2 + j holds column b + j in its low nibble and column b + 16 + j in its
+//   high nibble, so one 16-byte load gives 32 consecutive columns.
+// Dequantization computes (float)(q - zero) * scale, so dequantize_* and the
+// linear kernels see bit-identical weights.
+// ---------------------------------------------------------------------------
+
+inline constexpr int64_t kInt4Block = 32;
+
+void linear_forward_int8(float* out, int64_t ldo, const float* inp, const int8_t* w, const float* scale,
+                         const float* bias, int64_t N, int64_t C, int64_t OC);
+void linear_forward_int4(float* out, int64_t ldo, const float* inp, const uint8_t* w, const float* scale,
+                         const uint8_t* zero, const float* bias, int64_t N, int64_t C, int64_t OC, int64_t group);
+// out[OC,C] = W dequantized.
+void dequantize_int8(float* out, const int8_t* w, const float* scale, int64_t OC, int64_t C);
+void dequantize_int4(float* out, const uint8_t* w, const float* scale, const uint8_t* zero, int64_t OC, int64_t C,
+                     int64_t group);
+
+// ---------------------------------------------------------------------------
 // Embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[pos0 + t,:].
 // Token ids must already be validated to lie in [0, V).
 // backward: dwte[token] += dout, dwpe[pos0 + t] += dout (either may be null).

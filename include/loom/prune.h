@@ -1,5 +1,5 @@
 // loom prune: weight pruning of a trained model (docs/pruning.md). The
-// linear layers' weights (ParamRole::linear_weight) lose their lowest-scoring
+// linear layers' weights (ParamSpec::linear_weight) lose their lowest-scoring
 // elements, by magnitude |W_ij| or by Wanda's |W_ij| * ||X_j||_2 (Sun et al.
 // 2023: X_j the layer's input feature j over calibration tokens), at a given
 // sparsity or in NVIDIA's 2:4 pattern; the result is an ordinary checkpoint

@@ -19,6 +19,8 @@
 
 namespace loom {
 
+struct QuantizedWeight;  // quant.h
+
 // How a parameter's initial values are drawn. Every element's value is a pure
 // function of (seed, parameter name, element index), so any shard of any
 // layout initializes itself without materializing the whole tensor.
@@ -67,11 +69,6 @@ struct ParamParallel {
   bool tied_copy = false;
 };
 
-// What a parameter is to the model, for tools that treat one kind of
-// parameter alike wherever it sits (pruning takes the linear layers'
-// weights).
-enum class ParamRole : uint8_t { other, linear_weight };
-
 struct ParamSpec {
   std::string name;    // global name, e.g. "h.3.attn.c_attn.weight"
   Shape shape;         // this rank's shape (the global shape unless split)
@@ -84,7 +81,10 @@ struct ParamSpec {
   // A frozen parameter (false) is read but never updated: it has no
   // gradient and no optimizer state (FrozenParams).
   bool trainable = true;
-  ParamRole role = ParamRole::other;
+  // The [out, in] weight of a Linear layer (y = x W^T), the tensors that
+  // weight-only quantization converts and pruning zeroes; embeddings, norms
+  // and biases are not.
+  bool linear_weight = false;
   int64_t numel() const { return shape_numel(shape); }
   // The global index (into the whole tensor, row-major) of this rank's
   // element `local`, or -1 for a padding element; *run receives how many
@@ -107,7 +107,7 @@ class ParamLayout {
   // adds its base frozen and makes the adapters trainable).
   void set_trainable(int id, bool trainable) { params_.at(static_cast<size_t>(id)).trainable = trainable; }
   void set_added_trainable(bool trainable) { added_trainable_ = trainable; }
-  void set_role(int id, ParamRole role) { params_.at(static_cast<size_t>(id)).role = role; }
+  void set_linear_weight(int id) { params_.at(static_cast<size_t>(id)).linear_weight = true; }
 
   const std::vector<ParamSpec>& params() const { return params_; }
   const ParamSpec& param(int id) const { return params_.at(static_cast<size_t>(id)); }
@@ -146,6 +146,10 @@ class ParamStore {
   virtual void release(int group);
   // The full parameter `id` in fp32 (valid while its group is acquired).
   virtual Tensor param(int id) const;
+  // Parameter `id` held quantized (a Linear's weight loaded from a quantized
+  // checkpoint, quant.h), or null when it is held in fp32: the Linear runs
+  // the quantized kernel when its store gives one.
+  virtual const QuantizedWeight* quantized(int /*id*/) const { return nullptr; }
   // Bracket one training step's forwards and backwards (stores that
   // prefetch learn the acquisition order from them).
   virtual void begin_step() {}

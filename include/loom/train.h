@@ -427,6 +427,66 @@ struct CheckpointInfo {
 std::filesystem::path save_checkpoint(const std::filesystem::path& root, Trainer& trainer,
                                       const nlohmann::json& fields, int64_t keep_last, DeviceMesh* mesh = nullptr,
                                       CheckpointFormat format = CheckpointFormat::sharded);
+
+// How a run writes its checkpoints (train.keep_last, train.checkpoint_async,
+// train.checkpoint_failure).
+struct CheckpointOptions {
+  int64_t keep_last = 2;
+  CheckpointFormat format = CheckpointFormat::sharded;
+  // Snapshot this rank's own state into host memory at the step boundary and
+  // write it while training goes on, at most one checkpoint in flight. Only
+  // the sharded format: a single-file checkpoint is written at once.
+  bool async = false;
+  // A checkpoint that cannot be written (a full disk, a failing file
+  // system): an Error on every rank, or reported while training goes on.
+  // Either way nothing of it is left and the previous checkpoint is intact.
+  bool stop_on_failure = true;
+};
+// What became of one checkpoint.
+struct CheckpointOutcome {
+  int64_t step = 0;
+  std::filesystem::path dir;  // committed, when error is empty
+  std::string error;          // the first failing rank and why
+  double seconds = 0.0;       // from the step boundary to the commit
+};
+// A run's checkpoint writer: save_checkpoint's phases (every rank writes its
+// own shard into rank 0's staging directory, then rank 0 writes the manifest
+// and commits) with the shard writes optionally behind the training. Every
+// call is collective over the mesh's world (or the trainer's data-parallel
+// group) and made at the same step boundaries on every rank.
+class CheckpointWriter {
+ public:
+  using Report = std::function<void(const CheckpointOutcome&)>;
+  CheckpointWriter(std::filesystem::path root, Trainer& trainer, DeviceMesh* mesh, CheckpointOptions options,
+                   Report report = {});
+  // Waits for a shard still being written (uncommitted: its staging
+  // directory is removed).
+  ~CheckpointWriter();
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // A checkpoint of the trainer's current step, with `fields` in its
+  // manifest: written and committed now, or (async) snapshotted now and
+  // committed by a later poll or finish. A checkpoint still in flight is
+  // finished first.
+  void save(const nlohmann::json& fields);
+  // Commits the checkpoint in flight if every rank has written its shard.
+  void poll();
+  // Waits for the checkpoint in flight and commits it.
+  void finish();
+  bool in_flight() const { return pending_ != nullptr; }
+
+ private:
+  struct Pending;
+  void commit();
+
+  std::filesystem::path root_;
+  Trainer& trainer_;
+  DeviceMesh* mesh_;
+  CheckpointOptions options_;
+  Report report_;
+  std::unique_ptr<Pending> pending_;
+};
 // Loads weights, optimizer state, the step counters and (fp16) the loss
 // scaler's state, either format: each rank reads only the byte ranges of the
 // pieces its own layout holds. Sharded, a rank verifies the checksum of each

@@ -101,6 +101,7 @@ void reduce_into(const void* const* inputs, int num_inputs, void* const* outputs
     case DType::i32: return reduce_typed<int32_t, int64_t>(inputs, num_inputs, outputs, num_outputs, count, dtype, op);
     case DType::i64: return reduce_typed<int64_t, int64_t>(inputs, num_inputs, outputs, num_outputs, count, dtype, op);
     case DType::u8: return reduce_typed<uint8_t, int64_t>(inputs, num_inputs, outputs, num_outputs, count, dtype, op);
+    case DType::i8: return reduce_typed<int8_t, int64_t>(inputs, num_inputs, outputs, num_outputs, count, dtype, op);
     case DType::f64: return reduce_typed<double, double>(inputs, num_inputs, outputs, num_outputs, count, dtype, op);
   }
   LOOM_CHECK(false, "reduce_into: unknown dtype");

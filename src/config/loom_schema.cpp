@@ -80,6 +80,12 @@ ConfigSchema build_loom_schema() {
   s.add_int("train.eval_batches", 10, "micro-batches per validation loss", 1);
   s.add_int("train.checkpoint_interval", 250, "steps between checkpoints; 0 = only at the end", 0);
   s.add_int("train.keep_last", 2, "checkpoints kept in train.out_dir; 0 = keep all", 0);
+  s.add_bool("train.checkpoint_async", false,
+             "snapshot each rank's state into host memory at the step boundary and write the checkpoint while "
+             "training goes on (one in flight at a time; sharded checkpoints only)");
+  s.add_choice("train.checkpoint_failure", "stop", {"stop", "continue"},
+               "a checkpoint that cannot be written (a full disk): stop the run, or report it and train on; "
+               "either way the previous checkpoint stays intact");
   s.add_string("train.out_dir", "runs/shakespeare", "directory for checkpoints and logs");
   s.add_bool("train.activation_checkpointing", false, "recompute block activations in backward to save memory");
   s.add_int("train.sample_tokens", 200, "tokens generated from train.sample_prompt after training; 0 = none", 0);

@@ -14,6 +14,7 @@ size_t dtype_size(DType dt) {
     case DType::i64: return 8;
     case DType::u8: return 1;
     case DType::f64: return 8;
+    case DType::i8: return 1;
   }
   LOOM_CHECK(false, "unknown dtype");
 }
@@ -27,6 +28,7 @@ const char* dtype_name(DType dt) {
     case DType::i64: return "i64";
     case DType::u8: return "u8";
     case DType::f64: return "f64";
+    case DType::i8: return "i8";
   }
   LOOM_CHECK(false, "unknown dtype");
 }

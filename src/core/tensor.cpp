@@ -74,7 +74,7 @@ int64_t Tensor::dim(int i) const {
 }
 
 void Tensor::check_element_type(size_t size, int tag) const {
-  static const int tag_of[] = {0, 1, 1, 2, 3, 4, 5};  // indexed by DType
+  static const int tag_of[] = {0, 1, 1, 2, 3, 4, 5, 6};  // indexed by DType
   LOOM_CHECK(dtype_size(dtype_) == size && tag_of[static_cast<int>(dtype_)] == tag,
              "tensor of dtype ", dtype_name(dtype_), " accessed with a mismatched element type");
 }

@@ -63,6 +63,21 @@ void linear_backward(float* dinp, float* dweight, float* dbias, const float* dou
   LOOM_LAUNCH(linear_backward, dinp, dweight, dbias, dout, inp, weight, N, C, OC, dinp_write);
 }
 void add_bias(float* out, const float* bias, int64_t N, int64_t OC) { LOOM_LAUNCH(add_bias, out, bias, N, OC); }
+void linear_forward_int8(float* out, int64_t ldo, const float* inp, const int8_t* w, const float* scale,
+                         const float* bias, int64_t N, int64_t C, int64_t OC) {
+  LOOM_LAUNCH(linear_forward_int8, out, ldo, inp, w, scale, bias, N, C, OC);
+}
+void linear_forward_int4(float* out, int64_t ldo, const float* inp, const uint8_t* w, const float* scale,
+                         const uint8_t* zero, const float* bias, int64_t N, int64_t C, int64_t OC, int64_t group) {
+  LOOM_LAUNCH(linear_forward_int4, out, ldo, inp, w, scale, zero, bias, N, C, OC, group);
+}
+void dequantize_int8(float* out, const int8_t* w, const float* scale, int64_t OC, int64_t C) {
+  LOOM_LAUNCH(dequantize_int8, out, w, scale, OC, C);
+}
+void dequantize_int4(float* out, const uint8_t* w, const float* scale, const uint8_t* zero, int64_t OC, int64_t C,
+                     int64_t group) {
+  LOOM_LAUNCH(dequantize_int4, out, w, scale, zero, OC, C, group);
+}
 
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
                        int64_t C, int64_t pos0) {

@@ -102,7 +102,7 @@ void ChunkManager::Impl::write_gradient(int c, const float* shard) {
     const void* src = shard;
     if (precision != DType::f32) {
       rounded = Tensor::empty({S}, precision, Tier::device);
-      convert(shard, DType::f32, rounded.raw(), precision, S);
+      ops::convert(shard, DType::f32, rounded.raw(), precision, S);
       src = rounded.raw();
     }
     s.sum_squares = ops::sum_squares(src, precision, len);

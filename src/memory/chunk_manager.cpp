@@ -375,8 +375,8 @@ void ChunkManager::Impl::acquire(int group) {
     for (int id : group_params[static_cast<size_t>(group)]) {
       const ParamSpec& p = layout.param(id);
       const int c = chunks.chunk_of_param(id);
-      convert(at(cs[static_cast<size_t>(c)].full.raw(), precision, chunks.position(c, p.offset)), precision,
-              compute.data<float>() + (p.offset - begin), DType::f32, p.numel());
+      ops::convert(at(cs[static_cast<size_t>(c)].full.raw(), precision, chunks.position(c, p.offset)), precision,
+                   compute.data<float>() + (p.offset - begin), DType::f32, p.numel());
     }
     group_compute[static_cast<size_t>(group)] = std::move(compute);
   }

@@ -2,6 +2,7 @@
 
 #include "loom/device.h"
 #include "loom/nn.h"
+#include "loom/quant.h"
 
 namespace loom {
 
@@ -26,7 +27,7 @@ Linear::Linear(ParamLayout& layout, const std::vector<LinearPart>& parts, int64_
   for (const LinearPart& p : parts) {
     Part part;
     part.weight = layout.add(p.name + ".weight", {p.out, in}, ParamInit::normal_(init_std), true, group, p.weight);
-    layout.set_role(part.weight, ParamRole::linear_weight);
+    layout.set_linear_weight(part.weight);
     if (has_bias)
       part.bias = layout.add(p.name + ".bias", {p.out}, ParamInit::constant(0.0f), false, group, p.bias);
     const int64_t local_rows = layout.param(part.weight).shape[0];
@@ -164,9 +165,24 @@ void Linear::forward(const ParamStore& ps, float* out, const float* in, int64_t 
     for (const Part& p : parts_) weights.push_back(p.weight);
     (*t_linear_input_hook)(weights, in, N, in_);
   }
-  const Tensor w = stack(pieces(ps, false), out_, in_);
-  const Tensor b = bias && has_bias_ ? stack(pieces(ps, true), out_, 1) : Tensor();
-  ops::linear_forward(out, in, w.data<float>(), b.defined() ? b.data<float>() : nullptr, N, in_, out_);
+  const bool with_bias = bias && has_bias_;
+  if (ps.quantized(parts_[0].weight) != nullptr) {
+    // Quantized weights (what the store holds): each part's kernel writes
+    // its band of the stacked output's columns.
+    int64_t first_out = 0;
+    for (const Part& p : parts_) {
+      const QuantizedWeight* q = ps.quantized(p.weight);
+      LOOM_CHECK(q != nullptr, "a linear layer with some parts quantized and some not");
+      const Tensor b = with_bias ? ps.param(p.bias) : Tensor();
+      quantized_linear_forward(out + first_out, out_, in, *q, p.first_row, p.rows,
+                               b.defined() ? b.data<float>() + p.first_row : nullptr, N);
+      first_out += p.rows;
+    }
+  } else {
+    const Tensor w = stack(pieces(ps, false), out_, in_);
+    const Tensor b = with_bias ? stack(pieces(ps, true), out_, 1) : Tensor();
+    ops::linear_forward(out, in, w.data<float>(), b.defined() ? b.data<float>() : nullptr, N, in_, out_);
+  }
   lora_forward(ps, out, in, N, drop);
 }
 

@@ -53,11 +53,19 @@ void validate(const PruneOptions& o) {
 std::vector<int> prunable_params(const ParamLayout& layout) {
   std::vector<int> ids;
   for (size_t i = 0; i < layout.params().size(); ++i)
-    if (layout.params()[i].role == ParamRole::linear_weight) ids.push_back(static_cast<int>(i));
+    if (layout.params()[i].linear_weight) ids.push_back(static_cast<int>(i));
   return ids;
 }
 
 namespace {
+
+// Pruning reads and writes fp32 weights.
+void check_fp32(const ParamLayout& layout, const ParamStore& params) {
+  for (int id = 0; id < static_cast<int>(layout.params().size()); ++id)
+    if (params.quantized(id) != nullptr)
+      throw Error(str("the checkpoint holds ", layout.param(id).name,
+                      " quantized: prune the fp32 checkpoint it was quantized from, then quantize the result"));
+}
 
 // Zeroes the `k` lowest-scoring of the elements `idx` of `w` (ties: the lower
 // index first).
@@ -143,6 +151,7 @@ PruneReport prune_model(const GPT& model, ParamStore& params, const PruneOptions
   if (o.method == PruneMethod::wanda && !calibration)
     throw Error("--method wanda scores weights by their inputs: give calibration data with --data SHARD");
   const ParamLayout& layout = model.layout();
+  check_fp32(layout, params);
   const HostSection host;
   float* flat = params.flat().data<float>();
   PruneReport report;
@@ -196,6 +205,7 @@ ChannelPruning choose_channels(const GPT& model, const ParamStore& params, doubl
   pruning.config.intermediate_size = keep;
   pruning.config.validate();
   const GPT to(pruning.config);
+  check_fp32(model.layout(), params);
   const HostSection host;
   const float* flat = params.flat().data<float>();
   std::vector<std::vector<double>> importance(static_cast<size_t>(model.config().n_layer),

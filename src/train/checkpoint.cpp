@@ -4,13 +4,18 @@
 // where each piece of the state lies and the SHA-256 of every file; committed
 // atomically.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <map>
 #include <optional>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
+#include "io/posix_file.h"
 #include "loom/comm.h"
 #include "loom/io.h"
+#include "loom/quant.h"
 #include "loom/device.h"
 #include "loom/train.h"
 #include "train/model_json.h"
@@ -142,21 +147,59 @@ nlohmann::json state_json(const ParamLayout& layout) {
   return {{"numel", layout.numel()}, {"tensors", tensors}};
 }
 
+using StateRuns = std::vector<std::vector<Trainer::StateRun>>;
+// Receives this rank's own state in the order its shard file holds it: per
+// piece, per kind, its runs' elements.
+using PartWriter = std::function<void(size_t piece, int kind, const float* values, int64_t n)>;
+
+// Streams this rank's own state from the store into `write`.
+void stream_own_state(Trainer& t, const StateRuns& runs, const PartWriter& write) {
+  size_t k = 0;
+  t.visit_own_state([&](FlatRange, const float* params, const float* exp_avg, const float* exp_avg_sq) {
+    const float* kinds[3] = {params, exp_avg, exp_avg_sq};
+    for (int kind = 0; kind < 3; ++kind)
+      for (const Trainer::StateRun& r : runs[k]) {
+        report_progress();
+        write(k, kind, kinds[kind] + r.at, r.n);
+      }
+    ++k;
+  });
+}
+
+int64_t piece_numel(const std::vector<Trainer::StateRun>& piece) {
+  int64_t n = 0;
+  for (const Trainer::StateRun& r : piece) n += r.n;
+  return n;
+}
+
+// This rank's own state copied into host memory at a step boundary: per
+// piece, its three kinds back to back (empty for a piece without runs).
+std::vector<Tensor> snapshot_own_state(Trainer& t, const StateRuns& runs) {
+  std::vector<Tensor> pieces(runs.size());
+  std::vector<int64_t> filled(3 * runs.size(), 0);
+  for (size_t k = 0; k < runs.size(); ++k)
+    if (const int64_t n = piece_numel(runs[k]); n > 0) pieces[k] = Tensor::empty({3 * n}, DType::f32, Tier::host);
+  stream_own_state(t, runs, [&](size_t k, int kind, const float* values, int64_t n) {
+    int64_t& at = filled[3 * k + static_cast<size_t>(kind)];
+    std::copy_n(values, n, pieces[k].data<float>() + kind * (pieces[k].numel() / 3) + at);
+    at += n;
+  });
+  return pieces;
+}
+
 // This rank's file of a sharded checkpoint in `staging`: per owned range with
 // anything to save, the tensors params.<k>, exp_avg.<k> and exp_avg_sq.<k>
-// holding its runs back to back, written straight from the store. Returns
-// its manifest entry (file, digest, pieces), or null when it saves nothing.
-nlohmann::json write_own_shard(const fs::path& staging, int rank, Trainer& t,
-                               const std::vector<std::vector<Trainer::StateRun>>& runs) {
+// holding its runs back to back, as `source` streams them. Returns its
+// manifest entry (file, digest, pieces), null when it saves nothing, or
+// {"error": why} when the file could not be written (a full disk).
+nlohmann::json write_own_shard(const fs::path& staging, int rank, const StateRuns& runs,
+                               const std::function<void(const PartWriter&)>& source) {
   std::vector<SafetensorsSpec> specs;
   nlohmann::json pieces = nlohmann::json::array();
   for (size_t k = 0; k < runs.size(); ++k) {
-    int64_t n = 0;
     nlohmann::json listed = nlohmann::json::array();
-    for (const Trainer::StateRun& r : runs[k]) {
-      n += r.n;
-      listed.push_back({r.global, r.n});
-    }
+    for (const Trainer::StateRun& r : runs[k]) listed.push_back({r.global, r.n});
+    const int64_t n = piece_numel(runs[k]);
     if (n == 0) continue;
     for (int kind = 0; kind < 3; ++kind)
       specs.push_back({piece_tensor(kind, static_cast<int64_t>(k)), DType::f32, {n}});
@@ -164,20 +207,47 @@ nlohmann::json write_own_shard(const fs::path& staging, int rank, Trainer& t,
   }
   if (specs.empty()) return nullptr;
   const std::string file = shard_file(rank);
-  SafetensorsWriter writer(staging / file, std::move(specs), {{"format", "loom"}});
-  size_t k = 0;
-  t.visit_own_state([&](FlatRange, const float* params, const float* exp_avg, const float* exp_avg_sq) {
-    const float* kinds[3] = {params, exp_avg, exp_avg_sq};
-    for (int kind = 0; kind < 3; ++kind)
-      for (const Trainer::StateRun& r : runs[k]) {
-        report_progress();
-        writer.write_part(piece_tensor(kind, static_cast<int64_t>(k)), kinds[kind] + r.at,
-                          static_cast<size_t>(r.n) * 4);
-      }
-    ++k;
-  });
-  writer.finish();
-  return {{"file", file}, {"bytes", writer.digest().bytes}, {"sha256", writer.digest().sha256}, {"pieces", pieces}};
+  try {
+    SafetensorsWriter writer(staging / file, std::move(specs), {{"format", "loom"}});
+    source([&](size_t k, int kind, const float* values, int64_t n) {
+      writer.write_part(piece_tensor(kind, static_cast<int64_t>(k)), values, static_cast<size_t>(n) * 4);
+    });
+    writer.finish();
+    // Flushed here, by the rank (or the thread) that wrote it, so that the
+    // commit's sync of the directory finds nothing left to write.
+    io_detail::fsync_path(staging / file);
+    return {{"file", file}, {"bytes", writer.digest().bytes}, {"sha256", writer.digest().sha256}, {"pieces", pieces}};
+  } catch (const std::exception& e) {
+    return {{"error", e.what()}};
+  }
+}
+
+// The manifest's fields of a checkpoint of the trainer's current step
+// besides its files: the caller's, the counters, the layout that saved it,
+// the loss scaler's and loss watch's state and the model.
+nlohmann::json manifest_fields(Trainer& t, const nlohmann::json& fields, const DeviceMesh* mesh) {
+  nlohmann::json f = fields;
+  const Communicator* dp = t.data_parallel();
+  f["step"] = t.steps_done();
+  f["optimizer_steps"] = t.optimizer_steps();
+  const ZeroOptions& zero = t.options().zero;
+  f["layout"] = {{"dp", dp ? dp->size() : 1},
+                 {"tp", mesh ? mesh->size(MeshAxis::tp) : 1},
+                 {"pp", mesh ? mesh->size(MeshAxis::pp) : 1},
+                 {"zero_stage", zero.stage},
+                 {"precision", dtype_name(zero.precision)}};
+  if (const LossScaler* scaler = t.loss_scaler()) {
+    const LossScaler::State ls = scaler->state();
+    f["loss_scale"] = {{"scale", ls.scale}, {"clean_steps", ls.clean_steps}, {"hysteresis_left", ls.hysteresis_left}};
+  }
+  const LossWatch& lw = t.loss_watch();
+  f["loss_watch"] = {{"mean", lw.mean}, {"steps", lw.steps}, {"skipped_in_a_row", lw.skipped_in_a_row}};
+  f["model"] = model_json(t.model().config());
+  return f;
+}
+
+double seconds_since_epoch() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // Whether a manifest's checkpoint is sharded; Error for a format this loom
@@ -309,100 +379,199 @@ const nlohmann::json* manifest_part(const CheckpointInfo& info, const char* key,
     throw Error(str("manifest of checkpoint '", info.dir.string(), "' has a malformed '", key, "': ", part.dump()));
   return &part;
 }
+// The fp32 loaders' guard: a quantized checkpoint is for inference.
+void reject_quantized(const CheckpointInfo& info) {
+  if (info.fields.contains(kQuantizationField))
+    throw Error(str("checkpoint '", info.dir.string(), "' holds quantized weights (loom quantize): they serve ",
+                    "inference (loom generate, eval, serve); train from the fp32 checkpoint it was made from, ",
+                    info.fields.at(kQuantizationField).value("source", std::string("its source"))));
+}
 }  // namespace
 
 fs::path save_checkpoint(const fs::path& root, Trainer& t, const nlohmann::json& fields, int64_t keep_last,
                          DeviceMesh* mesh, CheckpointFormat format) {
-  Communicator* dp = t.data_parallel();
-  const ModelParallel& mp = t.model().parallel();
+  CheckpointWriter writer(root, t, mesh, {.keep_last = keep_last, .format = format});
+  writer.save(fields);
+  return root / checkpoint_dir_name(t.steps_done());
+}
+
+// One checkpoint between its step boundary and its commit.
+struct CheckpointWriter::Pending {
+  int64_t step = 0;
+  std::string name;
+  double started = 0.0;
+  nlohmann::json fields;               // rank 0: the manifest's fields
+  std::optional<AtomicDirWriter> dir;  // rank 0: the staging directory (removed unless committed)
+  std::map<std::string, FileDigest> files;  // rank 0: the single-file format's files
+  std::vector<Tensor> snapshot;        // async: this rank's own state at the step boundary
+  std::thread writer;                  // async: writes the shard from the snapshot
+  std::atomic<bool> written{false};
+  nlohmann::json own;  // this rank's shard entry, null, or {"error": why}
+
+  // The shard's writer ends before the staging directory goes.
+  ~Pending() {
+    if (writer.joinable()) writer.join();
+  }
+};
+
+CheckpointWriter::CheckpointWriter(fs::path root, Trainer& trainer, DeviceMesh* mesh, CheckpointOptions options,
+                                   Report report)
+    : root_(std::move(root)), trainer_(trainer), mesh_(mesh), options_(options), report_(std::move(report)) {
+  const ModelParallel& mp = trainer.model().parallel();
   // Every replica has a data-parallel rank 0: under a mesh only the world's
   // rank 0 commits.
   LOOM_CHECK(mesh || (mp.tp.size() == 1 && mp.first_stage && mp.last_stage),
              "a Trainer whose model is split over tp or pp ranks saves with the mesh it was built on");
-  Communicator* ranks = mesh ? &mesh->world() : dp;
+}
+
+CheckpointWriter::~CheckpointWriter() = default;
+
+void CheckpointWriter::save(const nlohmann::json& fields) {
+  finish();
+  Trainer& t = trainer_;
+  Communicator* ranks = mesh_ ? &mesh_->world() : t.data_parallel();
   const int rank = ranks ? ranks->rank() : 0;
-  const std::string name = checkpoint_dir_name(t.steps_done());
-  const ParamLayout& layout = t.state_layout();
+  auto p = std::make_unique<Pending>();
+  p->step = t.steps_done();
+  p->name = checkpoint_dir_name(p->step);
+  p->started = seconds_since_epoch();
   // Every rank has the same kind of store, so all choose the same format.
-  std::optional<std::vector<std::vector<Trainer::StateRun>>> runs;
-  if (format == CheckpointFormat::sharded) runs = t.own_state_runs();
-  report_progress("checkpoint write", t.steps_done());
-  std::optional<AtomicDirWriter> dir;
+  std::optional<StateRuns> runs;
+  if (options_.format == CheckpointFormat::sharded) runs = t.own_state_runs();
+  report_progress("checkpoint write", p->step);
   if (rank == 0) {
-    fs::create_directories(root);
-    dir.emplace(root / name);
+    fs::create_directories(root_);
+    p->dir.emplace(root_ / p->name);
+    p->fields = manifest_fields(t, fields, mesh_);
   }
-  nlohmann::json f = fields;
-  std::map<std::string, FileDigest> files;
   if (runs) {
+    if (p->dir) {
+      p->fields[kFormatField] = kShardedFormat;
+      p->fields["state"] = state_json(t.state_layout());
+    }
     // Every rank writes into rank 0's staging directory; the commit waits
     // for every rank's digest, so a rank that fails leaves nothing behind.
-    const fs::path staging = all_gather_text(ranks, dir ? dir->temp_dir().string() : "")[0];
-    const nlohmann::json own = write_own_shard(staging, rank, t, *runs);
-    nlohmann::json shards = nlohmann::json::array();
-    for (const std::string& text : all_gather_text(ranks, own.dump())) {
-      nlohmann::json shard = nlohmann::json::parse(text);
-      if (shard.is_null()) continue;
-      files[shard.at("file").get<std::string>()] = {shard.at("bytes").get<uint64_t>(),
-                                                     shard.at("sha256").get<std::string>()};
-      shard.erase("bytes");
-      shard.erase("sha256");
-      shards.push_back(std::move(shard));
+    const fs::path staging = all_gather_text(ranks, p->dir ? p->dir->temp_dir().string() : "")[0];
+    if (options_.async) {
+      p->snapshot = snapshot_own_state(t, *runs);
+      Pending* q = p.get();
+      q->writer = std::thread([q, staging, rank, runs = *runs] {
+        q->own = write_own_shard(staging, rank, runs, [&](const PartWriter& write) {
+          for (size_t k = 0; k < runs.size(); ++k) {
+            const Tensor& piece = q->snapshot[k];
+            if (!piece.defined()) continue;
+            const int64_t n = piece.numel() / 3;
+            for (int kind = 0; kind < 3; ++kind) write(k, kind, piece.data<float>() + kind * n, n);
+          }
+        });
+        q->written = true;
+      });
+      pending_ = std::move(p);
+      return;
     }
-    f[kFormatField] = kShardedFormat;
-    f["state"] = state_json(layout);
-    f["shards"] = std::move(shards);
+    p->own = write_own_shard(staging, rank, *runs,
+                             [&](const PartWriter& write) { stream_own_state(t, *runs, write); });
   } else {
     // The state streams from the Trainer (collective) into the files on rank
-    // 0: in one piece, or a chunk at a time under a memory policy.
+    // 0: in one piece, or a chunk at a time under a memory policy. A write
+    // that fails is remembered; the rank goes on taking part in the gather.
     std::optional<SafetensorsWriter> model_file, optimizer_file;
-    if (dir) {
+    const ParamLayout& layout = t.state_layout();
+    std::string error;
+    const auto writing = [&](const std::function<void()>& write) {
+      if (!p->dir || !error.empty()) return;
+      try {
+        write();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    };
+    writing([&] {
       const std::map<std::string, std::string> metadata{{"format", "loom"}};
-      model_file.emplace(dir->path(kModelFile), model_specs(layout), metadata);
-      optimizer_file.emplace(dir->path(kOptimizerFile), optimizer_specs(layout), metadata);
-    }
+      model_file.emplace(p->dir->path(kModelFile), model_specs(layout), metadata);
+      optimizer_file.emplace(p->dir->path(kOptimizerFile), optimizer_specs(layout), metadata);
+    });
     t.visit_state([&](FlatRange r, const float* params, const float* exp_avg, const float* exp_avg_sq) {
       report_progress();
-      if (!dir) return;
-      for_each_param_in(layout, r, [&](const ParamSpec& p, int64_t at) {
-        report_progress();
-        model_file->write(p.name, params + at);
-        optimizer_file->write("exp_avg." + p.name, exp_avg + at);
-        optimizer_file->write("exp_avg_sq." + p.name, exp_avg_sq + at);
+      writing([&] {
+        for_each_param_in(layout, r, [&](const ParamSpec& param, int64_t at) {
+          report_progress();
+          model_file->write(param.name, params + at);
+          optimizer_file->write("exp_avg." + param.name, exp_avg + at);
+          optimizer_file->write("exp_avg_sq." + param.name, exp_avg_sq + at);
+        });
       });
     });
-    if (dir) {
+    writing([&] {
       model_file->finish();
       optimizer_file->finish();
-      files[kModelFile] = model_file->digest();
-      files[kOptimizerFile] = optimizer_file->digest();
+      p->files[kModelFile] = model_file->digest();
+      p->files[kOptimizerFile] = optimizer_file->digest();
+    });
+    if (!error.empty()) p->own = {{"error", error}};
+  }
+  pending_ = std::move(p);
+  commit();
+}
+
+void CheckpointWriter::poll() {
+  if (!pending_) return;
+  // Committed only once every rank's shard is written: the ranks agree.
+  int32_t written = pending_->written ? 1 : 0;
+  if (Communicator* ranks = mesh_ ? &mesh_->world() : trainer_.data_parallel())
+    ranks->all_reduce(&written, 1, DType::i32, ReduceOp::min);
+  if (written == 1) commit();
+}
+
+void CheckpointWriter::finish() {
+  if (pending_) commit();
+}
+
+void CheckpointWriter::commit() {
+  Pending& p = *pending_;
+  if (p.writer.joinable()) p.writer.join();
+  Communicator* ranks = mesh_ ? &mesh_->world() : trainer_.data_parallel();
+  std::string error;
+  nlohmann::json shards = nlohmann::json::array();
+  const std::vector<std::string> entries = all_gather_text(ranks, p.own.dump());
+  for (size_t r = 0; r < entries.size(); ++r) {
+    nlohmann::json shard = nlohmann::json::parse(entries[r]);
+    if (shard.is_null()) continue;
+    if (shard.contains("error")) {
+      if (error.empty()) error = str("rank ", r, ": ", shard.at("error").get<std::string>());
+      continue;
+    }
+    p.files[shard.at("file").get<std::string>()] = {shard.at("bytes").get<uint64_t>(),
+                                                     shard.at("sha256").get<std::string>()};
+    shard.erase("bytes");
+    shard.erase("sha256");
+    shards.push_back(std::move(shard));
+  }
+  if (p.dir && error.empty()) {
+    try {
+      if (p.fields.contains(kFormatField)) p.fields["shards"] = std::move(shards);
+      write_manifest(p.dir->temp_dir(), p.fields, std::move(p.files));
+      p.dir->commit();
+      write_latest(root_, p.name);
+      apply_retention(root_, options_.keep_last);
+    } catch (const std::exception& e) {
+      error = str("rank 0: ", e.what());
     }
   }
-  if (dir) {
-    f["step"] = t.steps_done();
-    f["optimizer_steps"] = t.optimizer_steps();
-    const ZeroOptions& zero = t.options().zero;
-    f["layout"] = {{"dp", dp ? dp->size() : 1},
-                   {"tp", mesh ? mesh->size(MeshAxis::tp) : 1},
-                   {"pp", mesh ? mesh->size(MeshAxis::pp) : 1},
-                   {"zero_stage", zero.stage},
-                   {"precision", dtype_name(zero.precision)}};
-    if (const LossScaler* scaler = t.loss_scaler()) {
-      const LossScaler::State ls = scaler->state();
-      f["loss_scale"] = {
-          {"scale", ls.scale}, {"clean_steps", ls.clean_steps}, {"hysteresis_left", ls.hysteresis_left}};
-    }
-    const LossWatch& lw = t.loss_watch();
-    f["loss_watch"] = {{"mean", lw.mean}, {"steps", lw.steps}, {"skipped_in_a_row", lw.skipped_in_a_row}};
-    f["model"] = model_json(t.model().config());
-    write_manifest(dir->temp_dir(), f, std::move(files));
-    dir->commit();
-    write_latest(root, name);
-    apply_retention(root, keep_last);
-  }
-  // No rank goes on (and possibly reads `latest`) before the files exist.
-  if (ranks) ranks->barrier();
-  return root / name;
+  // Every rank takes rank 0's verdict, and none goes on (and possibly reads
+  // `latest`) before the commit.
+  error = all_gather_text(ranks, error)[0];
+  const CheckpointOutcome outcome{.step = p.step,
+                                  .dir = error.empty() ? root_ / p.name : fs::path(),
+                                  .error = error,
+                                  .seconds = seconds_since_epoch() - p.started};
+  pending_.reset();  // an uncommitted staging directory goes with it
+  if (report_) report_(outcome);
+  if (!error.empty() && options_.stop_on_failure)
+    throw Error(str("the checkpoint of step ", outcome.step, " could not be written (", error,
+                    "); nothing of it was kept and any earlier checkpoint in '", root_.string(),
+                    "' is intact: free space there, or set train.checkpoint_failure = continue to train on "
+                    "without it"));
 }
 
 CheckpointInfo read_checkpoint_info(const fs::path& dir) {
@@ -410,8 +579,10 @@ CheckpointInfo read_checkpoint_info(const fs::path& dir) {
   // as each rank first reads one: no rank reads files it does not need.
   const bool sharded = is_sharded(dir, read_manifest(dir).fields);
   Manifest m = verify_checkpoint_dir(dir, !sharded);
+  // A quantized checkpoint (quant.h) holds weights only.
+  const bool quantized = m.fields.contains(kQuantizationField);
   for (const char* file : {kModelFile, kOptimizerFile})
-    if (!sharded && !m.files.count(file))
+    if (!sharded && !m.files.count(file) && !(quantized && file == kOptimizerFile))
       throw Error(str("checkpoint '", dir.string(), "' lists no ", file, ": it is incomplete"));
   CheckpointInfo info;
   info.dir = dir;
@@ -435,6 +606,7 @@ GPTConfig checkpoint_model_config(const CheckpointInfo& info) {
 }
 
 void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& params) {
+  reject_quantized(info);
   Tensor flat = params.flat();
   // The files are read straight into the parameters.
   const HostSection host;
@@ -471,6 +643,7 @@ void load_weights(const CheckpointInfo& info, Trainer& trainer, uint64_t seed) {
 
 CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
   CheckpointInfo info = read_checkpoint_info(dir);
+  reject_quantized(info);
   const GPTConfig saved = checkpoint_model_config(info);
   const GPTConfig& mc = trainer.model().config();
   if (saved.n_layer != mc.n_layer || saved.n_head != mc.n_head || saved.n_embd != mc.n_embd ||

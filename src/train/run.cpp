@@ -323,10 +323,27 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
     return evaluate(trainer, {data.val.file}, plan.seq_len, plan.micro_batch, data.val.chars_per_token(),
                     max_batches, data.val.masks());
   };
+  // A checkpoint's outcome is told when it is committed, which under
+  // train.checkpoint_async is a few steps after the one it holds.
+  CheckpointWriter checkpoints(
+      plan.out_dir, trainer, mesh.get(),
+      {.keep_last = keep_last,
+       .async = cfg.get<bool>("train.checkpoint_async"),
+       .stop_on_failure = cfg.get<std::string>("train.checkpoint_failure") == "stop"},
+      [&](const CheckpointOutcome& c) {
+        if (!c.error.empty()) {
+          if (root) metrics->write({{"step", c.step}, {"checkpoint_failed", c.error}});
+          say(str("checkpoint of step ", c.step, " FAILED (", c.error, "); training goes on, any earlier "
+                  "checkpoint is intact"));
+          return;
+        }
+        if (root) metrics->write({{"step", c.step}, {"checkpoint", c.dir.filename().string()},
+                                  {"checkpoint_seconds", c.seconds}});
+        say(str("checkpoint ", c.dir.string()));
+      });
   auto checkpoint = [&] {
     checkpoint_fields["loader"] = loader.state();
-    const fs::path dir = save_checkpoint(plan.out_dir, trainer, checkpoint_fields, keep_last, mesh.get());
-    say(str("checkpoint ", dir.string()));
+    checkpoints.save(checkpoint_fields);
   };
 
   // Each rank records its own timeline; every rank writes it (a collective)
@@ -400,6 +417,7 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
     // step's logged time; a traced step holds only its own work, so the step
     // before it waits for its kernels.
     if (recorder && plan.trace_steps.contains(done + 1)) ops::synchronize();
+    checkpoints.poll();
     ++window_steps;
     // A diverging step skipped (train.max_skipped_steps) is always said and
     // recorded, whatever the log interval.
@@ -487,6 +505,7 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
     if (signal != 0 || (run.stop_after > 0 && done >= run.stop_after && done < plan.steps)) {
       if (tty) std::printf("\n");
       if (!checkpointed) checkpoint();
+      checkpoints.finish();
       if (recorder && done >= plan.trace_steps.first && done < last_traced) write_timeline();
       if (signal == 0) {
         say(str("stopped after step ", done, " (--stop-after)"));
@@ -499,6 +518,7 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
       return {.final_eval = {}, .steps_done = done, .stop_signal = signal};
     }
   }
+  checkpoints.finish();
   if (tty) std::printf("\n");
 
   const EvalResult final_eval = validate(0);

@@ -45,7 +45,8 @@ uint64_t input_bits(DType dt, uint64_t seed, int rank, int64_t index) {
     case DType::f16: return f32_to_f16(f);
     case DType::i32: return static_cast<uint32_t>(h);
     case DType::i64: return h;
-    case DType::u8: return h & 0xff;
+    case DType::u8:
+    case DType::i8: return h & 0xff;
     case DType::f64: {
       const double d = f;
       uint64_t b;

@@ -39,12 +39,14 @@ TEST(Safetensors, RoundTripsEveryDtypeShapeAndMetadata) {
   std::vector<int32_t> i32 = {1, -2, 2147483647};
   std::vector<int64_t> i64 = {-9000000000LL};
   std::vector<uint8_t> u8 = {0, 255, 7, 9};
+  std::vector<int8_t> i8 = {-127, 127, 0};
   float scalar = 42.0f;
   std::vector<SafetensorsTensor> tensors = {
       {"w.f32", DType::f32, {2, 3}, f32.data()},  {"w.bf16", DType::bf16, {3}, bf16.data()},
       {"w.f16", DType::f16, {1, 2}, f16.data()},  {"ids", DType::i32, {3}, i32.data()},
       {"count", DType::i64, {1}, i64.data()},     {"mask", DType::u8, {2, 2}, u8.data()},
       {"scalar", DType::f32, {}, &scalar},        {"empty", DType::f32, {0, 4}, nullptr},
+      {"q", DType::i8, {3}, i8.data()},
   };
   auto path = dir / "all.safetensors";
   write_safetensors(path, tensors, {{"format", "pt"}, {"step", "10"}});

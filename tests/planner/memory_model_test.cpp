@@ -236,14 +236,6 @@ class MemoryModel : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MemoryModel, PredictedPeaksAreWithinTwoPercentOfTheAllocators) {
   const Case c = GetParam();
-  // KNOWN BUG, left open: under asynchronous CPU streams these two runs read
-  // data before its stream work ends (a non-finite loss at step 2: always
-  // for auto placement of a bf16 LoRA model, sometimes for bf16 chunks half
-  // on NVMe), so a synchronization is missing in the chunk paths they take.
-  // Synchronous runs are unaffected and are measured here.
-  if (cpu_stream_mode() == CpuStreamMode::async && c.precision == DType::bf16 &&
-      ((c.layout.memory_policy == MemoryPolicy::automatic && c.lora) || c.nvme))
-    GTEST_SKIP() << "known race under asynchronous streams (see the comment above)";
   const std::vector<Peaks> measured = measure(c);
   const std::vector<RankMemory> predicted = predict_step_memory(problem_of(c), c.layout, options_of(c));
   ASSERT_EQ(predicted.size(), measured.size());

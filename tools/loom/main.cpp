@@ -1,6 +1,7 @@
-// The `loom` command line: prepare, train, generate, serve, eval, export, prune, calibrate, plan.
+// The `loom` command line: prepare, train, generate, serve, eval, export, quantize, prune, calibrate, plan.
 #include <CLI/CLI.hpp>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -14,6 +15,7 @@
 #include "loom/io.h"
 #include "loom/planner.h"
 #include "loom/prune.h"
+#include "loom/quant.h"
 #include "loom/train.h"
 #include "supervise.h"
 
@@ -32,11 +34,12 @@ struct LoadedModel {
   Tokenizer tokenizer;
 
   explicit LoadedModel(const std::string& checkpoint) : tokenizer(open(checkpoint)) {
+    if (!hf) {
+      params = load_inference_weights(*info, *model);  // fp32, or quantized as the checkpoint holds
+      return;
+    }
     params = std::make_unique<ParamStore>(model->layout(), 0);
-    if (hf)
-      load_hf_weights(*hf, *model, *params);
-    else
-      load_weights(*info, *model, *params);
+    load_hf_weights(*hf, *model, *params);
   }
 
  private:
@@ -63,6 +66,25 @@ std::string tokenizer_sha256(const LoadedModel& m) {
   return m.info ? m.info->fields.value("tokenizer_sha256", std::string()) : sha256_file(m.tokenizer.path());
 }
 
+// `loom eval`'s evaluation of `params` (m's model) over a token shard (at
+// most max_batches batches; 0: all): its dataset.json checks the tokenizer
+// and gives chars per token (0 without).
+EvalResult evaluate_shard(LoadedModel& m, ParamStore& params, const std::string& shard, int64_t seq_len,
+                          int64_t batch, double& chars_per_token, int64_t max_batches = 0) {
+  const EvalData d = eval_data(shard, tokenizer_sha256(m), seq_len, m.model->config().block_size);
+  chars_per_token = d.chars_per_token;
+  return evaluate(*m.model, params, {d.shard}, d.seq_len, batch, d.chars_per_token, max_batches, nullptr, d.masks);
+}
+
+// The loss and perplexity before and after a compression (quantize, prune).
+void print_loss_change(const EvalResult& before, const EvalResult& after) {
+  std::printf("loss %.6f -> %.6f nats/token (%+.3f%%), perplexity %.4f -> %.4f (%+.3f%%) over %lld tokens\n",
+              before.loss_per_token, after.loss_per_token, 100.0 * (after.loss_per_token / before.loss_per_token - 1.0),
+              std::exp(before.loss_per_token), std::exp(after.loss_per_token),
+              100.0 * (std::exp(after.loss_per_token - before.loss_per_token) - 1.0),
+              static_cast<long long>(after.tokens));
+}
+
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
   Config cfg(loom_schema());
   if (!path.empty()) cfg.load_toml(path);
@@ -73,6 +95,10 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Past a file-size limit (ulimit -f) a write then fails with an error that
+  // names the file, and a checkpoint follows train.checkpoint_failure,
+  // instead of the signal ending the process.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"loom: train GPT-class transformers in C++"};
   app.require_subcommand(1);
 
@@ -188,6 +214,18 @@ int main(int argc, char** argv) {
   exp->add_option("--max-shard-size", export_shard,
                   "shard the weights above this size (an index lists the shards), e.g. 2GB")
       ->capture_default_str();
+
+  // quantize
+  auto* quant = app.add_subcommand(
+      "quantize", "write a weight-only int8/int4 checkpoint for generate, eval and serve (docs/checkpoints.md)");
+  std::string quant_out, quant_method = "int8", quant_data;
+  int64_t quant_group = 128;
+  quant->add_option("--checkpoint", ckpt, "checkpoint directory, or a run directory (uses latest)")->required();
+  quant->add_option("--method", quant_method, "int8 (per output channel) or int4 (group-wise, zero points)")
+      ->capture_default_str();
+  quant->add_option("--group", quant_group, "int4: input columns per scale: 32, 64 or 128")->capture_default_str();
+  quant->add_option("--out", quant_out, "output checkpoint directory")->required();
+  quant->add_option("--data", quant_data, "token shard: report its loss and perplexity before and after");
 
   // prune
   auto* prune = app.add_subcommand("prune", "zero the linear layers' smallest weights (docs/pruning.md)");
@@ -322,11 +360,10 @@ int main(int argc, char** argv) {
       std::printf("stopped\n");
     } else if (eval->parsed()) {
       LoadedModel m(ckpt);
-      const EvalData d = loom::eval_data(eval_data, tokenizer_sha256(m), eval_seq, m.model->config().block_size);
-      const EvalResult r = evaluate(*m.model, *m.params, {d.shard}, d.seq_len, eval_batch, d.chars_per_token, 0,
-                                    nullptr, d.masks);
+      double chars_per_token = 0.0;
+      const EvalResult r = evaluate_shard(m, *m.params, eval_data, eval_seq, eval_batch, chars_per_token);
       std::printf("loss %.6f nats/token", r.loss_per_token);
-      if (d.chars_per_token > 0) std::printf(", %.6f nats/char", r.loss_per_char);
+      if (chars_per_token > 0) std::printf(", %.6f nats/char", r.loss_per_char);
       std::printf(" over %lld tokens\n", static_cast<long long>(r.tokens));
     } else if (exp->parsed()) {
       HFExportOptions eo;
@@ -348,21 +385,33 @@ int main(int argc, char** argv) {
         std::printf("wrote %s (%s, %s)\n", export_out.c_str(), dtype_name(eo.dtype),
                     m.tokenizer.path().filename().string().c_str());
       }
+    } else if (quant->parsed()) {
+      const QuantizeOptions qo{parse_quant_method(quant_method), quant_group};
+      if (qo.method == QuantMethod::int4) check_quant_group(qo.group);  // before the model loads
+      LoadedModel m(ckpt);
+      if (!m.info) throw Error("quantize reads a loom checkpoint; import an hf: model with `loom train` first");
+      const auto q = quantize_checkpoint(*m.info, m.model->layout(), *m.params, qo, quant_out);
+      const double fp32 = 4.0 * static_cast<double>(m.model->layout().numel()), size = static_cast<double>(q->nbytes());
+      std::printf("wrote %s (%s): weights %.0f bytes, %.1f%% of fp32's %.0f\n", quant_out.c_str(),
+                  quant_method_name(qo.method), size, 100.0 * size / fp32, fp32);
+      if (!quant_data.empty()) {
+        double cpt = 0.0;
+        const EvalResult before = evaluate_shard(m, *m.params, quant_data, 0, 8, cpt);
+        const EvalResult after = evaluate_shard(m, *q, quant_data, 0, 8, cpt);
+        print_loss_change(before, after);
+      }
     } else if (prune->parsed()) {
       const PruneOptions po{parse_prune_method(prune_method), parse_sparsity_pattern(prune_pattern), prune_sparsity};
       validate(po);
       check_prune_output(prune_out);
       LoadedModel m(ckpt);
-      std::optional<EvalData> d;
-      if (!prune_data.empty()) d = loom::eval_data(prune_data, tokenizer_sha256(m), 0, m.model->config().block_size);
-      auto loss = [&] {
-        return evaluate(*m.model, *m.params, {d->shard}, d->seq_len, 8, d->chars_per_token, prune_batches, nullptr,
-                        d->masks);
-      };
+      const bool data = !prune_data.empty();
+      double cpt = 0.0;
+      auto loss = [&] { return evaluate_shard(m, *m.params, prune_data, 0, 8, cpt, prune_batches); };
       std::optional<WandaCalibration> calibration;
-      if (po.method == PruneMethod::wanda && d) calibration.emplace();
+      if (po.method == PruneMethod::wanda && data) calibration.emplace();
       // Wanda calibrates on the windows the loss before pruning reads.
-      const EvalResult before = d ? loss() : EvalResult{};
+      const EvalResult before = data ? loss() : EvalResult{};
       const int64_t intermediate = m.model->config().intermediate();
       PruneReport r;
       if (po.method == PruneMethod::channels) {
@@ -388,13 +437,7 @@ int main(int argc, char** argv) {
                   static_cast<long long>(r.nonzeros), static_cast<long long>(r.numel),
                   100.0 * static_cast<double>(r.nonzeros) / static_cast<double>(r.numel),
                   static_cast<double>(r.numel) * 4e-6);
-      if (d) {
-        const EvalResult after = loss();
-        std::printf("loss %.6f -> %.6f nats/token (%+.2f%%), perplexity %.3f -> %.3f over %lld tokens\n",
-                    before.loss_per_token, after.loss_per_token,
-                    100.0 * (after.loss_per_token / before.loss_per_token - 1.0), std::exp(before.loss_per_token),
-                    std::exp(after.loss_per_token), static_cast<long long>(after.tokens));
-      }
+      if (data) print_loss_change(before, loss());
     } else if (plan->parsed()) {
       plan_options.rates = {.rates = plan_rates, .hardware = plan_hardware};
       run_plan(load_config(plan_config, plan_overrides), plan_options, std::cout);
