@@ -406,6 +406,9 @@ struct AdamWStep {
   float bias_correction1 = 1.0f;  // 1 - beta1^t
   float bias_correction2 = 1.0f;  // 1 - beta2^t
   float grad_scale = 1.0f;
+  // An element whose parameter is exactly zero keeps it and its moments (a
+  // pruned matrix's masks, AdamWConfig::keep_zeros).
+  bool keep_zeros = false;
 
   // Fills the bias corrections for step t (1-based).
   static AdamWStep at(int64_t t, float lr, float beta1, float beta2, float eps, float weight_decay);

@@ -8,6 +8,7 @@
 // activation checkpointing is a matter of keeping less and recomputing.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -186,6 +187,26 @@ struct LinearPart {
   // With r > 0, the part carries an adapter and its weight and bias are
   // frozen.
   LoRAConfig lora;
+};
+
+// Sees the input of every linear layer's forward on the calling thread while
+// it is installed: the weight ids of the layer's parts (one input feeds them
+// all) and the input rows [N, in_features], device memory that asynchronous
+// streams may still be writing (read it in a HostSection). Wanda's
+// calibration (prune.h) collects its statistics here; uninstalled, a linear
+// layer pays one thread-local load.
+using LinearInputHook =
+    std::function<void(std::span<const int> weights, const float* in, int64_t N, int64_t in_features)>;
+class ScopedLinearInputHook {
+ public:
+  explicit ScopedLinearInputHook(LinearInputHook hook);
+  ~ScopedLinearInputHook();
+  ScopedLinearInputHook(const ScopedLinearInputHook&) = delete;
+  ScopedLinearInputHook& operator=(const ScopedLinearInputHook&) = delete;
+
+ private:
+  LinearInputHook hook_;
+  const LinearInputHook* previous_;
 };
 
 // y = x W^T + b with W stored [out, in] (PyTorch's nn.Linear layout): the

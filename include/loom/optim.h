@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include <string>
 #include <vector>
 
 #include "loom/core.h"
@@ -18,6 +19,11 @@ struct AdamWConfig {
   float beta2 = 0.95f;
   float eps = 1e-8f;
   float weight_decay = 0.1f;
+  // Parameters (global names) whose zero elements stay zero through every
+  // update, moments included: a pruned model's masks, which fine-tuning
+  // keeps (docs/pruning.md). Every store family applies it here, in AdamW,
+  // to the elements it updates, so the mask is sharded as the parameter is.
+  std::vector<std::string> keep_zeros;
 };
 
 // Linear warmup from 0 to max_lr over warmup_steps, then cosine decay to
@@ -69,6 +75,7 @@ class AdamW {
   std::vector<int64_t> offsets_;
   int64_t t_ = 0;
   ops::AdamWStep decay_, no_decay_;
+  std::vector<bool> keep_zeros_;  // per parameter of the layout
   Tensor m_, v_;
 };
 

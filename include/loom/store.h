@@ -82,7 +82,8 @@ struct ParamSpec {
   // gradient and no optimizer state (FrozenParams).
   bool trainable = true;
   // The [out, in] weight of a Linear layer (y = x W^T), the tensors that
-  // weight-only quantization converts; embeddings, norms and biases are not.
+  // weight-only quantization converts and pruning zeroes; embeddings, norms
+  // and biases are not.
   bool linear_weight = false;
   int64_t numel() const { return shape_numel(shape); }
   // The global index (into the whole tensor, row-major) of this rank's

@@ -358,8 +358,12 @@ struct TrainPlan {
   // init.from = "hf:DIR": the run starts from DIR's weights (the model is
   // config.json's); empty: a fresh initialization.
   std::filesystem::path init_hf;
-  // The tokenizer beside it (hf_tokenizer_file), which then tokenizes the
-  // data; empty: the dataset's own.
+  // init.from = a loom checkpoint (a step directory): the run starts from
+  // its weights with a fresh optimizer state, and keeps the zeros of the
+  // matrices its manifest says were pruned (options.adamw.keep_zeros).
+  std::filesystem::path init_checkpoint;
+  // The tokenizer beside the HF checkpoint (hf_tokenizer_file) or the loom
+  // checkpoint's, which then tokenizes the data; empty: the dataset's own.
   std::filesystem::path init_tokenizer;
   // distill.teacher: the teacher's checkpoint (options.distill holds its
   // model), a loom checkpoint directory or "hf:DIR"; empty: no distillation.
@@ -549,6 +553,18 @@ CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Trainer& traine
 CheckpointInfo read_checkpoint_info(const std::filesystem::path& dir);
 GPTConfig checkpoint_model_config(const CheckpointInfo& info);
 void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& params);
+// Collective: a checkpoint's weights into a Trainer of its model (any
+// layout; each rank reads only its pieces), with a fresh optimizer state.
+// A parameter the checkpoint lacks (an adapter added for fine-tuning) keeps
+// its fresh initialization from `seed`.
+void load_weights(const CheckpointInfo& info, Trainer& trainer, uint64_t seed);
+// The manifest field of a pruned checkpoint (`loom prune`, prune.h):
+// {"method", "pattern", "sparsity", "source", "params": [the pruned
+// matrices' names]}.
+inline constexpr const char* kPruningField = "pruning";
+// The matrices a checkpoint's manifest says were pruned (none when it was
+// not); Error naming the checkpoint when the field is malformed.
+std::vector<std::string> pruned_params(const CheckpointInfo& info);
 // Resolves a checkpoint argument: a step directory, or a run directory whose
 // `latest` names one.
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
@@ -623,6 +639,20 @@ struct EvalResult {
 EvalResult evaluate(GPT& model, ParamStore& params, const std::vector<std::filesystem::path>& shards,
                     int64_t seq_len, int64_t micro_batch, double chars_per_token, int64_t max_batches = 0,
                     Communicator* dp = nullptr, const std::vector<std::filesystem::path>& masks = {});
+// What evaluating on a token shard takes from the dataset.json beside it
+// (nothing for a bare shard): the windows' length, chars per token and the
+// loss masks of fine-tuning data.
+struct EvalData {
+  std::filesystem::path shard;
+  int64_t seq_len = 0;
+  double chars_per_token = 0.0;  // 0: unknown
+  std::vector<std::filesystem::path> masks;
+};
+// `seq_len` 0: `block_size` (the model's context), or a fine-tuning
+// dataset's packing length. Error when the dataset was tokenized with
+// another tokenizer than the one of SHA-256 `tokenizer_sha256`.
+EvalData eval_data(const std::filesystem::path& shard, const std::string& tokenizer_sha256, int64_t seq_len,
+                   int64_t block_size);
 // The same through a Trainer's model, whatever its layout (Trainer::loss_sum):
 // each data-parallel replica evaluates its slice of the windows. Collective
 // over the Trainer's ranks (the whole mesh under a mesh).

@@ -44,7 +44,8 @@ ConfigSchema build_loom_schema() {
 
   s.add_string("init.from", "",
                "initial weights: empty = a fresh initialization; \"hf:DIR\" = the Hugging Face checkpoint in DIR "
-               "(its config.json fixes the model, a tokenizer beside it tokenizes the data)");
+               "(its config.json fixes the model, a tokenizer beside it tokenizes the data); a loom checkpoint "
+               "directory or run directory = its weights, model and tokenizer (a pruned one keeps its zeros)");
 
   s.add_string("distill.teacher", "",
                "knowledge distillation from this teacher: a loom checkpoint directory (or a run directory whose "

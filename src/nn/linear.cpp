@@ -6,6 +6,17 @@
 
 namespace loom {
 
+namespace {
+thread_local const LinearInputHook* t_linear_input_hook = nullptr;
+}  // namespace
+
+ScopedLinearInputHook::ScopedLinearInputHook(LinearInputHook hook)
+    : hook_(std::move(hook)), previous_(t_linear_input_hook) {
+  t_linear_input_hook = &hook_;
+}
+
+ScopedLinearInputHook::~ScopedLinearInputHook() { t_linear_input_hook = previous_; }
+
 Linear::Linear(ParamLayout& layout, const std::string& name, int64_t in, int64_t out, int group, float init_std,
                const ParamParallel& weight, const ParamParallel& bias, bool has_bias, const LoRAConfig& lora)
     : Linear(layout, {LinearPart{name, out, weight, bias, 0, 0, lora}}, in, group, init_std, has_bias) {}
@@ -149,6 +160,11 @@ std::vector<Tensor> Linear::grad_pieces(const GradStore& gs, bool bias) const {
 
 void Linear::forward(const ParamStore& ps, float* out, const float* in, int64_t N, bool bias,
                      const AdapterDropout& drop) const {
+  if (t_linear_input_hook) {
+    std::vector<int> weights;
+    for (const Part& p : parts_) weights.push_back(p.weight);
+    (*t_linear_input_hook)(weights, in, N, in_);
+  }
   const bool with_bias = bias && has_bias_;
   if (ps.quantized(parts_[0].weight) != nullptr) {
     // Quantized weights (what the store holds): each part's kernel writes

@@ -14,6 +14,10 @@ AdamW::AdamW(const ParamLayout& layout, const AdamWConfig& cfg, std::vector<Flat
     offsets_.push_back(total);
     total += r.numel();
   }
+  // A rank's layout holds only some of the parameters (pipeline stages).
+  keep_zeros_.assign(layout.params().size(), false);
+  for (const std::string& name : cfg_.keep_zeros)
+    if (const int id = layout.find(name); id >= 0) keep_zeros_[static_cast<size_t>(id)] = true;
   m_ = Tensor::zeros({total});
   v_ = Tensor::zeros({total});
 }
@@ -38,11 +42,14 @@ void AdamW::update(size_t range, float* params, const float* grads) {
 
 void AdamW::update(FlatRange r, float* params, const float* grads, float* m, float* v) const {
   // Walk the parameters overlapping the range: each is decayed or not.
-  for (const ParamSpec& p : layout_.params()) {
+  for (size_t id = 0; id < layout_.params().size(); ++id) {
+    const ParamSpec& p = layout_.params()[id];
     const int64_t lo = std::max(r.begin, p.offset), hi = std::min(r.end, p.offset + p.numel());
     if (lo >= hi) continue;
     const int64_t i = lo - r.begin;
-    ops::adamw_update(params + i, grads + i, m + i, v + i, hi - lo, p.weight_decay ? decay_ : no_decay_);
+    ops::AdamWStep s = p.weight_decay ? decay_ : no_decay_;
+    s.keep_zeros = keep_zeros_[id];
+    ops::adamw_update(params + i, grads + i, m + i, v + i, hi - lo, s);
   }
 }
 

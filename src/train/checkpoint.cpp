@@ -614,6 +614,34 @@ void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& para
   open_saved_state(info, model.layout())->read(0, 0, flat.numel(), flat.data<float>());
 }
 
+void load_weights(const CheckpointInfo& info, Trainer& trainer, uint64_t seed) {
+  const GPT saved(checkpoint_model_config(info));
+  const ParamLayout& whole = saved.layout();
+  const std::unique_ptr<SavedState> state = open_saved_state(info, whole);
+  trainer.load_weights([&](const ParamLayout& layout, FlatRange range, float* params) {
+    for_each_param_in(layout, range, [&](const ParamSpec& p, int64_t at) {
+      report_progress();
+      float* dst = params + at;
+      const int id = whole.find(p.name);
+      if (id < 0) {
+        layout.initialize(dst, p.offset, p.numel(), seed);
+        return;
+      }
+      // This rank's piece of the whole tensor, run by run of consecutive
+      // global elements (padding: zero).
+      const int64_t first = whole.param(id).offset;
+      for (int64_t i = 0, run = 0; i < p.numel(); i += run) {
+        const int64_t g = p.global_index(i, &run);
+        run = std::min(run, p.numel() - i);
+        if (g < 0)
+          std::fill(dst + i, dst + i + run, 0.0f);
+        else
+          state->read(0, first + g, run, dst + i);
+      }
+    });
+  });
+}
+
 CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
   CheckpointInfo info = read_checkpoint_info(dir);
   reject_quantized(info);
@@ -665,6 +693,17 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
     saved_state->read(2, global, n, exp_avg_sq);
   });
   return info;
+}
+
+std::vector<std::string> pruned_params(const CheckpointInfo& info) {
+  if (!info.fields.contains(kPruningField)) return {};
+  const nlohmann::json& pruning = info.fields.at(kPruningField);
+  try {
+    return pruning.at("params").get<std::vector<std::string>>();
+  } catch (const nlohmann::json::exception&) {
+    throw Error(str("manifest of checkpoint '", info.dir.string(), "' has a malformed '", kPruningField,
+                    "' (it needs \"params\": [names]): ", pruning.dump()));
+  }
 }
 
 fs::path resolve_checkpoint(const fs::path& path) {

@@ -75,6 +75,25 @@ EvalResult evaluate(GPT& model, ParamStore& params, const std::vector<std::files
                           });
 }
 
+EvalData eval_data(const std::filesystem::path& shard, const std::string& tokenizer_sha256, int64_t seq_len,
+                   int64_t block_size) {
+  EvalData e;
+  e.shard = shard;
+  e.seq_len = seq_len > 0 ? seq_len : block_size;
+  std::error_code ec;
+  if (!std::filesystem::exists(shard.parent_path() / "dataset.json", ec)) return e;
+  const DatasetInfo d = DatasetInfo::read(shard.parent_path());
+  if (d.tokenizer_sha256 != tokenizer_sha256)
+    throw Error(str("'", shard.string(), "' was tokenized with ", d.tokenizer.string(),
+                    ", not the checkpoint's tokenizer: evaluate on data prepared with the same tokenizer"));
+  const SplitInfo& split = std::filesystem::equivalent(shard, d.val.file, ec) ? d.val : d.train;
+  e.chars_per_token = split.chars_per_token();
+  e.masks = split.masks();
+  // Packed rows are whole windows only at the packing's length.
+  if (seq_len == 0 && d.mode == DatasetMode::sft) e.seq_len = d.seq_len;
+  return e;
+}
+
 EvalResult evaluate(Trainer& trainer, const std::vector<std::filesystem::path>& shards, int64_t seq_len,
                     int64_t micro_batch, double chars_per_token, int64_t max_batches,
                     const std::vector<std::filesystem::path>& masks) {

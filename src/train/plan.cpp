@@ -12,6 +12,7 @@
 
 #include "loom/comm.h"
 #include "loom/config.h"
+#include "loom/io.h"
 #include "loom/memory.h"
 #include "loom/planner.h"
 #include "loom/train.h"
@@ -23,17 +24,30 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// init.from's directory, or nullopt for a fresh initialization.
-std::optional<fs::path> init_hf_dir(const Config& cfg) {
+// Where init.from takes the initial weights from: a Hugging Face directory
+// ("hf:DIR"), a loom checkpoint (a step directory, or a run directory's
+// latest), or neither (a fresh initialization).
+struct InitSource {
+  std::optional<fs::path> hf;
+  std::optional<CheckpointInfo> checkpoint;
+};
+
+InitSource init_source(const Config& cfg) {
   const std::string from = cfg.get<std::string>("init.from");
-  if (from.empty()) return std::nullopt;
+  if (from.empty()) return {};
   try {
-    if (std::optional<fs::path> dir = hf_dir_of(from)) return dir;
+    if (std::optional<fs::path> dir = hf_dir_of(from)) return {.hf = dir, .checkpoint = std::nullopt};
   } catch (const Error& e) {
     throw ConfigError(cfg, "init.from", e.what(), "write init.from = \"hf:DIR\"");
   }
-  throw ConfigError(cfg, "init.from", "must be empty (a fresh initialization) or \"hf:DIR\" (a Hugging Face checkpoint)",
-                    str("write init.from = \"hf:", from, "\"; to continue a loom run, use `loom train --resume`"));
+  try {
+    return {.hf = std::nullopt, .checkpoint = read_checkpoint_info(resolve_checkpoint(from))};
+  } catch (const Error& e) {
+    throw ConfigError(cfg, "init.from", e.what(),
+                      str("name a loom checkpoint (a step directory, or a run directory with 'latest'), or write "
+                          "init.from = \"hf:", from, "\" for a Hugging Face one; to continue a loom run, use `loom "
+                          "train --resume`"));
+  }
 }
 
 // The launcher parallel.backend names must be able to start `ranks` ranks from
@@ -290,16 +304,14 @@ LayoutProblem layout_problem_of(const Config& cfg, const GPTConfig& model) {
 
 namespace {
 
-// init.from's model: config.json's, which the model.* keys a user set may
-// repeat but not contradict.
-GPTConfig imported_model_config(const Config& cfg, const fs::path& dir) {
-  GPTConfig m = gpt_config_from_hf(read_hf_config(dir), dir);
-  const std::string source = (dir / "config.json").string();
+// init.from's model `m` (described by `source`), which the model.* keys a
+// user set may repeat but not contradict.
+GPTConfig imported_model_config(const Config& cfg, GPTConfig m, const std::string& source) {
   if (!cfg.is_default("model.preset") && cfg.get<std::string>("model.preset") != "custom")
     throw ConfigError(cfg, "model.preset", str("contradicts init.from: the model is the one ", source, " describes"),
                       "remove model.preset or set it to \"custom\" (configs/finetune-hf.toml sets none)");
   // A key the user set contradicts the checkpoint when setting it changes
-  // the model config.json describes.
+  // the model it describes.
   const nlohmann::json keys = cfg.to_json().at("model"), imported = model_json(m);
   for (const auto& [name, value] : keys.items()) {
     const std::string key = "model." + name;
@@ -318,8 +330,13 @@ GPTConfig imported_model_config(const Config& cfg, const fs::path& dir) {
 
 GPTConfig model_config_from(const Config& cfg) {
   GPTConfig m;
-  if (const std::optional<fs::path> dir = init_hf_dir(cfg)) {
-    m = imported_model_config(cfg, *dir);
+  const InitSource init = init_source(cfg);
+  if (init.hf) {
+    m = imported_model_config(cfg, gpt_config_from_hf(read_hf_config(*init.hf), *init.hf),
+                              (*init.hf / "config.json").string());
+  } else if (init.checkpoint) {
+    m = imported_model_config(cfg, checkpoint_model_config(*init.checkpoint),
+                              (init.checkpoint->dir / kManifestFile).string());
   } else {
     const std::string preset = cfg.get<std::string>("model.preset");
     m = preset == "custom" ? model_from_json(cfg.to_json().at("model")) : GPTConfig::preset(preset);
@@ -395,11 +412,17 @@ std::unique_ptr<DeviceMesh> plan_mesh(const TrainPlan& plan, Communicator& world
 TrainPlan plan_training(const Config& cfg) {
   TrainPlan p;
   p.model = model_config_from(cfg);
-  if (const std::optional<fs::path> dir = init_hf_dir(cfg)) {
+  const InitSource init = init_source(cfg);
+  if (init.hf) {
     // Every tensor is checked against config.json before the run allocates.
-    const HFImport checked(*dir);
-    p.init_hf = *dir;
-    if (std::optional<fs::path> tokenizer = hf_tokenizer_file(*dir)) p.init_tokenizer = *tokenizer;
+    const HFImport checked(*init.hf);
+    p.init_hf = *init.hf;
+    if (std::optional<fs::path> tokenizer = hf_tokenizer_file(*init.hf)) p.init_tokenizer = *tokenizer;
+  } else if (init.checkpoint) {
+    p.init_checkpoint = init.checkpoint->dir;
+    p.init_tokenizer = init.checkpoint->fields.value("tokenizer", std::string());
+    // A pruned model fine-tunes with its zeros kept (docs/pruning.md).
+    p.options.adamw.keep_zeros = pruned_params(*init.checkpoint);
   }
   p.steps = cfg.get<int64_t>("train.steps");
   p.global_batch = cfg.get<int64_t>("train.batch_size");

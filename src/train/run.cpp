@@ -236,6 +236,11 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
     CheckpointInfo info = load_checkpoint(*latest, trainer);
     loader.restore(info.fields.at("loader").get<LoaderState>());
     say(str("resumed from ", latest->string(), " at step ", info.step));
+  } else if (!plan.init_checkpoint.empty()) {
+    load_weights(read_checkpoint_info(plan.init_checkpoint), trainer, plan.options.seed);
+    const size_t masked = plan.options.adamw.keep_zeros.size();
+    say(str("initialized from ", plan.init_checkpoint.string(),
+            masked > 0 ? str(", keeping the zeros of its ", masked, " pruned matrices") : std::string()));
   } else if (imported) {
     const HFImport src(plan.init_hf);
     load_hf_weights(src, trainer);
@@ -305,6 +310,12 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
                                       {"tokenizer", data.tokenizer.string()},
                                       {"tokenizer_sha256", data.tokenizer_sha256},
                                       {"dataset", data.dir.string()}};
+  // A pruned model stays one: what it was pruned as goes into its runs'
+  // checkpoints, so fine-tuning them again keeps the same zeros.
+  if (!plan.init_checkpoint.empty()) {
+    const CheckpointInfo init = read_checkpoint_info(plan.init_checkpoint);
+    if (init.fields.contains(kPruningField)) checkpoint_fields[kPruningField] = init.fields.at(kPruningField);
+  }
   const int64_t log_interval = cfg.get<int64_t>("train.log_interval");
   const int64_t eval_interval = cfg.get<int64_t>("train.eval_interval");
   // Periodic validation runs train.eval_batches micro-batches in all, spread

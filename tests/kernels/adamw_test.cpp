@@ -54,5 +54,28 @@ TEST(AdamW, ResultsDoNotDependOnThreadCount) {
   });
 }
 
+TEST(AdamW, KeepZerosLeavesZeroParametersAndTheirMomentsAndUpdatesTheRestAlike) {
+  const int64_t n = 1001;
+  auto p0 = kernel_testing::random_vector(n, 1);
+  for (int64_t i = 0; i < n; i += 3) p0[static_cast<size_t>(i)] = 0.0f;
+  const auto g = kernel_testing::random_vector(n, 2), m0 = kernel_testing::random_vector(n, 3),
+             v0 = kernel_testing::random_vector(n, 4, 0.0f, 1e-3f);
+  AdamWStep s = AdamWStep::at(7, 3e-4f, 0.9f, 0.999f, 1e-8f, 0.01f);
+  auto p = p0, m = m0, v = v0, plain_p = p0, plain_m = m0, plain_v = v0;
+  adamw_update(plain_p.data(), g.data(), plain_m.data(), plain_v.data(), n, s);
+  s.keep_zeros = true;
+  adamw_update(p.data(), g.data(), m.data(), v.data(), n, s);
+  for (size_t i = 0; i < static_cast<size_t>(n); ++i) {
+    const bool zero = i % 3 == 0;
+    EXPECT_EQ(p[i], zero ? 0.0f : plain_p[i]) << i;
+    EXPECT_EQ(m[i], zero ? m0[i] : plain_m[i]) << i;
+    EXPECT_EQ(v[i], zero ? v0[i] : plain_v[i]) << i;
+    // Without it the zeros move.
+    if (zero) {
+      EXPECT_NE(plain_p[i], 0.0f) << i;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace loom::cpu

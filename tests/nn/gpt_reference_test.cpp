@@ -69,9 +69,11 @@ class GPTReference : public ::testing::Test {
 
   Trainer make_trainer(float grad_clip) const {
     TrainOptions opts;
-    opts.adamw = {std::stof(fixture_.metadata().at("lr")), std::stof(fixture_.metadata().at("beta1")),
-                  std::stof(fixture_.metadata().at("beta2")), std::stof(fixture_.metadata().at("eps")),
-                  std::stof(fixture_.metadata().at("weight_decay"))};
+    opts.adamw.lr = std::stof(fixture_.metadata().at("lr"));
+    opts.adamw.beta1 = std::stof(fixture_.metadata().at("beta1"));
+    opts.adamw.beta2 = std::stof(fixture_.metadata().at("beta2"));
+    opts.adamw.eps = std::stof(fixture_.metadata().at("eps"));
+    opts.adamw.weight_decay = std::stof(fixture_.metadata().at("weight_decay"));
     opts.schedule.max_lr = opts.schedule.min_lr = opts.adamw.lr;
     opts.schedule.total_steps = 10;
     opts.grad_clip = grad_clip;

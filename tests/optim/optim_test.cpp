@@ -31,7 +31,7 @@ TEST(AdamW, DecaysOnlyParametersThatAskForIt) {
   int g = l.add_group("m");
   l.add("w", {2}, ParamInit::constant(1.0f), true, g);
   l.add("b", {2}, ParamInit::constant(1.0f), false, g);
-  AdamW opt(l, {0.1f, 0.9f, 0.999f, 1e-8f, 0.5f});
+  AdamW opt(l, {0.1f, 0.9f, 0.999f, 1e-8f, 0.5f, {}});
   float p[4] = {1, 1, 1, 1}, grad[4] = {0.5f, -0.5f, 0.5f, -0.5f};
   opt.step(p, grad, 0.1f, 1.0f);
   ops::synchronize();  // the update is stream work
@@ -66,6 +66,28 @@ TEST(AdamW, AShardUpdatesLikeTheWhole) {
   for (int i = 0; i < 11; ++i) EXPECT_EQ(p[i], shard_p[i]);
   EXPECT_EQ(ends.offset(1), 4);
   EXPECT_EQ(ends.exp_avg().data<float>()[4], whole.exp_avg().data<float>()[0]);
+}
+
+TEST(AdamW, KeepsTheZerosOfTheParametersItIsToldTo) {
+  ParamLayout l;
+  int g = l.add_group("m");
+  l.add("w", {4}, ParamInit::constant(1.0f), true, g);
+  l.add("b", {4}, ParamInit::constant(1.0f), false, g);
+  AdamWConfig cfg;
+  cfg.keep_zeros = {"w", "absent"};  // a name this layout lacks (another stage's) is no error
+  // A shard crossing the boundary, as ZeRO's blocks do.
+  AdamW opt(l, cfg, {{2, 8}, {0, 2}});
+  float p[8] = {0, 1, 0, 1, 0, 1, 0, 1}, grad[8] = {0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+  opt.begin_step(0.1f, 1.0f);
+  opt.update(0, p + 2, grad + 2);
+  opt.update(1, p, grad);
+  ops::synchronize();
+  for (int i = 0; i < 8; ++i) {
+    if (i < 4 && i % 2 == 0)
+      EXPECT_EQ(p[i], 0.0f) << i;  // w's zeros
+    else
+      EXPECT_NE(p[i], i % 2 == 0 ? 0.0f : 1.0f) << i;  // w's others and every element of b move
+  }
 }
 
 TEST(LossScaler, GrowsAfterCleanStepsAndBacksOffAfterTheHysteresis) {

@@ -402,7 +402,9 @@ TEST(HFImportErrors, ModelKeysThatContradictConfigJsonNameBoth) {
   EXPECT_CONTAINS(e, "64");
   Config bad(loom_schema());
   bad.set_override("init.from=runs/x");
-  EXPECT_CONTAINS(error_of([&] { plan_training(bad); }), "hf:DIR");
+  const std::string neither = error_of([&] { plan_training(bad); });
+  EXPECT_CONTAINS(neither, "neither a checkpoint directory");
+  EXPECT_CONTAINS(neither, "init.from = \"hf:runs/x\"");
 }
 
 }  // namespace

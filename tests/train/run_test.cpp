@@ -25,6 +25,7 @@
 #include "loom/data.h"
 #include "loom/inference.h"
 #include "loom/io.h"
+#include "loom/prune.h"
 #include "loom/train.h"
 
 namespace loom {
@@ -745,6 +746,50 @@ TEST_F(MainJob, ARunStartsFromAnExportedCheckpointWithItsTokenizer) {
   wider.set_override(str("init.from=hf:", hf.string()));
   wider.set_override("model.n_embd=64");
   EXPECT_CONTAINS(error_of([&] { run_training(wider, quiet()); }), "model.n_embd");
+}
+
+// `loom prune`'s checkpoint as init.from: the run keeps the pruned weights
+// zero (AdamWConfig::keep_zeros from its manifest) and its own checkpoints
+// say what was pruned; tensor parallelism changes neither.
+TEST_F(MainJob, FineTuningAPrunedCheckpointKeepsItsZeros) {
+  Config a = config("prune-source");
+  a.set_override("train.steps=5");
+  run_training(a, quiet());
+  CheckpointWeights w(*dir_ / "prune-source");
+  const PruneOptions o{.sparsity = 0.5};
+  const PruneReport r = prune_model(w.model, w.ps, o);
+  write_pruned_checkpoint(*dir_ / "pruned", w.model, w.ps, o, r,
+                          {"prune-source", w.info.fields.at("tokenizer").get<std::string>(),
+                           w.info.fields.at("tokenizer_sha256").get<std::string>()});
+  std::vector<std::string> names;
+  for (const PruneReport::Matrix& m : r.matrices) names.push_back(m.name);
+  const Tensor pruned = w.ps.flat();
+  std::vector<double> tp_losses[2];
+  for (int tp : {1, 2}) {
+    const std::string out = str("pruned-finetune-tp", tp);
+    Config b = config(out);
+    b.set_override(str("init.from=", (*dir_ / "pruned").string()));
+    b.set_override(str("parallel.tp=", tp));
+    b.set_override("train.steps=6");
+    EXPECT_EQ(plan_training(b).options.adamw.keep_zeros, names);
+    run_training(b, quiet());
+    tp_losses[tp - 1] = losses(*dir_ / out / "metrics.jsonl");
+    const CheckpointWeights after(*dir_ / out);
+    EXPECT_EQ(pruned_params(after.info), names);
+    int64_t zeros = 0, kept = 0, moved = 0;
+    for (int id : prunable_params(w.model.layout())) {
+      const ParamSpec& p = w.model.layout().param(id);
+      for (int64_t i = p.offset; i < p.offset + p.numel(); ++i) {
+        const float before = pruned.data<float>()[i], now = after.ps.flat().data<float>()[i];
+        zeros += before == 0.0f;
+        kept += before == 0.0f && now == 0.0f;
+        moved += before != now;
+      }
+    }
+    EXPECT_EQ(kept, zeros) << "tp " << tp;
+    EXPECT_GT(moved, zeros / 2) << "tp " << tp << ": the other weights train";
+  }
+  expect_losses_near(tp_losses[0], tp_losses[1], 1e-4);
 }
 
 TEST_F(MainJob, GenerationIsSeededAndEvaluationReportsPerCharLoss) {

@@ -44,12 +44,7 @@ const RunResult& reference() {
   return ref;
 }
 
-struct Case {
-  std::string name;
-  DataParallelRun run;
-};
-
-std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
+using Case = testing::NamedLayout;
 
 class FrozenLayouts : public ::testing::TestWithParam<Case> {};
 
@@ -79,16 +74,7 @@ TEST_P(FrozenLayouts, MatchTheReferenceAndLeaveFrozenValuesAsInitialized) {
 
 std::vector<Case> cases() {
   std::vector<Case> v{{"reference", testing::layout(0, 0)}};
-  for (int stage : {0, 1, 2, 3}) v.push_back({"dp2_stage" + std::to_string(stage), testing::layout(2, stage)});
-  DataParallelRun tp = testing::layout(1, 0);
-  tp.tp = 2;
-  v.push_back({"tp2", tp});
-  DataParallelRun chunks = testing::layout(2, 3);
-  chunks.memory.policy = MemoryPolicy::fixed;
-  chunks.memory.offload_param_frac = 0.5;
-  chunks.memory.offload_optim_frac = 1.0;
-  v.push_back({"dp2_chunks_offloaded", chunks});
-
+  for (Case& c : testing::store_family_layouts()) v.push_back(std::move(c));
   return v;
 }
 

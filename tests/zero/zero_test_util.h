@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,7 @@ struct DataParallelRun {
   std::optional<GPTConfig> model;
   std::function<void(Trainer&)> init;
   std::vector<std::string> freeze;  // TrainOptions::freeze
+  std::vector<std::string> keep_zeros;  // AdamWConfig::keep_zeros
   LoRAConfig lora;                  // the model's adapters
   std::optional<DistillOptions> distill;  // TrainOptions::distill
   bool uses_mesh() const { return mesh || tp > 1 || pp > 1; }
@@ -71,6 +73,32 @@ inline DataParallelRun layout(int dp, int stage, DType precision = DType::f32, i
   r.precision = precision;
   r.accumulation = accumulation;
   return r;
+}
+
+// A layout and its name, for suites parameterized over layouts.
+struct NamedLayout {
+  std::string name;
+  DataParallelRun run;
+};
+
+// gtest prints a parameter by its name.
+inline std::ostream& operator<<(std::ostream& os, const NamedLayout& l) { return os << l.name; }
+
+// One layout of every store family: dp 2 under ZeRO stages 0-3, tp 2, and
+// chunk placement over dp 2 with half the parameters and all the optimizer
+// state offloaded.
+inline std::vector<NamedLayout> store_family_layouts() {
+  std::vector<NamedLayout> v;
+  for (int stage : {0, 1, 2, 3}) v.push_back({"dp2_stage" + std::to_string(stage), layout(2, stage)});
+  DataParallelRun tp = layout(1, 0);
+  tp.tp = 2;
+  v.push_back({"tp2", tp});
+  DataParallelRun chunks = layout(2, 3);
+  chunks.memory.policy = MemoryPolicy::fixed;
+  chunks.memory.offload_param_frac = 0.5;
+  chunks.memory.offload_optim_frac = 1.0;
+  v.push_back({"dp2_chunks_offloaded", chunks});
+  return v;
 }
 
 inline GPTConfig small_gpt(float dropout, int n_layer = 2, int n_head = 2) {
@@ -123,6 +151,7 @@ inline TrainOptions small_options(const DataParallelRun& r) {
   o.memory.micro_batches = r.accumulation;
   o.freeze = r.freeze;
   o.distill = r.distill;
+  o.adamw.keep_zeros = r.keep_zeros;
   return o;
 }
 

@@ -1,4 +1,4 @@
-// The `loom` command line: prepare, train, generate, serve, eval, export, quantize, calibrate, plan.
+// The `loom` command line: prepare, train, generate, serve, eval, export, quantize, prune, calibrate, plan.
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <csignal>
@@ -14,6 +14,7 @@
 #include "loom/inference.h"
 #include "loom/io.h"
 #include "loom/planner.h"
+#include "loom/prune.h"
 #include "loom/quant.h"
 #include "loom/train.h"
 #include "supervise.h"
@@ -60,29 +61,28 @@ struct LoadedModel {
   }
 };
 
-// `loom eval`'s evaluation of `params` (m's model) over a token shard: its
-// dataset.json checks the tokenizer and gives chars per token (0 without).
+// The SHA-256 of `m`'s tokenizer (what data prepared for it records).
+std::string tokenizer_sha256(const LoadedModel& m) {
+  return m.info ? m.info->fields.value("tokenizer_sha256", std::string()) : sha256_file(m.tokenizer.path());
+}
+
+// `loom eval`'s evaluation of `params` (m's model) over a token shard (at
+// most max_batches batches; 0: all): its dataset.json checks the tokenizer
+// and gives chars per token (0 without).
 EvalResult evaluate_shard(LoadedModel& m, ParamStore& params, const std::string& shard, int64_t seq_len,
-                          int64_t batch, double& chars_per_token) {
-  const fs::path data(shard);
-  chars_per_token = 0.0;
-  int64_t T = seq_len > 0 ? seq_len : m.model->config().block_size;
-  std::vector<fs::path> masks;
-  std::error_code ec;
-  if (fs::exists(data.parent_path() / "dataset.json", ec)) {
-    const DatasetInfo d = DatasetInfo::read(data.parent_path());
-    const std::string wanted =
-        m.info ? m.info->fields.value("tokenizer_sha256", std::string()) : sha256_file(m.tokenizer.path());
-    if (d.tokenizer_sha256 != wanted)
-      throw Error(str("'", shard, "' was tokenized with ", d.tokenizer.string(),
-                      ", not the checkpoint's tokenizer: evaluate on data prepared with the same tokenizer"));
-    const SplitInfo& split = fs::equivalent(data, d.val.file, ec) ? d.val : d.train;
-    chars_per_token = split.chars_per_token();
-    masks = split.masks();
-    // Packed rows are whole windows only at the packing's length.
-    if (seq_len == 0 && d.mode == DatasetMode::sft) T = d.seq_len;
-  }
-  return evaluate(*m.model, params, {data}, T, batch, chars_per_token, 0, nullptr, masks);
+                          int64_t batch, double& chars_per_token, int64_t max_batches = 0) {
+  const EvalData d = eval_data(shard, tokenizer_sha256(m), seq_len, m.model->config().block_size);
+  chars_per_token = d.chars_per_token;
+  return evaluate(*m.model, params, {d.shard}, d.seq_len, batch, d.chars_per_token, max_batches, nullptr, d.masks);
+}
+
+// The loss and perplexity before and after a compression (quantize, prune).
+void print_loss_change(const EvalResult& before, const EvalResult& after) {
+  std::printf("loss %.6f -> %.6f nats/token (%+.3f%%), perplexity %.4f -> %.4f (%+.3f%%) over %lld tokens\n",
+              before.loss_per_token, after.loss_per_token, 100.0 * (after.loss_per_token / before.loss_per_token - 1.0),
+              std::exp(before.loss_per_token), std::exp(after.loss_per_token),
+              100.0 * (std::exp(after.loss_per_token - before.loss_per_token) - 1.0),
+              static_cast<long long>(after.tokens));
 }
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
@@ -226,6 +226,22 @@ int main(int argc, char** argv) {
   quant->add_option("--group", quant_group, "int4: input columns per scale: 32, 64 or 128")->capture_default_str();
   quant->add_option("--out", quant_out, "output checkpoint directory")->required();
   quant->add_option("--data", quant_data, "token shard: report its loss and perplexity before and after");
+
+  // prune
+  auto* prune = app.add_subcommand("prune", "zero the linear layers' smallest weights (docs/pruning.md)");
+  std::string prune_out, prune_method = "magnitude", prune_pattern = "unstructured", prune_data;
+  double prune_sparsity = 0.5;
+  int64_t prune_batches = 0;
+  prune->add_option("--checkpoint", ckpt, "checkpoint directory, a run directory (uses latest), or hf:DIR")->required();
+  prune->add_option("--method", prune_method,
+                    "magnitude (|W|), wanda (|W| times its input's norm) or channels (MLP channels, a smaller model)")
+      ->capture_default_str();
+  prune->add_option("--sparsity", prune_sparsity, "share of each matrix's weights (channels: of each MLP's) to remove")
+      ->capture_default_str();
+  prune->add_option("--pattern", prune_pattern, "unstructured or 2:4")->capture_default_str();
+  prune->add_option("--data", prune_data, "token shard: the loss before and after, and wanda's calibration");
+  prune->add_option("--batches", prune_batches, "with --data: at most this many batches of 8 (0: the whole shard)");
+  prune->add_option("--out", prune_out, "new run directory for the pruned checkpoint")->required();
 
   // calibrate
   auto* calibrate = app.add_subcommand(
@@ -382,13 +398,46 @@ int main(int argc, char** argv) {
         double cpt = 0.0;
         const EvalResult before = evaluate_shard(m, *m.params, quant_data, 0, 8, cpt);
         const EvalResult after = evaluate_shard(m, *q, quant_data, 0, 8, cpt);
-        std::printf("loss %.6f -> %.6f nats/token (%+.3f%%), perplexity %.4f -> %.4f (%+.3f%%) over %lld tokens\n",
-                    before.loss_per_token, after.loss_per_token,
-                    100.0 * (after.loss_per_token / before.loss_per_token - 1.0), std::exp(before.loss_per_token),
-                    std::exp(after.loss_per_token),
-                    100.0 * (std::exp(after.loss_per_token - before.loss_per_token) - 1.0),
-                    static_cast<long long>(after.tokens));
+        print_loss_change(before, after);
       }
+    } else if (prune->parsed()) {
+      const PruneOptions po{parse_prune_method(prune_method), parse_sparsity_pattern(prune_pattern), prune_sparsity};
+      validate(po);
+      check_prune_output(prune_out);
+      LoadedModel m(ckpt);
+      const bool data = !prune_data.empty();
+      double cpt = 0.0;
+      auto loss = [&] { return evaluate_shard(m, *m.params, prune_data, 0, 8, cpt, prune_batches); };
+      std::optional<WandaCalibration> calibration;
+      if (po.method == PruneMethod::wanda && data) calibration.emplace();
+      // Wanda calibrates on the windows the loss before pruning reads.
+      const EvalResult before = data ? loss() : EvalResult{};
+      const int64_t intermediate = m.model->config().intermediate();
+      PruneReport r;
+      if (po.method == PruneMethod::channels) {
+        SmallerModel smaller = remove_channels(*m.model, *m.params, po.sparsity);
+        r = smaller.report;
+        m.params = std::move(smaller.params);
+        m.model = std::move(smaller.model);
+      } else {
+        r = prune_model(*m.model, *m.params, po, calibration ? &*calibration : nullptr);
+      }
+      calibration.reset();
+      const fs::path dir = write_pruned_checkpoint(
+          prune_out, *m.model, *m.params, po, r,
+          {ckpt, m.tokenizer.path(), tokenizer_sha256(m)});
+      int64_t pruned = 0, zeros = 0;
+      for (const PruneReport::Matrix& x : r.matrices) pruned += x.numel, zeros += x.zeros;
+      const std::string what =
+          po.method == PruneMethod::channels
+              ? str("MLP channels ", intermediate, " -> ", m.model->config().intermediate(), " per layer")
+              : str(r.matrices.size(), " matrices at ", 100.0 * static_cast<double>(zeros) / static_cast<double>(pruned),
+                    "% sparsity (", prune_method_name(po.method), ", ", sparsity_pattern_name(po.pattern), ")");
+      std::printf("%s: %s; %lld of %lld parameters nonzero (%.2f%%), %.2f MB dense f32\n", dir.c_str(), what.c_str(),
+                  static_cast<long long>(r.nonzeros), static_cast<long long>(r.numel),
+                  100.0 * static_cast<double>(r.nonzeros) / static_cast<double>(r.numel),
+                  static_cast<double>(r.numel) * 4e-6);
+      if (data) print_loss_change(before, loss());
     } else if (plan->parsed()) {
       plan_options.rates = {.rates = plan_rates, .hardware = plan_hardware};
       run_plan(load_config(plan_config, plan_overrides), plan_options, std::cout);

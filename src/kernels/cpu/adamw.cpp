@@ -26,14 +26,17 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
   const float bc2_sqrt = static_cast<float>(std::sqrt(static_cast<double>(s.bias_correction2)));
   const float b1 = s.beta1, b2 = s.beta2, one_minus_b1 = 1.0f - s.beta1, one_minus_b2 = 1.0f - s.beta2;
   const float eps = s.eps, grad_scale = s.grad_scale;
+  const bool keep_zeros = s.keep_zeros;
 #pragma omp parallel for simd schedule(static) if (n >= kMinParallelWork)
   for (int64_t i = 0; i < n; ++i) {
+    const float p = param[i];
+    const bool kept = keep_zeros && p == 0.0f;
     const float g = grad[i] * grad_scale;
     const float mi = b1 * m[i] + one_minus_b1 * g;
     const float vi = b2 * v[i] + one_minus_b2 * (g * g);
-    m[i] = mi;
-    v[i] = vi;
-    param[i] = param[i] * decay - step_size * mi / (std::sqrt(vi) / bc2_sqrt + eps);
+    m[i] = kept ? m[i] : mi;
+    v[i] = kept ? v[i] : vi;
+    param[i] = kept ? p : p * decay - step_size * mi / (std::sqrt(vi) / bc2_sqrt + eps);
   }
 }
 

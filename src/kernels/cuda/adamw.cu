@@ -9,16 +9,19 @@ namespace {
 
 struct AdamWScalars {
   float decay, step_size, bc2_sqrt, b1, b2, one_minus_b1, one_minus_b2, eps, grad_scale;
+  bool keep_zeros;
 };
 
 __global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n, AdamWScalars s) {
   for (int64_t i = grid_start(); i < n; i += grid_step()) {
+    const float p = param[i];
+    if (s.keep_zeros && p == 0.0f) continue;
     const float g = grad[i] * s.grad_scale;
     const float mi = s.b1 * m[i] + s.one_minus_b1 * g;
     const float vi = s.b2 * v[i] + s.one_minus_b2 * (g * g);
     m[i] = mi;
     v[i] = vi;
-    param[i] = param[i] * s.decay - s.step_size * mi / (sqrtf(vi) / s.bc2_sqrt + s.eps);
+    param[i] = p * s.decay - s.step_size * mi / (sqrtf(vi) / s.bc2_sqrt + s.eps);
   }
 }
 
@@ -37,6 +40,7 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
       .one_minus_b2 = 1.0f - s.beta2,
       .eps = s.eps,
       .grad_scale = s.grad_scale,
+      .keep_zeros = s.keep_zeros,
   };
   adamw_kernel<<<grid_for(n), kThreads, 0, stream>>>(param, grad, m, v, n, k);
   check_launch();
