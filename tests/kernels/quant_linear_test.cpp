@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "kernel_test_util.h"
+#include "loom/device.h"
 #include "loom/quant.h"
 
 namespace loom::cpu {
@@ -17,8 +18,13 @@ struct Case {
   int64_t C;
 };
 
+// Quantizing is stream work; the CPU kernels under test read its result on
+// the host.
 QuantizedWeight quantized(const Case& k, const std::vector<float>& w, int64_t OC) {
-  return k.method == QuantMethod::int8 ? quantize_int8(w.data(), OC, k.C) : quantize_int4(w.data(), OC, k.C, k.group);
+  QuantizedWeight q =
+      k.method == QuantMethod::int8 ? quantize_int8(w.data(), OC, k.C) : quantize_int4(w.data(), OC, k.C, k.group);
+  ops::synchronize();
+  return q;
 }
 
 // The kernel's output rows ldo apart: the columns past OC must stay as they were.
@@ -46,6 +52,7 @@ TEST_P(QuantLinear, MatchesTheDequantizedWeightsInFp32) {
   const std::vector<float> w = random_vector(OC * k.C, 1), bias = random_vector(OC, 2);
   const QuantizedWeight q = quantized(k, w, OC);
   const Tensor deq_t = dequantize(q);
+  ops::synchronize();  // dequantizing is stream work too
   const float* deq = deq_t.data<float>();
   for (int64_t N : {1, 3, 4, 9, 33}) {
     SCOPED_TRACE(N);

@@ -63,6 +63,7 @@ TEST(AdamW, AShardUpdatesLikeTheWhole) {
     middle.begin_step(1e-2f, 0.5f);
     middle.update(0, shard_p.data() + 4, grad.data() + 4);
   }
+  ops::synchronize();  // the updates are stream work
   for (int i = 0; i < 11; ++i) EXPECT_EQ(p[i], shard_p[i]);
   EXPECT_EQ(ends.offset(1), 4);
   EXPECT_EQ(ends.exp_avg().data<float>()[4], whole.exp_avg().data<float>()[0]);
