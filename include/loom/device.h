@@ -158,6 +158,10 @@ void linear_forward_int4(float* out, int64_t ldo, const float* inp, const uint8_
 void dequantize_int8(float* out, const int8_t* w, const float* scale, int64_t OC, int64_t C);
 void dequantize_int4(float* out, const uint8_t* w, const float* scale, const uint8_t* zero, int64_t OC, int64_t C,
                      int64_t group);
+void embedding_lookup_int8(float* out, const int32_t* tokens, const int8_t* w, const float* scale, int64_t N,
+                           int64_t C);
+void embedding_lookup_int4(float* out, const int32_t* tokens, const uint8_t* w, const float* scale,
+                           const uint8_t* zero, int64_t N, int64_t C, int64_t group);
 
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
                        int64_t C, int64_t pos0);

@@ -45,7 +45,9 @@ void set_num_threads(int n);
 // kernels by shape (and a row's bits with them), so only then is a row of C a
 // function of its own row of op(A) alone, whatever M and the other rows
 // (generation, where a sequence's logits must not depend on the batch). B is
-// packed again per block.
+// packed again per block; linear_forward instead computes each element as
+// one dot product in column order (as the quantized linears do), which
+// needs no blocks and no packed copy of the weights.
 enum class RowBlocking { by_shape, fixed };
 inline constexpr int64_t kFixedRowBlock = 8;
 
@@ -104,6 +106,12 @@ void linear_forward_int4(float* out, int64_t ldo, const float* inp, const uint8_
 void dequantize_int8(float* out, const int8_t* w, const float* scale, int64_t OC, int64_t C);
 void dequantize_int4(float* out, const uint8_t* w, const float* scale, const uint8_t* zero, int64_t OC, int64_t C,
                      int64_t group);
+// out[i, :] = row tokens[i] of W dequantized, for i < N: the lookup of a
+// quantized token table (ids already validated).
+void embedding_lookup_int8(float* out, const int32_t* tokens, const int8_t* w, const float* scale, int64_t N,
+                           int64_t C);
+void embedding_lookup_int4(float* out, const int32_t* tokens, const uint8_t* w, const float* scale,
+                           const uint8_t* zero, int64_t N, int64_t C, int64_t group);
 
 // ---------------------------------------------------------------------------
 // Embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[pos0 + t,:].

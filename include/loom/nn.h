@@ -759,6 +759,9 @@ class GPT {
  private:
   // The head: final norm, logits of this rank's vocabulary slice and the loss.
   void head_forward(ParamStore& ps, MicroBatchState& s, const Tensor& x) const;
+  // logits[N, V] = h[N, C] @ the output table^T (this rank's V vocabulary
+  // rows): quantized when the store holds it so (inference), else fp32.
+  void head_logits(const ParamStore& ps, float* logits, const float* h, int64_t N, int64_t V) const;
   Tensor head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, float dloss) const;
   // The group whose token table the head multiplies by.
   int head_group() const { return head_group_ >= 0 ? head_group_ : embedding_group_; }

@@ -62,6 +62,10 @@ Tensor dequantize(const QuantizedWeight& w);
 void quantized_linear_forward(float* out, int64_t ldo, const float* in, const QuantizedWeight& w, int64_t first_row,
                               int64_t rows, const float* bias, int64_t N);
 
+// out[N, w.cols] = the rows tokens[0..N) of w dequantized, through ops (a
+// quantized token table's lookup).
+void quantized_embedding_lookup(float* out, const int32_t* tokens, const QuantizedWeight& w, int64_t N);
+
 struct QuantizeOptions {
   QuantMethod method = QuantMethod::int8;
   int64_t group = 128;  // int4 only
@@ -86,8 +90,14 @@ class QuantizedParamStore final : public ParamStore {
   Tensor floats_;
 };
 
-// Every Linear weight of `params` (ParamSpec::linear_weight) quantized, the
-// other parameters copied. Error naming the weight and the fix when its
+// The parameters quantize_params converts: the linear layers' weights
+// (ParamSpec::linear_weight) and the output head's table
+// (ParamSpec::output_table). The table is int8 under every method: its error
+// reaches every logit directly, and int8 already cuts its bytes to a quarter.
+bool quantizable(const ParamSpec& p);
+
+// Every quantizable weight of `params` quantized, the other parameters
+// copied. Error naming the weight and the fix when its
 // input width is not a multiple of an int4 group.
 std::unique_ptr<QuantizedParamStore> quantize_params(const ParamLayout& layout, const ParamStore& params,
                                                      const QuantizeOptions& options);

@@ -85,6 +85,10 @@ struct ParamSpec {
   // weight-only quantization converts and pruning zeroes; embeddings, norms
   // and biases are not.
   bool linear_weight = false;
+  // The [vocab, n_embd] table the output head multiplies by (the token
+  // embedding when tied): quantized with the linear weights (every decoded
+  // token reads it whole), never pruned.
+  bool output_table = false;
   int64_t numel() const { return shape_numel(shape); }
   // The global index (into the whole tensor, row-major) of this rank's
   // element `local`, or -1 for a padding element; *run receives how many
@@ -108,6 +112,7 @@ class ParamLayout {
   void set_trainable(int id, bool trainable) { params_.at(static_cast<size_t>(id)).trainable = trainable; }
   void set_added_trainable(bool trainable) { added_trainable_ = trainable; }
   void set_linear_weight(int id) { params_.at(static_cast<size_t>(id)).linear_weight = true; }
+  void set_output_table(int id) { params_.at(static_cast<size_t>(id)).output_table = true; }
 
   const std::vector<ParamSpec>& params() const { return params_; }
   const ParamSpec& param(int id) const { return params_.at(static_cast<size_t>(id)); }

@@ -78,6 +78,14 @@ void dequantize_int4(float* out, const uint8_t* w, const float* scale, const uin
                      int64_t group) {
   LOOM_LAUNCH(dequantize_int4, out, w, scale, zero, OC, C, group);
 }
+void embedding_lookup_int8(float* out, const int32_t* tokens, const int8_t* w, const float* scale, int64_t N,
+                           int64_t C) {
+  LOOM_LAUNCH(embedding_lookup_int8, out, tokens, w, scale, N, C);
+}
+void embedding_lookup_int4(float* out, const int32_t* tokens, const uint8_t* w, const float* scale,
+                           const uint8_t* zero, int64_t N, int64_t C, int64_t group) {
+  LOOM_LAUNCH(embedding_lookup_int4, out, tokens, w, scale, zero, N, C, group);
+}
 
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
                        int64_t C, int64_t pos0) {

@@ -1,5 +1,6 @@
 #include "loom/device.h"
 #include "loom/nn.h"
+#include "loom/quant.h"
 
 namespace loom {
 
@@ -37,8 +38,17 @@ Tensor Embedding::forward(const ParamStore& ps, const Tensor& token_ids, const B
   const int64_t N = bs.N();
   LOOM_CHECK(token_ids.numel() == N && token_ids.dtype() == DType::i32, "the embedding needs ", N, " int32 tokens");
   const int32_t* tokens = token_ids.data<int32_t>();
-  const float* wte = ps.param(wte_).data<float>();
   const float* wpe = wpe_ >= 0 ? ps.param(wpe_).data<float>() : nullptr;
+  if (const QuantizedWeight* q = ps.quantized(wte_)) {
+    // A quantized store holds a whole model (inference): the rows come
+    // dequantized, the positions are added after.
+    LOOM_CHECK(tp_.size() == 1, "a quantized token table on a tensor-parallel rank");
+    Tensor out = Tensor::empty({bs.B, bs.T, C_});
+    quantized_embedding_lookup(out.data<float>(), tokens, *q, N);
+    if (wpe) ops::position_embedding_add(out.data<float>(), wpe, 0, N, bs.T, C_, pos0);
+    return out;
+  }
+  const float* wte = ps.param(wte_).data<float>();
   if (tp_.size() == 1 && wpe) {
     Tensor out = Tensor::empty({bs.B, bs.T, C_});
     ops::embedding_forward(out.data<float>(), tokens, wte, wpe, bs.B, bs.T, C_, pos0);

@@ -3,6 +3,7 @@
 
 #include "loom/device.h"
 #include "loom/nn.h"
+#include "loom/quant.h"
 #include "loom/trace.h"
 
 namespace loom {
@@ -67,6 +68,7 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp)
       head_table_ = Embedding::add_token_table(layout_, cfg_.vocab_size, cfg_.n_embd, head_group_, tp,
                                                Embedding::TableCopies::copy);
     }
+    layout_.set_output_table(head_table());
   }
   if (mp_.first_stage && mp_.last_stage && tp.size() == 1 && mp_.chunks.empty())
     LOOM_CHECK(layout_.numel() == cfg_.num_params(), "layout has ", layout_.numel(), " parameters, formula says ",
@@ -138,9 +140,16 @@ Tensor GPT::forward_chunk(ParamStore& ps, MicroBatchState& s, int chunk, const T
   return x;
 }
 
+void GPT::head_logits(const ParamStore& ps, float* logits, const float* h, int64_t N, int64_t V) const {
+  if (const QuantizedWeight* q = ps.quantized(head_table()))
+    quantized_linear_forward(logits, V, h, *q, 0, V, nullptr, N);
+  else
+    ops::linear_forward(logits, h, ps.param(head_table()).data<float>(), nullptr, N, cfg_.n_embd, V);
+}
+
 void GPT::head_forward(ParamStore& ps, MicroBatchState& s, const Tensor& x) const {
   const TensorParallel& tp = mp_.tp;
-  const int64_t N = s.bs.N(), C = cfg_.n_embd, V = cfg_.vocab_size, Vl = local_vocab_;
+  const int64_t N = s.bs.N(), V = cfg_.vocab_size, Vl = local_vocab_;
   TraceScope trace(TraceCategory::compute, kHeadModule, " forward");
   s.x_final = x;
   ps.acquire(lnf_group_);
@@ -152,8 +161,7 @@ void GPT::head_forward(ParamStore& ps, MicroBatchState& s, const Tensor& x) cons
   const Tensor h = TensorParallelRegion::enter_forward(tp, s.ln_f.out);
   if (tp.splits_tokens()) s.head_input = h;
   s.logits = tp.size() == 1 ? Tensor::empty({s.bs.B, s.bs.T, V}) : Tensor::empty({N, Vl});
-  ops::linear_forward(s.logits.data<float>(), h.data<float>(), ps.param(head_table()).data<float>(), nullptr, N, C,
-                      Vl);
+  head_logits(ps, s.logits.data<float>(), h.data<float>(), N, Vl);
   ps.release(head_group());
 
   loss_->forward(s.loss, s.logits, s.targets, s.opts.teacher_logits, s.loss_sum, s.opts.dloss);

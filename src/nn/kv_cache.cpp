@@ -5,6 +5,7 @@
 
 #include "loom/device.h"
 #include "loom/nn.h"
+#include "loom/quant.h"
 
 namespace loom {
 
@@ -72,8 +73,19 @@ float* const* DecodeBatch::values(int layer) const { return keys(layer) + S; }
 Tensor Embedding::forward_decode(const ParamStore& ps, const Tensor& token_ids, const DecodeBatch& batch) const {
   LOOM_CHECK(tp_.size() == 1, "generation embeds on one rank");
   const int32_t* tokens = token_ids.data<int32_t>();
-  const float* wte = ps.param(wte_).data<float>();
   Tensor out = Tensor::empty({batch.N, C_});
+  if (const QuantizedWeight* q = ps.quantized(wte_)) {
+    quantized_embedding_lookup(out.data<float>(), tokens, *q, batch.N);
+    if (wpe_ >= 0)
+      for (int64_t s = 0; s < batch.S; ++s) {
+        const int64_t row = batch.offsets[static_cast<size_t>(s)];
+        const int64_t n = batch.offsets[static_cast<size_t>(s) + 1] - row;
+        ops::position_embedding_add(out.data<float>() + row * C_, ps.param(wpe_).data<float>(), 0, n, n, C_,
+                                    batch.lengths[static_cast<size_t>(s)]);
+      }
+    return out;
+  }
+  const float* wte = ps.param(wte_).data<float>();
   if (wpe_ < 0) {
     ops::embedding_lookup_range(out.data<float>(), tokens, wte, 0, vocab_, batch.N, C_);
     return out;
@@ -184,8 +196,7 @@ Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const De
   ps.release(lnf_group_);
   Tensor logits = Tensor::empty({R, V});
   ps.acquire(head_group());
-  ops::linear_forward(logits.data<float>(), ln.out.data<float>(), ps.param(head_table()).data<float>(), nullptr, R, C,
-                      V);
+  head_logits(ps, logits.data<float>(), ln.out.data<float>(), R, V);
   ps.release(head_group());
   return logits;
 }

@@ -152,14 +152,14 @@ std::unique_ptr<ParamStore> load_inference_weights(const CheckpointInfo& info, c
     load_weights(info, model, *params);
     return params;
   }
-  // What each weight is comes from the file: a Linear weight stored with
+  // What each weight is comes from the file: a quantizable weight stored with
   // scales is quantized, anything else fp32.
   const SafetensorsReader r(info.dir / kModelFile);
   std::map<int, QuantizedWeight> weights;
   const HostSection host;
   for (size_t i = 0; i < layout.params().size(); ++i) {
     const ParamSpec& p = layout.params()[i];
-    if (p.linear_weight && r.contains(scale_name(p.name))) weights.emplace(static_cast<int>(i), read_quantized(r, p));
+    if (quantizable(p) && r.contains(scale_name(p.name))) weights.emplace(static_cast<int>(i), read_quantized(r, p));
   }
   auto params = std::make_unique<QuantizedParamStore>(layout, std::move(weights));
   for (size_t i = 0; i < layout.params().size(); ++i) {

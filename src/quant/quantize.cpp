@@ -118,6 +118,14 @@ Tensor dequantize(const QuantizedWeight& w) {
   return out;
 }
 
+void quantized_embedding_lookup(float* out, const int32_t* tokens, const QuantizedWeight& w, int64_t N) {
+  if (w.method == QuantMethod::int8)
+    ops::embedding_lookup_int8(out, tokens, w.values.data<int8_t>(), w.scales.data<float>(), N, w.cols);
+  else
+    ops::embedding_lookup_int4(out, tokens, w.values.data<uint8_t>(), w.scales.data<float>(),
+                               w.zeros.data<uint8_t>(), N, w.cols, w.group);
+}
+
 void quantized_linear_forward(float* out, int64_t ldo, const float* in, const QuantizedWeight& w, int64_t first_row,
                               int64_t rows, const float* bias, int64_t N) {
   LOOM_CHECK(first_row >= 0 && first_row + rows <= w.rows, "rows [", first_row, ", ", first_row + rows, ") of a ",

@@ -16,7 +16,7 @@ QuantizedParamStore::QuantizedParamStore(const ParamLayout& layout, std::map<int
       floats += p.numel();
       continue;
     }
-    LOOM_CHECK(p.linear_weight && p.shape == Shape({it->second.rows, it->second.cols}), "quantized weight for ",
+    LOOM_CHECK(quantizable(p) && p.shape == Shape({it->second.rows, it->second.cols}), "quantized weight for ",
                p.name, " (", shape_str(p.shape), "): ", it->second.rows, " x ", it->second.cols);
     offsets_.push_back(-1);
   }
@@ -40,6 +40,8 @@ size_t QuantizedParamStore::nbytes() const {
   return bytes;
 }
 
+bool quantizable(const ParamSpec& p) { return p.linear_weight || p.output_table; }
+
 std::unique_ptr<QuantizedParamStore> quantize_params(const ParamLayout& layout, const ParamStore& params,
                                                      const QuantizeOptions& options) {
   if (options.method == QuantMethod::int4) check_quant_group(options.group);
@@ -48,15 +50,16 @@ std::unique_ptr<QuantizedParamStore> quantize_params(const ParamLayout& layout, 
   for (size_t i = 0; i < layout.params().size(); ++i) {
     const ParamSpec& p = layout.params()[i];
     const int id = static_cast<int>(i);
-    if (!p.linear_weight) continue;
+    if (!quantizable(p)) continue;
     if (params.quantized(id) != nullptr)
       throw Error(str("weight '", p.name, "' is already quantized: quantize the fp32 checkpoint it was made from"));
     const int64_t rows = p.shape[0], cols = p.shape[1];
-    if (options.method == QuantMethod::int4 && cols % options.group != 0)
+    const QuantMethod method = p.output_table ? QuantMethod::int8 : options.method;
+    if (method == QuantMethod::int4 && cols % options.group != 0)
       throw Error(str("weight '", p.name, "' has ", cols, " input columns, not a multiple of the int4 group ",
                       options.group, ": choose a --group that divides it (32, 64 or 128) or --method int8"));
     const Tensor w = params.param(id);
-    weights.emplace(id, options.method == QuantMethod::int8
+    weights.emplace(id, method == QuantMethod::int8
                             ? quantize_int8(w.data<float>(), rows, cols, Tier::device)
                             : quantize_int4(w.data<float>(), rows, cols, options.group, Tier::device));
   }

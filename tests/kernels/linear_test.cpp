@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "kernel_test_util.h"
 
 namespace loom::cpu {
@@ -27,6 +29,31 @@ TEST(Linear, ForwardMatchesReferenceWithAndWithoutBias) {
   kernel_testing::expect_close("out with bias", out, reference_linear(inp, w, b.data(), N, C, OC), 1e-5, 1e-5);
   linear_forward(out.data(), inp.data(), w.data(), nullptr, N, C, OC);
   kernel_testing::expect_close("out without bias", out, reference_linear(inp, w, nullptr, N, C, OC), 1e-5, 1e-5);
+}
+
+// Generation's fixed row blocks: each output row a function of its own
+// input row alone (the same bits alone, in a batch of tile size or not, on
+// any thread count), and the same products as the reference. Widths with
+// and without a tail past the vector blocks, and a decode-sized matrix that
+// takes the parallel path.
+TEST(Linear, FixedRowsGiveEachRowTheBitsItGetsAlone) {
+  for (const auto& [C, OC] : {std::pair<int64_t, int64_t>{37, 21}, {96, 13}, {1024, 2100}}) {
+    SCOPED_TRACE(::testing::Message() << "C=" << C << " OC=" << OC);
+    const int64_t N = 11;  // a tile of 8 tokens and 3 alone
+    const auto inp = random_vector(N * C, 1), w = random_vector(OC * C, 2), b = random_vector(OC, 3);
+    auto run = [&](int64_t first, int64_t rows) {
+      std::vector<float> out(static_cast<size_t>(rows * OC));
+      linear_forward(out.data(), inp.data() + first * C, w.data(), b.data(), rows, C, OC, RowBlocking::fixed);
+      return out;
+    };
+    const std::vector<float> all = run(0, N);
+    kernel_testing::expect_close("fixed rows", all, reference_linear(inp, w, b.data(), N, C, OC), 1e-5, 1e-5);
+    for (int64_t first : {int64_t{0}, int64_t{5}, int64_t{10}}) {
+      const std::vector<float> one = run(first, 1);
+      EXPECT_TRUE(std::equal(one.begin(), one.end(), all.begin() + first * OC)) << "row " << first << " alone";
+    }
+    kernel_testing::expect_thread_invariant([&] { return run(0, N); });
+  }
 }
 
 TEST(Linear, BackwardMatchesFiniteDifferences) {

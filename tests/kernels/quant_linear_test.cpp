@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -107,6 +108,28 @@ TEST_P(QuantLinear, ThreadInvariant) {
   ASSERT_GE(N * OC * C, 64 * 32768) << "the test must reach the parallel path";
   const std::vector<float> x = random_vector(N * C, 8), bias = random_vector(OC, 9);
   expect_thread_invariant([&] { return run(q, x, bias.data(), N, OC); });
+}
+
+// A quantized token table's lookup gives the dequantized matrix's rows,
+// bit for bit (repeated and out-of-order ids included).
+TEST_P(QuantLinear, EmbeddingLookupGivesTheDequantizedRows) {
+  const Case k = GetParam();
+  const int64_t rows = 19;
+  const QuantizedWeight q = quantized(k, random_vector(rows * k.C, 10), rows);
+  const Tensor deq_t = dequantize(q);
+  ops::synchronize();
+  const float* deq = deq_t.data<float>();
+  const std::vector<int32_t> tokens = {3, 0, 18, 3, 7};
+  const int64_t N = static_cast<int64_t>(tokens.size());
+  std::vector<float> out(static_cast<size_t>(N * k.C), -7.0f);
+  if (q.method == QuantMethod::int8)
+    embedding_lookup_int8(out.data(), tokens.data(), q.values.data<int8_t>(), q.scales.data<float>(), N, q.cols);
+  else
+    embedding_lookup_int4(out.data(), tokens.data(), q.values.data<uint8_t>(), q.scales.data<float>(),
+                          q.zeros.data<uint8_t>(), N, q.cols, q.group);
+  for (int64_t i = 0; i < N; ++i)
+    EXPECT_TRUE(std::equal(out.begin() + i * k.C, out.begin() + (i + 1) * k.C, deq + tokens[static_cast<size_t>(i)] * k.C))
+        << "token " << tokens[static_cast<size_t>(i)];
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, QuantLinear,

@@ -57,7 +57,7 @@ TEST_P(QuantizedCheckpoint, GeneratesAsTheFp32ModelOfItsDequantizedWeights) {
   int quantized = 0;
   for (size_t i = 0; i < layout.params().size(); ++i) {
     const int id = static_cast<int>(i);
-    EXPECT_EQ(loaded->quantized(id) != nullptr, layout.param(id).linear_weight) << layout.param(id).name;
+    EXPECT_EQ(loaded->quantized(id) != nullptr, quantizable(layout.param(id))) << layout.param(id).name;
     quantized += loaded->quantized(id) != nullptr;
     dequantized.param(id).copy_from(loaded->param(id));
   }
@@ -89,7 +89,8 @@ INSTANTIATE_TEST_SUITE_P(Methods, QuantizedCheckpoint,
                          });
 
 // model.safetensors holds integers, scales and zero points for the Linear
-// weights, fp32 for the rest; the manifest says how it was made.
+// weights, int8 for the output table (the tied token embedding), fp32 for
+// the rest; the manifest says how it was made.
 TEST(QuantizedCheckpointFile, HoldsIntegerLinearsAndFloatEverythingElse) {
   const GPTConfig cfg = GPTConfig::preset("tiny");
   const GPT model(cfg);
@@ -105,6 +106,12 @@ TEST(QuantizedCheckpointFile, HoldsIntegerLinearsAndFloatEverythingElse) {
       EXPECT_EQ(r.entry(p.name).shape, Shape({p.shape[0], p.shape[1] / 2}));
       EXPECT_EQ(r.entry(p.name + ".scale").shape, Shape({p.shape[0], p.shape[1] / 64}));
       EXPECT_EQ(r.entry(p.name + ".zero").dtype, DType::u8);
+    } else if (p.output_table) {
+      EXPECT_EQ(p.name, "wte.weight");
+      EXPECT_EQ(r.entry(p.name).dtype, DType::i8);
+      EXPECT_EQ(r.entry(p.name).shape, p.shape);
+      EXPECT_EQ(r.entry(p.name + ".scale").shape, Shape({p.shape[0], 1}));
+      EXPECT_FALSE(r.contains(p.name + ".zero"));
     } else {
       EXPECT_EQ(r.entry(p.name).dtype, DType::f32);
       EXPECT_FALSE(r.contains(p.name + ".scale"));

@@ -2,12 +2,24 @@
 #include <vector>
 
 #include "kernels/cpu/partition.h"
+#include "kernels/cpu/row_linear.h"
 #include "loom/kernels.h"
 
 namespace loom::cpu {
 
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                     int64_t OC, RowBlocking rows) {
+#if defined(LOOM_ROW_LINEAR_SIMD)
+  // Generation: one dot product per element gives the row independence that
+  // fixed row blocks buy from BLAS, without BLAS's copy of the weights per
+  // call (the whole cost of a batch-1 decode is reading them once).
+  if (rows == RowBlocking::fixed) {
+    const int64_t vector_cols = C - C % row_linear::kBlock;
+    row_linear::linear(out, OC, inp, bias, N, C, OC,
+                       [=](int64_t o) { return row_linear::F32Row{weight + o * C, vector_cols, vector_cols}; });
+    return;
+  }
+#endif
   if (bias != nullptr) {
     // Seed every row with the bias and let the GEMM accumulate onto it
     // (beta = 1): one pass over out instead of a second one afterwards.

@@ -1,22 +1,12 @@
 // Weight-only quantized linear: the weights stay int8/int4 in memory and are
 // widened to fp32 in registers, a block of 32 input columns at a time, so a
 // batch-1 decode reads a quarter (int8) or an eighth (int4) of fp32's bytes.
-//
-// Every output element is one dot product over the input columns in column
-// order, into one accumulator vector (8 lanes) summed at the end, whatever
-// the tiling: tiles of 4 rows x 1 token (decode: 4 independent chains, the
-// input block reused for 4 weight rows) or 1 row x 8 tokens (prefill: the
-// dequantized block reused for 8 tokens) change the order of the work, never
-// the arithmetic of one element. So the results do not depend on N, on a
-// row's neighbours or on the thread count.
-#include <bit>
+// The tiling and the order of the arithmetic are row_linear.h's; the scales
+// multiply each group's sum of products (int8: the row's), not each weight.
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
 #include "kernels/cpu/partition.h"
+#include "kernels/cpu/row_linear.h"
 #include "loom/kernels.h"
 
 namespace loom::cpu {
@@ -32,111 +22,63 @@ inline float int4_weight(const uint8_t* q, const float* scale, const uint8_t* ze
   return static_cast<float>(v - zero[c / group]) * scale[c / group];
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(LOOM_ROW_LINEAR_SIMD)
 
-// One weight row as the tile loop reads it: block(c, w) widens columns
-// [c, c + 32) into w[0..3] (columns c..c+7, c+8..c+15, ...); `vector_cols`
-// columns go through blocks, the rest (int8 rows not a multiple of 32 wide)
-// through scalar(c).
+using row_linear::kBlockVecs;
+using row_linear::Vec;
+static_assert(row_linear::kBlock == kInt4Block);
+
+// int8 integers (exact in fp32) to float lanes.
+#if defined(__AVX512F__)
+inline Vec widen_i8(const int8_t* q) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+}
+#else
+inline Vec widen_i8(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+#endif
+
+// One int8 weight row: one scale, the whole vectorized width one group.
 struct Int8Row {
+  static constexpr bool kScaled = true;
   const int8_t* q;
   float s;
-  int64_t vector_cols;
-  void block(int64_t c, __m256 w[4]) const {
-    const __m256 scale = _mm256_set1_ps(s);
-    for (int k = 0; k < 4; ++k) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + c + 8 * k));
-      w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
-    }
+  int64_t vector_cols, group_cols;
+  void block(int64_t c, Vec w[kBlockVecs]) const {
+    for (int k = 0; k < kBlockVecs; ++k) w[k] = widen_i8(q + c + row_linear::kLanes * k);
   }
+  float scale(int64_t) const { return s; }
   float scalar(int64_t c) const { return static_cast<float>(q[c]) * s; }
 };
 
+// One int4 weight row: a scale and a zero point per group of columns.
 struct Int4Row {
+  static constexpr bool kScaled = true;
   const uint8_t* q;  // the row's packed bytes
   const float* s;    // the row's group scales
   const uint8_t* z;  // and zero points
   int64_t group;
-  int group_shift;  // log2(group)
-  int64_t vector_cols;
-  void block(int64_t c, __m256 w[4]) const {
-    const int64_t g = c >> group_shift;
-    const __m256 scale = _mm256_set1_ps(s[g]);
-    const __m256i zero = _mm256_set1_epi32(z[g]);
+  int64_t vector_cols, group_cols;
+  void block(int64_t c, Vec w[kBlockVecs]) const {
+    const int64_t g = c / group;
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c / 2));
     const __m128i mask = _mm_set1_epi8(0x0f);
     const __m128i lo = _mm_and_si128(packed, mask);                     // columns c .. c+15
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);  // columns c+16 .. c+31
+#if defined(__AVX512F__)
+    const __m512i zero = _mm512_set1_epi32(z[g]);
+    w[0] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), zero));
+    w[1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), zero));
+#else
+    const __m256i zero = _mm256_set1_epi32(z[g]);
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int k = 0; k < 4; ++k) {
-      const __m256i v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[k]), zero);
-      w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(v), scale);
-    }
+    for (int k = 0; k < 4; ++k) w[k] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[k]), zero));
+#endif
   }
+  float scale(int64_t g) const { return s[g]; }
   float scalar(int64_t c) const { return int4_weight(q, s, z, c, group); }
 };
-
-inline float hsum(__m256 v) {
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
-// out[t, o] for RB rows (rows[r] is output o0 + r) and TB tokens from t0.
-template <int RB, int TB, typename Row>
-void tile(float* out, int64_t ldo, const float* inp, int64_t C, const Row* rows, int64_t o0, const float* bias,
-          int64_t t0) {
-  __m256 acc[RB][TB];
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < TB; ++t) acc[r][t] = _mm256_setzero_ps();
-  const int64_t vc = rows[0].vector_cols;
-  for (int64_t c = 0; c < vc; c += kInt4Block) {
-    for (int r = 0; r < RB; ++r) {
-      __m256 w[4];
-      rows[r].block(c, w);
-      for (int t = 0; t < TB; ++t) {
-        const float* x = inp + (t0 + t) * C + c;
-        for (int k = 0; k < 4; ++k) acc[r][t] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(x + 8 * k), acc[r][t]);
-      }
-    }
-  }
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < TB; ++t) {
-      float y = hsum(acc[r][t]);
-      const float* x = inp + (t0 + t) * C;
-      for (int64_t c = vc; c < C; ++c) y += rows[r].scalar(c) * x[c];
-      if (bias != nullptr) y += bias[o0 + r];
-      out[(t0 + t) * ldo + o0 + r] = y;
-    }
-}
-
-// Output rows in tiles of kRows, in parallel (each element written by one
-// thread, computed as above).
-constexpr int64_t kRows = 4;
-constexpr int64_t kTokens = 8;
-
-template <typename MakeRow>
-void quantized_linear(float* out, int64_t ldo, const float* inp, const float* bias, int64_t N, int64_t C, int64_t OC,
-                      MakeRow make_row) {
-  const int64_t tiles = (OC + kRows - 1) / kRows;
-#pragma omp parallel for schedule(static) if (N * OC * C >= 64 * kMinParallelWork)
-  for (int64_t i = 0; i < tiles; ++i) {
-    const int64_t o0 = i * kRows, nr = OC - o0 < kRows ? OC - o0 : kRows;
-    using Row = decltype(make_row(int64_t{0}));
-    Row rows[kRows]{};
-    for (int64_t r = 0; r < nr; ++r) rows[r] = make_row(o0 + r);
-    int64_t t = 0;
-    for (; t + kTokens <= N; t += kTokens)
-      for (int64_t r = 0; r < nr; ++r) tile<1, kTokens>(out, ldo, inp, C, rows + r, o0 + r, bias, t);
-    for (; t < N; ++t) {
-      if (nr == kRows) {
-        tile<kRows, 1>(out, ldo, inp, C, rows, o0, bias, t);
-      } else {
-        for (int64_t r = 0; r < nr; ++r) tile<1, 1>(out, ldo, inp, C, rows + r, o0 + r, bias, t);
-      }
-    }
-  }
-}
 
 #else
 
@@ -167,10 +109,10 @@ void quantized_linear(float* out, int64_t ldo, const float* inp, const float* bi
 
 void linear_forward_int8(float* out, int64_t ldo, const float* inp, const int8_t* w, const float* scale,
                          const float* bias, int64_t N, int64_t C, int64_t OC) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(LOOM_ROW_LINEAR_SIMD)
   const int64_t vector_cols = C - C % kInt4Block;
-  quantized_linear(out, ldo, inp, bias, N, C, OC,
-                   [=](int64_t o) { return Int8Row{w + o * C, scale[o], vector_cols}; });
+  row_linear::linear(out, ldo, inp, bias, N, C, OC,
+                     [=](int64_t o) { return Int8Row{w + o * C, scale[o], vector_cols, vector_cols}; });
 #else
   quantized_linear(out, ldo, inp, bias, N, C, OC,
                    [=](int64_t o, int64_t c) { return static_cast<float>(w[o * C + c]) * scale[o]; });
@@ -179,11 +121,10 @@ void linear_forward_int8(float* out, int64_t ldo, const float* inp, const int8_t
 
 void linear_forward_int4(float* out, int64_t ldo, const float* inp, const uint8_t* w, const float* scale,
                          const uint8_t* zero, const float* bias, int64_t N, int64_t C, int64_t OC, int64_t group) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(LOOM_ROW_LINEAR_SIMD)
   const int64_t groups = C / group;
-  const int shift = std::countr_zero(static_cast<uint64_t>(group));
-  quantized_linear(out, ldo, inp, bias, N, C, OC, [=](int64_t o) {
-    return Int4Row{w + o * (C / 2), scale + o * groups, zero + o * groups, group, shift, C};
+  row_linear::linear(out, ldo, inp, bias, N, C, OC, [=](int64_t o) {
+    return Int4Row{w + o * (C / 2), scale + o * groups, zero + o * groups, group, C, group};
   });
 #else
   quantized_linear(out, ldo, inp, bias, N, C, OC,
@@ -193,18 +134,41 @@ void linear_forward_int4(float* out, int64_t ldo, const float* inp, const uint8_
 #endif
 }
 
+namespace {
+
+// Row o of an int8 / int4 matrix into out[C].
+void dequantize_row_int8(float* out, const int8_t* w, const float* scale, int64_t o, int64_t C) {
+  for (int64_t c = 0; c < C; ++c) out[c] = static_cast<float>(w[o * C + c]) * scale[o];
+}
+void dequantize_row_int4(float* out, const uint8_t* w, const float* scale, const uint8_t* zero, int64_t o, int64_t C,
+                         int64_t group) {
+  for (int64_t c = 0; c < C; ++c)
+    out[c] = int4_weight(w + o * (C / 2), scale + o * (C / group), zero + o * (C / group), c, group);
+}
+
+}  // namespace
+
 void dequantize_int8(float* out, const int8_t* w, const float* scale, int64_t OC, int64_t C) {
 #pragma omp parallel for schedule(static) if (OC * C >= kMinParallelWork)
-  for (int64_t o = 0; o < OC; ++o)
-    for (int64_t c = 0; c < C; ++c) out[o * C + c] = static_cast<float>(w[o * C + c]) * scale[o];
+  for (int64_t o = 0; o < OC; ++o) dequantize_row_int8(out + o * C, w, scale, o, C);
 }
 
 void dequantize_int4(float* out, const uint8_t* w, const float* scale, const uint8_t* zero, int64_t OC, int64_t C,
                      int64_t group) {
 #pragma omp parallel for schedule(static) if (OC * C >= kMinParallelWork)
-  for (int64_t o = 0; o < OC; ++o)
-    for (int64_t c = 0; c < C; ++c)
-      out[o * C + c] = int4_weight(w + o * (C / 2), scale + o * (C / group), zero + o * (C / group), c, group);
+  for (int64_t o = 0; o < OC; ++o) dequantize_row_int4(out + o * C, w, scale, zero, o, C, group);
+}
+
+void embedding_lookup_int8(float* out, const int32_t* tokens, const int8_t* w, const float* scale, int64_t N,
+                           int64_t C) {
+#pragma omp parallel for schedule(static) if (N * C >= kMinParallelWork)
+  for (int64_t i = 0; i < N; ++i) dequantize_row_int8(out + i * C, w, scale, tokens[i], C);
+}
+
+void embedding_lookup_int4(float* out, const int32_t* tokens, const uint8_t* w, const float* scale,
+                           const uint8_t* zero, int64_t N, int64_t C, int64_t group) {
+#pragma omp parallel for schedule(static) if (N * C >= kMinParallelWork)
+  for (int64_t i = 0; i < N; ++i) dequantize_row_int4(out + i * C, w, scale, zero, tokens[i], C, group);
 }
 
 }  // namespace loom::cpu

@@ -1,0 +1,161 @@
+// A linear layer computed as one dot product per output element, with the
+// weights read straight from their own layout (fp32, or int8/int4 widened in
+// registers): no packed copy of the weights, which BLAS makes on every call
+// and which doubles the bytes a batch-1 decode moves.
+//
+// Every output element is the dot product of its weight row with its input
+// row in column order, into one accumulator vector summed at the end,
+// whatever the tiling: tiles of kRows rows x 1 token (decode: independent
+// chains, the input block reused for several weight rows) or 1 row x kTokens
+// tokens (prefill: the widened weight block reused for several tokens) change
+// the order of the work, never the arithmetic of one element. So a result
+// depends on its own input row alone: not on N, on the other rows or on the
+// thread count (what RowBlocking::fixed asks of generation).
+//
+// A Row type (one output row of some weight format) provides:
+//   vector_cols             columns handled in blocks of kBlock (a multiple
+//                           of group_cols); the rest go through scalar(c)
+//   group_cols              columns per scale: the block products of a group
+//                           are summed unscaled, then multiplied by scale(g)
+//   kScaled                 false when there is no scale (fp32)
+//   block(c, w)             columns [c, c + kBlock) as kBlockVecs float
+//                           vectors, unscaled
+//   scale(g), scalar(c)     group g's scale; column c's weight, scaled
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
+// GCC 12's AVX-512 intrinsics start some results from _mm512_undefined_*()
+// and then warn that those are uninitialized (GCC bug 105593, fixed in 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#endif
+
+#include "kernels/cpu/partition.h"
+
+namespace loom::cpu::row_linear {
+
+// Columns per block: one int4 block (kernels.h's packing), so a block never
+// straddles a group.
+inline constexpr int64_t kBlock = 32;
+
+#if defined(__AVX512F__)
+// 16 float lanes.
+using Vec = __m512;
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec broadcast(float s) { return _mm512_set1_ps(s); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline float sum(Vec v) { return _mm512_reduce_add_ps(v); }
+#define LOOM_ROW_LINEAR_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__)
+// 8 float lanes.
+using Vec = __m256;
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec broadcast(float s) { return _mm256_set1_ps(s); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline float sum(Vec v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#define LOOM_ROW_LINEAR_SIMD 1
+#endif
+
+#if defined(LOOM_ROW_LINEAR_SIMD)
+
+inline constexpr int kLanes = sizeof(Vec) / sizeof(float);
+inline constexpr int kBlockVecs = kBlock / kLanes;
+
+// An fp32 weight row.
+struct F32Row {
+  static constexpr bool kScaled = false;
+  const float* w;
+  int64_t vector_cols, group_cols;
+  void block(int64_t c, Vec v[kBlockVecs]) const {
+    for (int k = 0; k < kBlockVecs; ++k) v[k] = load(w + c + kLanes * k);
+  }
+  float scale(int64_t) const { return 1.0f; }
+  float scalar(int64_t c) const { return w[c]; }
+};
+
+// out[t, o] for RB rows (rows[r] is output o0 + r) and TB tokens from t0.
+template <int RB, int TB, typename Row>
+void tile(float* out, int64_t ldo, const float* inp, int64_t C, const Row* rows, int64_t o0, const float* bias,
+          int64_t t0) {
+  Vec acc[RB][TB];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = zero();
+  const int64_t vc = rows[0].vector_cols, gc = rows[0].group_cols;
+  for (int64_t g0 = 0; g0 < vc; g0 += gc) {
+    Vec part[RB][TB];
+    for (int r = 0; r < RB; ++r)
+      for (int t = 0; t < TB; ++t) part[r][t] = zero();
+    for (int64_t c = g0; c < g0 + gc; c += kBlock) {
+      for (int r = 0; r < RB; ++r) {
+        Vec w[kBlockVecs];
+        rows[r].block(c, w);
+        for (int t = 0; t < TB; ++t) {
+          const float* x = inp + (t0 + t) * C + c;
+          for (int k = 0; k < kBlockVecs; ++k) part[r][t] = fma(w[k], load(x + kLanes * k), part[r][t]);
+        }
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int t = 0; t < TB; ++t) {
+        if constexpr (Row::kScaled)
+          acc[r][t] = fma(part[r][t], broadcast(rows[r].scale(g0 / gc)), acc[r][t]);
+        else
+          acc[r][t] = add(acc[r][t], part[r][t]);
+      }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < TB; ++t) {
+      float y = sum(acc[r][t]);
+      const float* x = inp + (t0 + t) * C;
+      for (int64_t c = vc; c < C; ++c) y += rows[r].scalar(c) * x[c];
+      if (bias != nullptr) y += bias[o0 + r];
+      out[(t0 + t) * ldo + o0 + r] = y;
+    }
+}
+
+// Output rows in tiles of kRows, in parallel (each element written by one
+// thread, computed as above).
+inline constexpr int64_t kRows = 4;
+inline constexpr int64_t kTokens = 8;
+
+// out[N, :OC] (rows ldo apart) = inp[N, C] @ W^T + bias, W's row o being
+// make_row(o).
+template <typename MakeRow>
+void linear(float* out, int64_t ldo, const float* inp, const float* bias, int64_t N, int64_t C, int64_t OC,
+            MakeRow make_row) {
+  const int64_t tiles = (OC + kRows - 1) / kRows;
+#pragma omp parallel for schedule(static) if (N * OC * C >= 64 * kMinParallelWork)
+  for (int64_t i = 0; i < tiles; ++i) {
+    const int64_t o0 = i * kRows, nr = OC - o0 < kRows ? OC - o0 : kRows;
+    using Row = decltype(make_row(int64_t{0}));
+    Row rows[kRows]{};
+    for (int64_t r = 0; r < nr; ++r) rows[r] = make_row(o0 + r);
+    int64_t t = 0;
+    for (; t + kTokens <= N; t += kTokens)
+      for (int64_t r = 0; r < nr; ++r) tile<1, kTokens>(out, ldo, inp, C, rows + r, o0 + r, bias, t);
+    for (; t < N; ++t) {
+      if (nr == kRows) {
+        tile<kRows, 1>(out, ldo, inp, C, rows, o0, bias, t);
+      } else {
+        for (int64_t r = 0; r < nr; ++r) tile<1, 1>(out, ldo, inp, C, rows + r, o0 + r, bias, t);
+      }
+    }
+  }
+}
+
+#endif  // LOOM_ROW_LINEAR_SIMD
+
+}  // namespace loom::cpu::row_linear
