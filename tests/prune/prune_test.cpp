@@ -3,6 +3,7 @@
 // pruned checkpoint as an ordinary one.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <optional>
 
 #include <gtest/gtest.h>
@@ -382,71 +383,75 @@ float max_rel_diff(const std::vector<float>& a, const std::vector<float>& ref) {
   return diff / scale;
 }
 
-TEST(PruneHeads, GiveASmallerDenseModelWithTheMaskedOriginalsLogits) {
+// Runs `body` on four_heads' GPT-2 and LLaMA, each scored by weights alone
+// and over calibration data.
+void for_each_variant(const std::function<void(bool llama, bool data, const GPT& model, ParamStore& ps)>& body) {
   for (bool llama : {false, true})
     for (bool data : {false, true}) {
       SCOPED_TRACE(str(llama ? "llama" : "gpt2", data ? ", calibrated" : ", by weights"));
-      const GPTConfig c = four_heads(llama);
-      GPT model(c);
+      GPT model(four_heads(llama));
       ParamStore ps(model.layout(), 5);
-      std::optional<WandaCalibration> cal;
-      if (data) {
-        cal.emplace();
-        calibrate(model, ps);
-      }
-      // One head (GPT-2) or one key/value group of two (LLaMA) per layer.
-      const SmallerModel smaller = remove_heads(model, ps, llama ? 0.5 : 0.25, cal ? &*cal : nullptr);
-      const GPTConfig& s = smaller.model->config();
-      EXPECT_EQ(s.n_head, llama ? 2 : 3);
-      EXPECT_EQ(s.kv_heads(), llama ? 1 : 3);
-      EXPECT_EQ(s.head_dim(), c.head_dim());
-      EXPECT_NE(s.q_dim(), s.n_embd);
-      EXPECT_EQ(s.n_embd, c.n_embd);
-      EXPECT_EQ(smaller.report.numel, smaller.model->layout().numel());
-      EXPECT_LT(smaller.report.numel, model.layout().numel());
-      for (const std::vector<int64_t>& kept : smaller.pruning.kept) {
-        ASSERT_EQ(static_cast<int64_t>(kept.size()), s.n_head);
-        EXPECT_TRUE(std::is_sorted(kept.begin(), kept.end()));
-        if (llama) {
-          EXPECT_EQ(kept[0] / 2, kept[1] / 2) << "a whole key/value group";
-        }
-      }
-      mask_removed_heads(model, ps, smaller);
-      EXPECT_LE(max_rel_diff(logits(*smaller.model, *smaller.params), logits(model, ps)), 1e-5f);
+      body(llama, data, model, ps);
     }
+}
+
+TEST(PruneHeads, GiveASmallerDenseModelWithTheMaskedOriginalsLogits) {
+  for_each_variant([](bool llama, bool data, const GPT& model, ParamStore& ps) {
+    const GPTConfig& c = model.config();
+    std::optional<WandaCalibration> cal;
+    if (data) {
+      cal.emplace();
+      calibrate(model, ps);
+    }
+    // One head (GPT-2) or one key/value group of two (LLaMA) per layer.
+    const SmallerModel smaller = remove_heads(model, ps, llama ? 0.5 : 0.25, cal ? &*cal : nullptr);
+    const GPTConfig& s = smaller.model->config();
+    EXPECT_EQ(s.n_head, llama ? 2 : 3);
+    EXPECT_EQ(s.kv_heads(), llama ? 1 : 3);
+    EXPECT_EQ(s.head_dim(), c.head_dim());
+    EXPECT_NE(s.q_dim(), s.n_embd);
+    EXPECT_EQ(s.n_embd, c.n_embd);
+    EXPECT_EQ(smaller.report.numel, smaller.model->layout().numel());
+    EXPECT_LT(smaller.report.numel, model.layout().numel());
+    for (const std::vector<int64_t>& kept : smaller.pruning.kept) {
+      ASSERT_EQ(static_cast<int64_t>(kept.size()), s.n_head);
+      EXPECT_TRUE(std::is_sorted(kept.begin(), kept.end()));
+      if (llama) {
+        EXPECT_EQ(kept[0] / 2, kept[1] / 2) << "a whole key/value group";
+      }
+    }
+    mask_removed_heads(model, ps, smaller);
+    EXPECT_LE(max_rel_diff(logits(*smaller.model, *smaller.params), logits(model, ps)), 1e-5f);
+  });
 }
 
 // The lowest summed score leaves; ties go to the lower index.
 TEST(PruneHeads, TheLeastImportantGroupLeavesFirst) {
-  for (bool llama : {false, true})
-    for (bool data : {false, true}) {
-      SCOPED_TRACE(str(llama ? "llama" : "gpt2", data ? ", calibrated" : ", by weights"));
-      const GPTConfig c = four_heads(llama);
-      GPT model(c);
-      ParamStore ps(model.layout(), 5);
-      const GPT shape_of_smaller(remove_heads(model, ps, 0.5).pruning.config);
-      const int64_t hd = c.head_dim();
-      {
-        // Layer 0: every head writes nothing, so all tie; layer 1: head 2
-        // (LLaMA: group 1, heads 2 and 3) writes nothing.
-        const HostSection host;
-        float* w = ps.flat().data<float>();
-        for (int64_t l : {0, 1}) {
-          const ParamSpec& p = output_projection(model, shape_of_smaller, l);
-          const int64_t first = l == 0 ? 0 : 2 * hd, last = l == 0 ? c.q_dim() : (llama ? 4 : 3) * hd;
-          for (int64_t r = 0; r < p.shape[0]; ++r)
-            for (int64_t col = first; col < last; ++col) w[p.offset + r * p.shape[1] + col] = 0.0f;
-        }
+  for_each_variant([](bool llama, bool data, const GPT& model, ParamStore& ps) {
+    const GPTConfig& c = model.config();
+    const GPT shape_of_smaller(remove_heads(model, ps, 0.5).pruning.config);
+    const int64_t hd = c.head_dim();
+    {
+      // Layer 0: every head writes nothing, so all tie; layer 1: head 2
+      // (LLaMA: group 1, heads 2 and 3) writes nothing.
+      const HostSection host;
+      float* w = ps.flat().data<float>();
+      for (int64_t l : {0, 1}) {
+        const ParamSpec& p = output_projection(model, shape_of_smaller, l);
+        const int64_t first = l == 0 ? 0 : 2 * hd, last = l == 0 ? c.q_dim() : (llama ? 4 : 3) * hd;
+        for (int64_t r = 0; r < p.shape[0]; ++r)
+          for (int64_t col = first; col < last; ++col) w[p.offset + r * p.shape[1] + col] = 0.0f;
       }
-      std::optional<WandaCalibration> cal;
-      if (data) {
-        cal.emplace();
-        calibrate(model, ps);
-      }
-      const StructuredPruning p = choose_heads(model, ps, llama ? 0.5 : 0.25, cal ? &*cal : nullptr);
-      EXPECT_EQ(p.kept[0], llama ? (std::vector<int64_t>{2, 3}) : (std::vector<int64_t>{1, 2, 3}));
-      EXPECT_EQ(p.kept[1], llama ? (std::vector<int64_t>{0, 1}) : (std::vector<int64_t>{0, 1, 3}));
     }
+    std::optional<WandaCalibration> cal;
+    if (data) {
+      cal.emplace();
+      calibrate(model, ps);
+    }
+    const StructuredPruning p = choose_heads(model, ps, llama ? 0.5 : 0.25, cal ? &*cal : nullptr);
+    EXPECT_EQ(p.kept[0], llama ? (std::vector<int64_t>{2, 3}) : (std::vector<int64_t>{1, 2, 3}));
+    EXPECT_EQ(p.kept[1], llama ? (std::vector<int64_t>{0, 1}) : (std::vector<int64_t>{0, 1, 3}));
+  });
 }
 
 // With calibration a head scores ||X_h|| ||W_o[:, h]||: recomputed here from
