@@ -85,6 +85,12 @@ struct GPTConfig {
   MlpKind mlp = MlpKind::gelu;
   int64_t intermediate_size = 0;  // 0: 4 * n_embd
   int64_t n_kv_head = 0;          // 0: n_head (multi-head attention)
+  // The width of one attention head. 0: n_embd / n_head. Set, attention's
+  // widths follow the heads alone (q n_head * head_size, k and v
+  // n_kv_head * head_size, the output projection's input n_head *
+  // head_size), whatever n_embd: some HF models, and a model whose heads
+  // were pruned.
+  int64_t head_size = 0;
   // One c_attn parameter of q | k | v rows (GPT-2's checkpoints), or three
   // parameters q, k and v (LLaMA's): the same GEMM, other parameter names.
   bool packed_qkv = true;
@@ -93,7 +99,9 @@ struct GPTConfig {
   bool tied_embeddings = true;  // the output head multiplies by wte; else its own lm_head
   LoRAConfig lora;
 
-  int64_t head_dim() const { return n_embd / n_head; }
+  int64_t head_dim() const { return head_size > 0 ? head_size : n_embd / n_head; }
+  // The query projection's and attention output's width.
+  int64_t q_dim() const { return n_head * head_dim(); }
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int64_t intermediate() const { return intermediate_size > 0 ? intermediate_size : 4 * n_embd; }
   // Every block's linear layers, in the block's order.
@@ -106,8 +114,9 @@ struct GPTConfig {
   // "llama-tiny" (tests), "llama3.2-1b", "llama2-7b", "llama3-8b".
   static GPTConfig preset(std::string_view name);
   static std::vector<std::string> preset_names();
-  // The model a Hugging Face config.json describes. Throws Error for what
-  // loom's model cannot express (a head_dim other than hidden / heads).
+  // The model a Hugging Face config.json describes (a head_dim other than
+  // hidden / heads is head_size). Throws Error for what loom's model cannot
+  // express.
   static GPTConfig from_hf(const HFModelConfig& hf);
 
   // Throws Error naming the field, the constraint and the fix (lora.*: a

@@ -20,7 +20,8 @@ namespace loom {
 
 // Model FLOPs of one training step (forward + backward), Megatron-LM's count
 // (Narayanan et al. 2021) without recompute, with M = layer_matmul_weights:
-//   6 B s L M + 12 B s^2 L h + 6 B s h V;
+//   6 B s L M + 12 B s^2 L q + 6 B s h V (q = n_head * head_dim, h unless
+// model.head_dim says otherwise);
 // for GPT-2 (M = 12 h^2) that is 72 B s L h^2 (1 + s/(6h) + V/(12 L h)).
 // With LoRA the frozen weights take no weight gradient (4 instead of 6 per
 // weight) and the adapters' r (in + out) weights per adapted layer add 6 each.
@@ -30,7 +31,8 @@ double training_flops_per_step(const GPTConfig& cfg, int64_t B, int64_t T);
 double block_training_flops(const GPTConfig& cfg, int64_t seq_len);
 double head_training_flops(const GPTConfig& cfg, int64_t seq_len);
 // The weights of one block's matrix multiplies: q, k, v and the output
-// projection (2 h^2 + 2 h kv, kv = n_kv_head * head_dim) and the MLP (2 h I,
+// projection (2 h q + 2 h kv, q = n_head * head_dim, kv = n_kv_head *
+// head_dim) and the MLP (2 h I,
 // SwiGLU 3 h I).
 double layer_matmul_weights(const GPTConfig& cfg);
 

@@ -21,13 +21,14 @@
 namespace loom {
 
 // magnitude and wanda zero single weights; channels removes MLP
-// intermediate channels, giving a smaller dense model.
-enum class PruneMethod : uint8_t { magnitude, wanda, channels };
+// intermediate channels and heads attention heads, each giving a smaller
+// dense model.
+enum class PruneMethod : uint8_t { magnitude, wanda, channels, heads };
 // unstructured: any elements; two_four: 2 of every 4 consecutive weights
 // along the input dimension.
 enum class SparsityPattern : uint8_t { unstructured, two_four };
 
-// "magnitude", "wanda"; "unstructured", "2:4". The parsers throw Error naming
+// "magnitude", "wanda", "channels", "heads"; "unstructured", "2:4". The parsers throw Error naming
 // the flag and its choices.
 const char* prune_method_name(PruneMethod m);
 const char* sparsity_pattern_name(SparsityPattern p);
@@ -90,34 +91,58 @@ struct PruneReport {
 PruneReport prune_model(const GPT& model, ParamStore& params, const PruneOptions& options,
                         const WandaCalibration* calibration = nullptr);
 
-// Structured pruning of the MLPs: every layer keeps the same number of its
-// intermediate channels, so the result is an ordinary GPTConfig with a
-// smaller intermediate_size. A channel's importance is the product, over
-// the layer's matrices that have a row or column per channel (c_fc's row and
-// c_proj's column; SwiGLU's gate and up rows and down column), of the L2
-// norm of its row or column; each layer drops its round(sparsity * I)
-// least important (ties: the higher index). The matrices are found by data:
-// the parameters whose shape changes with intermediate_size.
-struct ChannelPruning {
+// Structured pruning: every layer keeps the same number of its MLP
+// channels or attention heads, so the result is an ordinary, smaller
+// GPTConfig (a smaller intermediate_size, or fewer heads of the same
+// head_dim).
+struct StructuredPruning {
   GPTConfig config;                        // the smaller model
-  std::vector<std::vector<int64_t>> kept;  // per layer, the channels kept, ascending
+  std::vector<std::vector<int64_t>> kept;  // per layer, the channels or query heads kept, ascending
 };
-// Error naming --sparsity when it is outside (0, 1) or leaves no channel.
-ChannelPruning choose_channels(const GPT& model, const ParamStore& params, double sparsity);
-// The smaller model's weights (`to` is of pruning.config): every parameter
-// of `from`, each channel dimension gathered at the kept channels.
-void copy_kept_channels(const GPT& from, const ParamStore& src, const ChannelPruning& pruning, const GPT& to,
-                        ParamStore& dst);
 
-// choose_channels and copy_kept_channels in one: the smaller model, its
-// weights and their report (no matrix pruned: the model is dense).
+// MLP channels. A channel's importance is the product, over the layer's
+// matrices that have a row or column per channel (c_fc's row and c_proj's
+// column; SwiGLU's gate and up rows and down column), of the L2 norm of its
+// row or column; each layer drops its round(sparsity * I) least important
+// (ties: the higher index). The matrices are found by data: the parameters
+// whose shape changes with intermediate_size. Error naming --sparsity when
+// it is outside (0, 1) or leaves no channel.
+StructuredPruning choose_channels(const GPT& model, const ParamStore& params, double sparsity);
+
+// Attention heads. With calibration (Wanda's, over --data), a head's score
+// is ||X_h||_2 * ||W_o[:, h]||_F: the L2 norm of its slice of the output
+// projection's input (the head's attention output over every calibration
+// token) times the Frobenius norm of the output projection's columns that
+// read it, a bound on what the head adds to the residual stream. Without
+// calibration it is scored by its weights alone: the product of the
+// Frobenius norms of its slices of q, k, v and the output projection (k and
+// v: its key/value head's). Heads leave in whole key/value groups (a kv head
+// and the n_head / n_kv_head query heads that share it; one head under
+// multi-head attention), so the ratio stays integral: each layer drops the
+// round(sparsity * n_kv_head) groups of lowest summed score (ties: the
+// lower index first). The matrices are found by data: the parameters whose
+// shape changes with n_head. Error naming --sparsity when the count rounds
+// to no group or to all of them.
+StructuredPruning choose_heads(const GPT& model, const ParamStore& params, double sparsity,
+                               const WandaCalibration* calibration = nullptr);
+
+// The smaller model's weights (`to` is of pruning.config): every parameter
+// of `from`, each dimension that shrank gathered at the kept channels or
+// heads' rows and columns.
+void copy_kept(const GPT& from, const ParamStore& src, const StructuredPruning& pruning, const GPT& to,
+               ParamStore& dst);
+
+// choose_* and copy_kept in one: the smaller model, its weights and their
+// report (no matrix pruned: the model is dense).
 struct SmallerModel {
-  ChannelPruning pruning;
+  StructuredPruning pruning;
   std::unique_ptr<GPT> model;
   std::unique_ptr<ParamStore> params;
   PruneReport report;
 };
 SmallerModel remove_channels(const GPT& model, const ParamStore& params, double sparsity);
+SmallerModel remove_heads(const GPT& model, const ParamStore& params, double sparsity,
+                          const WandaCalibration* calibration = nullptr);
 
 // Where the pruned model comes from, for its manifest.
 struct PrunedCheckpointSource {
@@ -128,7 +153,7 @@ struct PrunedCheckpointSource {
 // Writes the pruned model as the step-0 checkpoint of a new run directory
 // `out` (out/step_00000000 and out/latest, fresh optimizer state), its
 // manifest's "pruning" naming the method, pattern, sparsity and the pruned
-// matrices (none after channels: the smaller model is dense). Error when
+// matrices (none after channels or heads: the smaller model is dense). Error when
 // `out` exists: it is never overwritten.
 std::filesystem::path write_pruned_checkpoint(const std::filesystem::path& out, const GPT& model,
                                               const ParamStore& params, const PruneOptions& options,

@@ -13,7 +13,8 @@ ConfigSchema build_loom_schema() {
   s.add_choice("model.preset", "custom", presets,
                "model shape: 'custom' uses the model.* keys below, a preset name fixes them");
   s.add_int("model.n_layer", 4, "transformer blocks", 1, 1024);
-  s.add_int("model.n_head", 4, "attention heads per block (must divide model.n_embd)", 1, 1024);
+  s.add_int("model.n_head", 4, "attention heads per block (must divide model.n_embd unless model.head_dim is set)", 1,
+            1024);
   s.add_int("model.n_embd", 256, "hidden size", 1, kMaxDim);
   s.add_int("model.vocab_size", 2048, "embedding rows; at least data.vocab_size", 1, kMaxDim);
   s.add_int("model.block_size", 128, "context length in tokens (longest train.seq_len)", 1, kMaxDim);
@@ -36,6 +37,9 @@ ConfigSchema build_loom_schema() {
   s.add_int("model.intermediate_size", 0, "MLP hidden size; 0 = 4 * model.n_embd", 0, kMaxDim);
   s.add_int("model.n_kv_head", 0,
             "key/value heads (must divide model.n_head; 1 = multi-query); 0 = model.n_head", 0, 1024);
+  s.add_int("model.head_dim", 0,
+            "width of each attention head (q: n_head * head_dim, k and v: n_kv_head * head_dim); 0 = n_embd / n_head",
+            0, kMaxDim);
   s.add_bool("model.packed_qkv", true,
              "one c_attn parameter for q, k, v (GPT-2's names; needs n_kv_head = n_head) or q, k, v apart (LLaMA)");
   s.add_bool("model.attention_bias", true, "biases on the q/k/v and output projections (GPT-2: on, LLaMA: off)");

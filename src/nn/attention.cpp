@@ -8,7 +8,7 @@ namespace loom {
 CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string& prefix, const GPTConfig& cfg,
                                          int group, float proj_std, const TensorParallel& tp)
     : n_head_(cfg.n_head), hs_(cfg.head_dim()), local_heads_(cfg.n_head / tp.size()) {
-  const int64_t C = cfg.n_embd, nkv = cfg.kv_heads();
+  const int64_t C = cfg.n_embd, q = cfg.q_dim(), nkv = cfg.kv_heads();
   LOOM_CHECK(n_head_ % tp.size() == 0, n_head_, " heads do not split over ", tp.size(), " tensor-parallel ranks");
   LOOM_CHECK(nkv % tp.size() == 0 || tp.size() % nkv == 0, nkv, " kv heads over ", tp.size(),
              " tensor-parallel ranks");
@@ -16,12 +16,12 @@ CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string&
     // q, k and v are three blocks of c_attn's rows: splitting each block keeps
     // whole heads on every rank, so attention itself needs no communication.
     local_kv_heads_ = local_heads_;
-    c_attn_ = ColumnParallelLinear(layout, prefix + ".c_attn", C, 3 * C, group, 0.02f, tp, 3,
+    c_attn_ = ColumnParallelLinear(layout, prefix + ".c_attn", C, 3 * q, group, 0.02f, tp, 3,
                                    cfg.adapter("attn.c_attn"));
   } else {
     ParamParallel split;
     split.split = TensorSplit{0, tp.size(), tp.rank(), 1};
-    std::vector<LinearPart> parts{{prefix + ".q", C, split, split, 0, 0, cfg.adapter("attn.q")},
+    std::vector<LinearPart> parts{{prefix + ".q", q, split, split, 0, 0, cfg.adapter("attn.q")},
                                   {prefix + ".k", nkv * hs_, split, split, 0, 0, cfg.adapter("attn.k")},
                                   {prefix + ".v", nkv * hs_, split, split, 0, 0, cfg.adapter("attn.v")}};
     if (nkv % tp.size() == 0) {
@@ -42,7 +42,7 @@ CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string&
     }
     c_attn_ = ColumnParallelLinear(layout, parts, C, group, 0.02f, tp, cfg.attention_bias);
   }
-  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", C, C, group, proj_std, tp, cfg.attention_bias,
+  c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", q, C, group, proj_std, tp, cfg.attention_bias,
                               cfg.adapter("attn.c_proj"));
   if (cfg.positions == PositionKind::rope) {
     inv_freq_.resize(static_cast<size_t>(hs_ / 2));

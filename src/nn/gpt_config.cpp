@@ -111,14 +111,11 @@ std::vector<std::string> GPTConfig::preset_names() {
 }
 
 GPTConfig GPTConfig::from_hf(const HFModelConfig& hf) {
-  if (hf.num_attention_heads > 0 && hf.head_dim * hf.num_attention_heads != hf.hidden_size)
-    throw Error(str("config.json: head_dim = ", hf.head_dim, " with ", hf.num_attention_heads,
-                    " heads is not hidden_size = ", hf.hidden_size,
-                    " / num_attention_heads: loom's attention needs head_dim = hidden_size / num_attention_heads"));
   GPTConfig c;
   c.n_layer = hf.num_hidden_layers;
   c.n_head = hf.num_attention_heads;
   c.n_embd = hf.hidden_size;
+  if (hf.head_dim * hf.num_attention_heads != hf.hidden_size) c.head_size = hf.head_dim;
   c.vocab_size = hf.vocab_size;
   c.block_size = hf.max_position_embeddings;
   const bool gpt2 = hf.arch == HFArch::gpt2;
@@ -153,10 +150,13 @@ void GPTConfig::validate() const {
   positive("n_embd", n_embd);
   positive("vocab_size", vocab_size);
   positive("block_size", block_size);
-  if (n_embd % n_head != 0) {
+  if (head_size < 0)
+    throw Error(str("model.head_dim = ", head_size, ": must be positive, or 0 for n_embd / n_head"));
+  if (head_size == 0 && n_embd % n_head != 0) {
     int64_t lo = n_embd / n_head * n_head, hi = lo + n_head;
     throw Error(str("model.n_embd = ", n_embd, " is not divisible by model.n_head = ", n_head,
-                    ": use n_embd = ", lo > 0 ? str(lo, " or ") : std::string(), hi, ", or change n_head"));
+                    ": use n_embd = ", lo > 0 ? str(lo, " or ") : std::string(), hi,
+                    ", change n_head, or set model.head_dim"));
   }
   if (vocab_size > INT32_MAX) throw Error(str("model.vocab_size = ", vocab_size, ": must fit in int32 token ids"));
   if (!(dropout >= 0.0f && dropout < 1.0f))
@@ -176,8 +176,9 @@ void GPTConfig::validate() const {
     throw Error(str("model.norm_eps = ", norm_eps, ": RMSNorm needs a positive eps (LLaMA uses 1e-5 or 1e-6)"));
   if (positions == PositionKind::rope) {
     if (head_dim() % 2 != 0)
-      throw Error(str("model.positions = rope needs an even head dimension; n_embd / n_head = ", head_dim(),
-                      ": change n_embd or n_head"));
+      throw Error(str("model.positions = rope needs an even head dimension; ",
+                      head_size > 0 ? "model.head_dim" : "n_embd / n_head", " = ", head_dim(),
+                      ": change n_embd, n_head or head_dim"));
     if (!(rope_theta > 0.0)) throw Error(str("model.rope_theta = ", rope_theta, ": must be positive"));
     if (rope_scaling.type != cpu::RopeScalingType::none && !(rope_scaling.factor > 0.0))
       throw Error(str("model.rope_scaling_factor = ", rope_scaling.factor, ": must be positive"));
@@ -193,16 +194,16 @@ void GPTConfig::validate() const {
 }
 
 std::vector<BlockLinear> GPTConfig::block_linears() const {
-  const int64_t C = n_embd, I = intermediate(), kv = kv_heads() * head_dim();
+  const int64_t C = n_embd, I = intermediate(), q = q_dim(), kv = kv_heads() * head_dim();
   std::vector<BlockLinear> out;
   if (packed_qkv)
-    out.push_back({"attn.c_attn", "", C, 3 * C});
+    out.push_back({"attn.c_attn", "", C, 3 * q});
   else
-    out.insert(out.end(), {{"attn.q", "", C, C}, {"attn.k", "", C, kv}, {"attn.v", "", C, kv}});
+    out.insert(out.end(), {{"attn.q", "", C, q}, {"attn.k", "", C, kv}, {"attn.v", "", C, kv}});
   // LLaMA's output projections answer to their HF names too (o_proj,
   // down_proj), which is how PEFT users name them.
   const bool hf_names = !packed_qkv;
-  out.push_back({"attn.c_proj", hf_names ? "o" : "", C, C});
+  out.push_back({"attn.c_proj", hf_names ? "o" : "", q, C});
   if (mlp == MlpKind::swiglu)
     out.insert(out.end(), {{"mlp.gate", "", C, I}, {"mlp.up", "", C, I}});
   else
@@ -258,9 +259,9 @@ void GPTConfig::validate_lora() const {
 }
 
 int64_t GPTConfig::num_params() const {
-  const int64_t C = n_embd, I = intermediate(), kv = kv_heads() * head_dim();
+  const int64_t C = n_embd, I = intermediate(), q = q_dim(), kv = kv_heads() * head_dim();
   const int64_t norm_params = norm == NormKind::layernorm ? 2 * C : C;
-  const int64_t attn = (C + 2 * kv) * C + C * C + (attention_bias ? 2 * C + 2 * kv : 0);
+  const int64_t attn = (q + 2 * kv) * C + q * C + (attention_bias ? q + C + 2 * kv : 0);
   const int64_t in_rows = mlp == MlpKind::swiglu ? 2 * I : I;  // gate and up, or c_fc
   const int64_t mlp_params = in_rows * C + C * I + (mlp_bias ? in_rows + C : 0);
   const int64_t per_block = 2 * norm_params + attn + mlp_params;

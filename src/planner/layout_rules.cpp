@@ -62,8 +62,8 @@ Found batch_divides(const LayoutProblem& p, const Layout& l) {
       str("set train.batch_size to ", down > 0 ? str(down, " or ") : std::string(), down + per_step)};
 }
 
-// Attention splits by head, the MLP's columns and the embedding's C by the
-// same factor; heads suffice since GPTConfig::validate holds n_embd % n_head == 0.
+// Attention splits by head (q, and the output projection's input, are
+// n_head * head_dim wide); the residual width n_embd is never split.
 Found tp_divides_heads(const LayoutProblem& p, const Layout& l) {
   const GPTConfig& m = p.model;
   if (m.n_head % l.tp == 0) return std::nullopt;
@@ -75,7 +75,7 @@ Found tp_divides_heads(const LayoutProblem& p, const Layout& l) {
                   p.model_shape_settable
                       ? assign_one_of("model.n_head", nearest_valid(m.n_head, 1, 1024,
                                                                     [&](int64_t h) {
-                                                                      return h % l.tp == 0 && m.n_embd % h == 0;
+                                                                      return h % l.tp == 0 && (m.head_size > 0 || m.n_embd % h == 0);
                                                                     }))
                       : std::string()})};
 }

@@ -165,6 +165,7 @@ struct Geometry {
   // Token rows outside the tensor-parallel regions (TensorParallel::local_rows).
   int64_t rows() const { return sp ? N() / tp : N(); }
   int64_t C() const { return cfg.n_embd; }
+  int64_t Q() const { return cfg.q_dim(); }  // q's and attention output's width
   int64_t local_heads() const { return cfg.n_head / tp; }
   int64_t local_vocab() const { return (cfg.vocab_size + tp - 1) / tp; }
   int64_t local_I() const { return cfg.intermediate() / tp; }
@@ -177,16 +178,16 @@ struct Geometry {
     LinearShape l{C(), cfg.attention_bias, true, {}};
     const int64_t hs = cfg.head_dim(), nkv = cfg.kv_heads();
     if (cfg.packed_qkv) {
-      l.parts.push_back({3 * C() / tp, 3 * C() / tp, cfg.adapter("attn.c_attn").r});
+      l.parts.push_back({3 * Q() / tp, 3 * Q() / tp, cfg.adapter("attn.c_attn").r});
       return l;
     }
-    l.parts.push_back({C() / tp, C() / tp, cfg.adapter("attn.q").r});
+    l.parts.push_back({Q() / tp, Q() / tp, cfg.adapter("attn.q").r});
     const bool split = nkv % tp == 0;
     for (const char* name : {"attn.k", "attn.v"})
       l.parts.push_back({split ? nkv * hs / tp : nkv * hs, split ? nkv * hs / tp : hs, cfg.adapter(name).r, !split});
     return l;
   }
-  LinearShape attn_proj() const { return {C() / tp, cfg.attention_bias, false, {{C(), C(), cfg.adapter("attn.c_proj").r}}}; }
+  LinearShape attn_proj() const { return {Q() / tp, cfg.attention_bias, false, {{C(), C(), cfg.adapter("attn.c_proj").r}}}; }
   // MLP: c_fc (GELU) or gate | up (SwiGLU), column-parallel; c_proj, row.
   LinearShape c_fc() const {
     LinearShape l{C(), cfg.mlp_bias, true, {}};

@@ -4,8 +4,8 @@ namespace loom {
 
 double layer_matmul_weights(const GPTConfig& cfg) {
   const double h = static_cast<double>(cfg.n_embd), I = static_cast<double>(cfg.intermediate());
-  const double kv = static_cast<double>(cfg.kv_heads() * cfg.head_dim());
-  return 2.0 * h * h + 2.0 * h * kv + (cfg.mlp == MlpKind::swiglu ? 3.0 : 2.0) * h * I;
+  const double q = static_cast<double>(cfg.q_dim()), kv = static_cast<double>(cfg.kv_heads() * cfg.head_dim());
+  return 2.0 * h * q + 2.0 * h * kv + (cfg.mlp == MlpKind::swiglu ? 3.0 : 2.0) * h * I;
 }
 
 namespace {
@@ -15,10 +15,10 @@ double weight_passes(const GPTConfig& cfg) { return cfg.lora.enabled() ? 4.0 : 6
 }  // namespace
 
 double block_training_flops(const GPTConfig& cfg, int64_t seq_len) {
-  const double s = static_cast<double>(seq_len), h = static_cast<double>(cfg.n_embd);
+  const double s = static_cast<double>(seq_len), q = static_cast<double>(cfg.q_dim());
   // The adapters' own weights train.
   const double adapters = static_cast<double>(cfg.num_adapter_params()) / static_cast<double>(cfg.n_layer);
-  return s * (weight_passes(cfg) * layer_matmul_weights(cfg) + 12.0 * s * h + 6.0 * adapters);
+  return s * (weight_passes(cfg) * layer_matmul_weights(cfg) + 12.0 * s * q + 6.0 * adapters);
 }
 
 double head_training_flops(const GPTConfig& cfg, int64_t seq_len) {
@@ -36,19 +36,21 @@ double activation_bytes_per_layer(const GPTConfig& cfg, int64_t B, int64_t T, in
   const double N = static_cast<double>(B * T), h = static_cast<double>(cfg.n_embd);
   const double a = static_cast<double>(cfg.n_head), t = static_cast<double>(tp);
   const double I = static_cast<double>(cfg.intermediate()), hs = static_cast<double>(cfg.head_dim());
+  const double q = static_cast<double>(cfg.q_dim());
   // Token rows outside the tensor-parallel regions.
   const double rows = sequence_parallel && tp > 1 ? N / t : N;
   if (checkpoint_activations) return 4.0 * rows * h;
   // Outside the regions: x, ln_1 out, r, ln_2 out (4 h per row) and the two
   // norms' statistics (LayerNorm: mean and rstd, RMSNorm: rstd). Inside,
   // every token of this rank's heads and MLP columns: q | k | v (k and v of
-  // its kv heads: split, or the one it shares), attention out (h), the MLP's
-  // input projection (I, SwiGLU's gate | up 2I) and activation (I), and
-  // attention's log-sum-exp (a / t). GPT-2: 12 h / t + a / t.
+  // its kv heads: split, or the one it shares), attention out (q each, q =
+  // n_head * head_dim), the MLP's input projection (I, SwiGLU's gate | up 2I)
+  // and activation (I), and attention's log-sum-exp (a / t). GPT-2: 12 h / t
+  // + a / t.
   const double stats = cfg.norm == NormKind::layernorm ? 4.0 : 2.0;
   const double kv = cfg.kv_heads() % tp == 0 ? static_cast<double>(cfg.kv_heads()) * hs / t : hs;
   const double fc = cfg.mlp == MlpKind::swiglu ? 2.0 * I : I;
-  return 4.0 * (rows * (4.0 * h + stats) + N * ((2.0 * h + fc + I + a) / t + 2.0 * kv));
+  return 4.0 * (rows * (4.0 * h + stats) + N * ((2.0 * q + fc + I + a) / t + 2.0 * kv));
 }
 
 double zero_model_state_bytes(int stage, DType precision, double params, int ranks) {

@@ -64,12 +64,12 @@ double device_seconds(const Shapes& s, double seconds) { return s.share * second
 // under activation checkpointing) for one micro-batch.
 std::pair<Cost, Cost> block_cost(const Shapes& s, bool recompute) {
   const GPTConfig& m = s.m;
-  const int64_t C = m.n_embd, hs = m.head_dim(), t = s.tp;
+  const int64_t C = m.n_embd, q = m.q_dim(), hs = m.head_dim(), t = s.tp;
   const int64_t kv = m.kv_heads() % t == 0 ? m.kv_heads() / t * hs : hs;  // split, or one shared head
   const int64_t I = m.intermediate();
   const bool swiglu = m.mlp == MlpKind::swiglu;
   const bool trained = !m.lora.enabled();  // a frozen base takes no weight gradient
-  const Linear layers[] = {{C, C / t + 2 * kv}, {C / t, C}, {C, (swiglu ? 2 : 1) * I / t}, {I / t, C}};
+  const Linear layers[] = {{C, q / t + 2 * kv}, {q / t, C}, {C, (swiglu ? 2 : 1) * I / t}, {I / t, C}};
   // Causal attention of this rank's heads over the micro-batch's sequences.
   const double sequences_heads = static_cast<double>(s.B * (m.n_head / t));
   const double attention_forward = sequences_heads * s.rates.attention_seconds(s.T, hs, false, s.precision);

@@ -18,6 +18,7 @@ const char* prune_method_name(PruneMethod m) {
     case PruneMethod::magnitude: return "magnitude";
     case PruneMethod::wanda: return "wanda";
     case PruneMethod::channels: return "channels";
+    case PruneMethod::heads: return "heads";
   }
   return "?";
 }
@@ -27,9 +28,9 @@ const char* sparsity_pattern_name(SparsityPattern p) {
 }
 
 PruneMethod parse_prune_method(std::string_view name) {
-  for (PruneMethod m : {PruneMethod::magnitude, PruneMethod::wanda, PruneMethod::channels})
+  for (PruneMethod m : {PruneMethod::magnitude, PruneMethod::wanda, PruneMethod::channels, PruneMethod::heads})
     if (name == prune_method_name(m)) return m;
-  throw Error(str("--method ", name, ": choose magnitude, wanda or channels"));
+  throw Error(str("--method ", name, ": choose magnitude, wanda, channels or heads"));
 }
 
 SparsityPattern parse_sparsity_pattern(std::string_view name) {
@@ -42,9 +43,11 @@ void validate(const PruneOptions& o) {
   if (!(o.sparsity > 0.0 && o.sparsity < 1.0))
     throw Error(str("--sparsity ", o.sparsity,
                     " is outside (0, 1): give the share of each matrix's weights to zero, e.g. 0.5"));
-  if (o.pattern == SparsityPattern::two_four && o.method == PruneMethod::channels)
-    throw Error("--pattern 2:4 zeroes single weights, and --method channels removes whole channels: leave "
-                "--pattern out, or use --method magnitude or wanda");
+  const bool structured = o.method == PruneMethod::channels || o.method == PruneMethod::heads;
+  if (o.pattern == SparsityPattern::two_four && structured)
+    throw Error(str("--pattern 2:4 zeroes single weights, and --method ", prune_method_name(o.method),
+                    " removes whole ", o.method == PruneMethod::heads ? "heads" : "channels",
+                    ": leave --pattern out, or use --method magnitude or wanda"));
   if (o.pattern == SparsityPattern::two_four && o.sparsity != 0.5)
     throw Error(str("--sparsity ", o.sparsity, " with --pattern 2:4, which zeroes 2 of every 4 weights: give "
                                                "--sparsity 0.5 or leave it out, or use --pattern unstructured"));
@@ -147,7 +150,8 @@ std::vector<double> WandaCalibration::input_norms(int id) const {
 PruneReport prune_model(const GPT& model, ParamStore& params, const PruneOptions& o,
                         const WandaCalibration* calibration) {
   validate(o);
-  LOOM_CHECK(o.method != PruneMethod::channels, "channels are pruned by choose_channels");
+  LOOM_CHECK(o.method != PruneMethod::channels && o.method != PruneMethod::heads,
+             "structured pruning removes channels or heads (remove_channels, remove_heads)");
   if (o.method == PruneMethod::wanda && !calibration)
     throw Error("--method wanda scores weights by their inputs: give calibration data with --data SHARD");
   const ParamLayout& layout = model.layout();
@@ -181,8 +185,8 @@ int64_t layer_of_group(const GPT& model, int group) {
 }
 
 // The dimension in which `to`'s parameter of p's name is smaller than p (the
-// channel dimension), or -1 when it is the same shape.
-int channel_dim(const ParamSpec& p, const GPT& to) {
+// channel or head dimension), or -1 when it is the same shape.
+int pruned_dim(const ParamSpec& p, const GPT& to) {
   const int id = to.layout().find(p.name);
   LOOM_CHECK(id >= 0, p.name, " is missing from the pruned model");
   const Shape& q = to.layout().param(id).shape;
@@ -192,15 +196,69 @@ int channel_dim(const ParamSpec& p, const GPT& to) {
   return -1;
 }
 
+// Where each query head's slices lie along a dimension of `size` of one of
+// c's attention parameters, each head_dim long: q's rows and the output
+// projection's columns (n_head * head_dim), GPT-2's packed q | k | v rows
+// (three slices), k's and v's rows (the slice of the head's kv head).
+std::vector<std::vector<int64_t>> head_slices(const GPTConfig& c, int64_t size) {
+  const int64_t hd = c.head_dim(), q = c.q_dim(), group = c.n_head / c.kv_heads();
+  std::vector<std::vector<int64_t>> at(static_cast<size_t>(c.n_head));
+  for (int64_t h = 0; h < c.n_head; ++h) {
+    std::vector<int64_t>& s = at[static_cast<size_t>(h)];
+    if (size == q)
+      s = {h * hd};
+    else if (size == 3 * q)
+      s = {h * hd, q + h * hd, 2 * q + h * hd};
+    else if (size == c.kv_heads() * hd)
+      s = {h / group * hd};
+    else
+      LOOM_CHECK(false, "a dimension of ", size, " is no attention head's");
+  }
+  return at;
+}
+
+// The indices kept along a dimension of `size` that the pruning shrinks, of
+// a parameter of layer `layer` of `from`, ascending.
+std::vector<int64_t> kept_indices(const GPTConfig& from, const StructuredPruning& pruning, int64_t layer,
+                                  int64_t size) {
+  const std::vector<int64_t>& kept = pruning.kept[static_cast<size_t>(layer)];
+  if (pruning.config.n_head == from.n_head) {
+    LOOM_CHECK(size == from.intermediate(), "a dimension of ", size, " is no MLP channel's");
+    return kept;
+  }
+  const std::vector<std::vector<int64_t>> at = head_slices(from, size);
+  std::vector<int64_t> idx;
+  for (int64_t h : kept)
+    for (int64_t first : at[static_cast<size_t>(h)])
+      for (int64_t i = first; i < first + from.head_dim(); ++i) idx.push_back(i);
+  std::sort(idx.begin(), idx.end());
+  // k and v rows: a kv head is listed once per query head sharing it.
+  idx.erase(std::unique(idx.begin(), idx.end()), idx.end());
+  return idx;
+}
+
+// The sums of squares of the slices of matrix `p` (rows x cols) along its
+// dimension `d`: per index of that dimension.
+std::vector<double> squares_along(const float* flat, const ParamSpec& p, int d) {
+  const int64_t rows = p.shape[0], cols = p.shape[1];
+  std::vector<double> squares(static_cast<size_t>(d == 0 ? rows : cols), 0.0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const double w = flat[p.offset + r * cols + c];
+      squares[static_cast<size_t>(d == 0 ? r : c)] += w * w;
+    }
+  return squares;
+}
+
 }  // namespace
 
-ChannelPruning choose_channels(const GPT& model, const ParamStore& params, double sparsity) {
+StructuredPruning choose_channels(const GPT& model, const ParamStore& params, double sparsity) {
   validate(PruneOptions{.method = PruneMethod::channels, .sparsity = sparsity});
   const int64_t I = model.config().intermediate();
   const int64_t keep = I - std::llround(sparsity * static_cast<double>(I));
   if (keep < 1)
     throw Error(str("--sparsity ", sparsity, " removes all ", I, " MLP channels of each layer: give a smaller one"));
-  ChannelPruning pruning;
+  StructuredPruning pruning;
   pruning.config = model.config();
   pruning.config.intermediate_size = keep;
   pruning.config.validate();
@@ -211,16 +269,10 @@ ChannelPruning choose_channels(const GPT& model, const ParamStore& params, doubl
   std::vector<std::vector<double>> importance(static_cast<size_t>(model.config().n_layer),
                                               std::vector<double>(static_cast<size_t>(I), 1.0));
   for (const ParamSpec& p : model.layout().params()) {
-    const int d = channel_dim(p, to);
+    const int d = pruned_dim(p, to);
     if (d < 0 || p.shape.size() != 2) continue;
     std::vector<double>& layer = importance[static_cast<size_t>(layer_of_group(model, p.group))];
-    const int64_t rows = p.shape[0], cols = p.shape[1];
-    std::vector<double> squares(static_cast<size_t>(I), 0.0);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) {
-        const double w = flat[p.offset + r * cols + c];
-        squares[static_cast<size_t>(d == 0 ? r : c)] += w * w;
-      }
+    const std::vector<double> squares = squares_along(flat, p, d);
     for (size_t ch = 0; ch < squares.size(); ++ch) layer[ch] *= std::sqrt(squares[ch]);
   }
   for (const std::vector<double>& layer : importance) {
@@ -236,43 +288,131 @@ ChannelPruning choose_channels(const GPT& model, const ParamStore& params, doubl
   return pruning;
 }
 
-void copy_kept_channels(const GPT& from, const ParamStore& src, const ChannelPruning& pruning, const GPT& to,
-                        ParamStore& dst) {
+StructuredPruning choose_heads(const GPT& model, const ParamStore& params, double sparsity,
+                               const WandaCalibration* calibration) {
+  validate(PruneOptions{.method = PruneMethod::heads, .sparsity = sparsity});
+  const GPTConfig& c = model.config();
+  const int64_t groups = c.kv_heads(), group = c.n_head / groups, hd = c.head_dim();
+  const int64_t removed = std::llround(sparsity * static_cast<double>(groups));
+  const std::string unit = group > 1 ? str("key/value groups (of ", group, " query heads)") : std::string("heads");
+  if (removed < 1)
+    throw Error(str("--sparsity ", sparsity, " removes none of the ", groups, " ", unit,
+                    " of each layer (round(sparsity * ", groups, ") = 0): give at least ",
+                    0.5 / static_cast<double>(groups)));
+  if (removed >= groups)
+    throw Error(str("--sparsity ", sparsity, " removes all ", groups, " ", unit,
+                    " of each layer: give a smaller one, below ", (static_cast<double>(groups) - 0.5) / static_cast<double>(groups)));
+  StructuredPruning pruning;
+  pruning.config = c;
+  pruning.config.n_head = c.n_head - removed * group;
+  if (c.n_kv_head > 0) pruning.config.n_kv_head = groups - removed;
+  pruning.config.head_size = hd;
+  pruning.config.validate();
+  const GPT to(pruning.config);
+  check_fp32(model.layout(), params);
+  const HostSection host;
+  const float* flat = params.flat().data<float>();
+  std::vector<std::vector<double>> score(static_cast<size_t>(c.n_layer),
+                                         std::vector<double>(static_cast<size_t>(c.n_head), 1.0));
+  for (int id = 0; id < static_cast<int>(model.layout().params().size()); ++id) {
+    const ParamSpec& p = model.layout().param(id);
+    const int d = pruned_dim(p, to);
+    if (d < 0 || !p.linear_weight) continue;
+    // The output projection is the matrix that reads the heads (its input
+    // shrinks); with calibration only it scores, by its input too.
+    const bool reads_heads = d == 1;
+    if (calibration && !reads_heads) continue;
+    std::vector<double> squares = squares_along(flat, p, d);
+    std::vector<double> inputs;
+    if (calibration) {
+      if (calibration->tokens(id) == 0)
+        throw Error(str("the heads' calibration saw no input of ", p.name,
+                        ": run the model's forward over calibration data (--data) while it collects"));
+      inputs = calibration->input_norms(id);
+    }
+    std::vector<double>& layer = score[static_cast<size_t>(layer_of_group(model, p.group))];
+    const std::vector<std::vector<int64_t>> at = head_slices(c, p.shape[static_cast<size_t>(d)]);
+    for (int64_t h = 0; h < c.n_head; ++h)
+      for (int64_t first : at[static_cast<size_t>(h)]) {
+        double w = 0.0, x = 0.0;
+        for (int64_t i = first; i < first + hd; ++i) {
+          w += squares[static_cast<size_t>(i)];
+          if (calibration) x += inputs[static_cast<size_t>(i)] * inputs[static_cast<size_t>(i)];
+        }
+        layer[static_cast<size_t>(h)] *= std::sqrt(w) * (calibration ? std::sqrt(x) : 1.0);
+      }
+  }
+  for (const std::vector<double>& layer : score) {
+    std::vector<double> group_score(static_cast<size_t>(groups), 0.0);
+    for (int64_t h = 0; h < c.n_head; ++h) group_score[static_cast<size_t>(h / group)] += layer[static_cast<size_t>(h)];
+    std::vector<int64_t> order(static_cast<size_t>(groups));
+    std::iota(order.begin(), order.end(), int64_t{0});
+    // Lowest first, ties to the lower index: the first `removed` go.
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return group_score[static_cast<size_t>(a)] < group_score[static_cast<size_t>(b)];
+    });
+    std::vector<int64_t> kept(order.begin() + removed, order.end());
+    std::sort(kept.begin(), kept.end());
+    std::vector<int64_t> heads;
+    for (int64_t g : kept)
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) heads.push_back(h);
+    pruning.kept.push_back(std::move(heads));
+  }
+  return pruning;
+}
+
+void copy_kept(const GPT& from, const ParamStore& src, const StructuredPruning& pruning, const GPT& to,
+               ParamStore& dst) {
   LOOM_CHECK(to.config() == pruning.config, "the pruned model is not of the pruning's config");
   const HostSection host;
   const float* in = src.flat().data<float>();
   float* out = dst.flat().data<float>();
   for (const ParamSpec& p : from.layout().params()) {
     const ParamSpec& q = to.layout().param(to.layout().find(p.name));
-    const int d = channel_dim(p, to);
+    const int d = pruned_dim(p, to);
     if (d < 0) {
       std::copy(in + p.offset, in + p.offset + p.numel(), out + q.offset);
       continue;
     }
-    // [outer, channels, inner] with the channels at dimension d.
+    // [outer, size, inner] with the pruned dimension d in the middle.
     int64_t outer = 1, inner = 1;
     for (int k = 0; k < d; ++k) outer *= p.shape[static_cast<size_t>(k)];
     for (size_t k = static_cast<size_t>(d) + 1; k < p.shape.size(); ++k) inner *= p.shape[k];
-    const std::vector<int64_t>& kept = pruning.kept[static_cast<size_t>(layer_of_group(from, p.group))];
-    const int64_t channels = p.shape[static_cast<size_t>(d)], left = static_cast<int64_t>(kept.size());
+    const int64_t size = p.shape[static_cast<size_t>(d)];
+    const std::vector<int64_t> kept = kept_indices(from.config(), pruning, layer_of_group(from, p.group), size);
+    const int64_t left = static_cast<int64_t>(kept.size());
+    LOOM_CHECK(left == q.shape[static_cast<size_t>(d)], p.name, ": ", left, " kept of ", size);
     for (int64_t o = 0; o < outer; ++o)
       for (int64_t k = 0; k < left; ++k)
-        std::copy_n(in + p.offset + (o * channels + kept[static_cast<size_t>(k)]) * inner, inner,
+        std::copy_n(in + p.offset + (o * size + kept[static_cast<size_t>(k)]) * inner, inner,
                     out + q.offset + (o * left + k) * inner);
   }
 }
 
-SmallerModel remove_channels(const GPT& model, const ParamStore& params, double sparsity) {
+namespace {
+
+SmallerModel smaller_model(const GPT& model, const ParamStore& params, StructuredPruning pruning) {
   SmallerModel s;
-  s.pruning = choose_channels(model, params, sparsity);
+  s.pruning = std::move(pruning);
   s.model = std::make_unique<GPT>(s.pruning.config);
   s.params = std::make_unique<ParamStore>(s.model->layout(), 0);
-  copy_kept_channels(model, params, s.pruning, *s.model, *s.params);
+  copy_kept(model, params, s.pruning, *s.model, *s.params);
   const HostSection host;
   const float* flat = s.params->flat().data<float>();
   s.report.numel = s.model->layout().numel();
   s.report.nonzeros = s.report.numel - std::count(flat, flat + s.report.numel, 0.0f);
   return s;
+}
+
+}  // namespace
+
+SmallerModel remove_channels(const GPT& model, const ParamStore& params, double sparsity) {
+  return smaller_model(model, params, choose_channels(model, params, sparsity));
+}
+
+SmallerModel remove_heads(const GPT& model, const ParamStore& params, double sparsity,
+                          const WandaCalibration* calibration) {
+  return smaller_model(model, params, choose_heads(model, params, sparsity, calibration));
 }
 
 void check_prune_output(const fs::path& out) {

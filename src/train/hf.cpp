@@ -66,6 +66,10 @@ HFModelConfig hf_config_from_gpt(const GPTConfig& m) {
         "rope, swiglu, separate q, k, v) checkpoints; this model mixes their variants (model.norm, "
         "model.positions, model.mlp, model.packed_qkv, model.attention_bias, model.mlp_bias), which no Hugging "
         "Face architecture describes");
+  if (gpt2 && m.q_dim() != m.n_embd)
+    throw Error(str("export: GPT-2's config.json has no head_dim, so its heads are n_embd / n_head wide; this model's ",
+                    m.n_head, " heads of ", m.head_dim(), " (model.head_dim) are ", m.q_dim(), " wide, not n_embd = ",
+                    m.n_embd, ": use it as a loom checkpoint, or export a LLaMA-shaped model"));
   HFModelConfig c;
   c.arch = gpt2 ? HFArch::gpt2 : HFArch::llama;
   c.architecture = gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
@@ -75,7 +79,7 @@ HFModelConfig hf_config_from_gpt(const GPTConfig& m) {
   c.num_hidden_layers = m.n_layer;
   c.num_attention_heads = m.n_head;
   c.num_key_value_heads = m.kv_heads();
-  c.head_dim = m.n_embd / m.n_head;
+  c.head_dim = m.head_dim();
   c.intermediate_size = m.intermediate();
   c.max_position_embeddings = m.block_size;
   c.hidden_act = gpt2 ? HFActivation::gelu_tanh : HFActivation::silu;

@@ -41,6 +41,7 @@ nlohmann::json model_json(const GPTConfig& c) {
                       {"mlp", c.mlp == MlpKind::swiglu ? "swiglu" : "gelu"},
                       {"intermediate_size", c.intermediate_size},
                       {"n_kv_head", c.n_kv_head},
+                      {"head_dim", c.head_size},
                       {"packed_qkv", c.packed_qkv},
                       {"attention_bias", c.attention_bias},
                       {"mlp_bias", c.mlp_bias},
@@ -82,6 +83,7 @@ GPTConfig model_from_json(const nlohmann::json& j, GPTConfig c) {
   choice(j, "mlp", c.mlp, {"gelu", MlpKind::gelu}, {"swiglu", MlpKind::swiglu});
   read("intermediate_size", c.intermediate_size);
   read("n_kv_head", c.n_kv_head);
+  read("head_dim", c.head_size);  // absent before explicit head widths: n_embd / n_head
   read("packed_qkv", c.packed_qkv);
   read("attention_bias", c.attention_bias);
   read("mlp_bias", c.mlp_bias);

@@ -71,15 +71,23 @@ GPTConfig llama_config() {
   return c;
 }
 
+// Heads of 24 beside n_embd 128 / 8 heads = 16: q and the attention output
+// are 192 wide.
+GPTConfig wide_heads_config() {
+  GPTConfig c = llama_config();
+  c.head_size = 24;
+  return c;
+}
+
 TEST(ActivationMemory, MatchesTheAdaptedKorthikantiFormula) {
-  for (const GPTConfig& cfg : {model_config(), llama_config()}) {
+  for (const GPTConfig& cfg : {model_config(), llama_config(), wide_heads_config()}) {
     for (const Case& c : {Case{1, false, false}, Case{2, false, false}, Case{2, true, false}, Case{4, false, false},
                           Case{4, true, false}, Case{1, false, true}, Case{2, true, true}}) {
       const double expected = static_cast<double>(cfg.n_layer) *
                               activation_bytes_per_layer(cfg, 2, 64, c.tp, c.sequence_parallel, c.recompute);
       for (double bytes : measure(cfg, c)) {
         std::printf("%s tp=%d sp=%d recompute=%d: %.0f bytes per rank, formula %.0f (ratio %.4f)\n",
-                    cfg.mlp == MlpKind::swiglu ? "llama" : "gpt2", c.tp, c.sequence_parallel, c.recompute, bytes,
+                    cfg.mlp == MlpKind::swiglu ? (cfg.head_size > 0 ? "llama head_dim 24" : "llama") : "gpt2", c.tp, c.sequence_parallel, c.recompute, bytes,
                     expected, bytes / expected);
         EXPECT_NEAR(bytes / expected, 1.0, 0.01)
             << "tp " << c.tp << " sp " << c.sequence_parallel << " recompute " << c.recompute;

@@ -63,15 +63,39 @@ TEST(LlamaConfig, InvalidVariantsNameTheFieldAndTheFix) {
   EXPECT_CONTAINS(error_of([&] { c.validate(); }), "model.intermediate_size");
 }
 
-TEST(LlamaConfig, FromHFRefusesAHeadDimOtherThanHiddenOverHeads) {
+TEST(LlamaConfig, FromHFTakesAHeadDimOtherThanHiddenOverHeads) {
   HFModelConfig hf = read_hf_config(LOOM_SOURCE_DIR "/tests/fixtures/hf/llama");
   const GPTConfig c = GPTConfig::from_hf(hf);
   EXPECT_EQ(c.kv_heads(), hf.num_key_value_heads);
   EXPECT_EQ(c.intermediate(), hf.intermediate_size);
   EXPECT_FALSE(c.tied_embeddings);
   EXPECT_EQ(c.rope_scaling.type, cpu::RopeScalingType::llama3);
+  EXPECT_EQ(c.head_size, 0);  // hidden / heads: the default
   hf.head_dim *= 2;
-  EXPECT_CONTAINS(error_of([&] { GPTConfig::from_hf(hf); }), "head_dim");
+  const GPTConfig wide = GPTConfig::from_hf(hf);
+  EXPECT_EQ(wide.head_dim(), hf.head_dim);
+  EXPECT_EQ(wide.q_dim(), 2 * wide.n_embd);
+  const GPT model(wide);
+  const ParamLayout& l = model.layout();
+  EXPECT_EQ(l.param(l.find("h.0.attn.q.weight")).shape, (Shape{wide.q_dim(), wide.n_embd}));
+  EXPECT_EQ(l.param(l.find("h.0.attn.k.weight")).shape, (Shape{wide.kv_heads() * hf.head_dim, wide.n_embd}));
+  EXPECT_EQ(l.param(l.find("h.0.attn.c_proj.weight")).shape, (Shape{wide.n_embd, wide.q_dim()}));
+  EXPECT_EQ(l.numel(), wide.num_params());
+}
+
+TEST(LlamaConfig, AnExplicitHeadDimFreesTheHeadsFromTheWidth) {
+  GPTConfig c = GPTConfig::preset("tiny");
+  c.n_embd = 62;  // not a multiple of 4 heads
+  EXPECT_CONTAINS(error_of([&] { c.validate(); }), "model.head_dim");
+  c.head_size = 8;
+  c.validate();
+  EXPECT_EQ(c.q_dim(), 32);
+  EXPECT_EQ(GPT(c).layout().numel(), c.num_params());
+  c.head_size = -2;
+  EXPECT_CONTAINS(error_of([&] { c.validate(); }), "model.head_dim = -2");
+  c = tiny_llama();
+  c.head_size = 7;
+  EXPECT_CONTAINS(error_of([&] { c.validate(); }), "even head dimension; model.head_dim = 7");
 }
 
 // Every variant's formula agrees with the layout GPT builds (GPT's constructor

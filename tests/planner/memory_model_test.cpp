@@ -27,6 +27,7 @@ struct Case {
   int64_t micro_batches = 1;                        // per step and data-parallel rank
   bool nvme = false;                                // offloaded payloads on NVMe (memory.nvme_dir)
   float dropout = 0.0f;                             // model.dropout, and LoRA's
+  int64_t head_size = 0;                            // model.head_dim
 };
 
 // small_gpt's odd vocabulary pads the token table under tp and the ZeRO
@@ -34,6 +35,7 @@ struct Case {
 GPTConfig model_of(const Case& c) {
   GPTConfig cfg = testing::small_gpt(c.dropout, 4, 4);
   if (c.llama) testing::llama_variant(2)(cfg);
+  cfg.head_size = c.head_size;
   if (c.lora) {
     cfg.lora.r = 4;
     cfg.lora.dropout = c.dropout;
@@ -176,6 +178,9 @@ std::vector<Case> cases() {
   out.push_back({.name = "dp2 zero3 bf16 LoRA llama", .layout = dp_layout(2, 3), .precision = DType::bf16,
                  .lora = true, .llama = true});
   out.push_back({.name = "tp2", .layout = mp_layout(2, 1)});
+  // Heads 12 wide beside n_embd 32 / 4 heads = 8.
+  out.push_back({.name = "tp2 head_dim llama", .layout = mp_layout(2, 1), .llama = true, .head_size = 12});
+  out.push_back({.name = "dp2 zero1 head_dim", .layout = dp_layout(2, 1), .head_size = 12});
   {
     Layout l = mp_layout(2, 1);
     l.sequence_parallel = true;

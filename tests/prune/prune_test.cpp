@@ -3,6 +3,8 @@
 // pruned checkpoint as an ordinary one.
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <optional>
 
 #include <gtest/gtest.h>
 
@@ -275,7 +277,7 @@ TEST(Prune, ChannelsDropTheLeastImportantFirst) {
     const ParamSpec& proj = model.layout().param(model.layout().find("h.1.mlp.c_proj.weight"));
     for (int64_t r = 0; r < proj.shape[0]; ++r) ps.flat().data<float>()[proj.offset + r * I + 5] = 0.0f;
   }
-  const ChannelPruning p = choose_channels(model, ps, 1.0 / static_cast<double>(I));
+  const StructuredPruning p = choose_channels(model, ps, 1.0 / static_cast<double>(I));
   EXPECT_FALSE(std::binary_search(p.kept[1].begin(), p.kept[1].end(), int64_t{5}));
   EXPECT_TRUE(std::binary_search(p.kept[0].begin(), p.kept[0].end(), int64_t{5}));
   EXPECT_CONTAINS(error_of([&] { choose_channels(model, ps, 0.9999); }), "removes all");
@@ -293,7 +295,8 @@ TEST(Prune, BadInputsAreErrorsNamingTheFix) {
       [&] { prune_matrix(w.data(), 2, 6, {.pattern = SparsityPattern::two_four}, {}, "h.0.attn.c_proj.weight"); });
   EXPECT_CONTAINS(odd, "h.0.attn.c_proj.weight has 6 inputs");
   EXPECT_CONTAINS(odd, "--pattern unstructured");
-  EXPECT_CONTAINS(error_of([] { parse_prune_method("random"); }), "magnitude, wanda or channels");
+  EXPECT_CONTAINS(error_of([] { parse_prune_method("random"); }), "magnitude, wanda, channels or heads");
+  EXPECT_EQ(parse_prune_method("heads"), PruneMethod::heads);
   EXPECT_CONTAINS(error_of([] { parse_sparsity_pattern("4:8"); }), "unstructured or 2:4");
   EXPECT_EQ(parse_sparsity_pattern("2:4"), SparsityPattern::two_four);
   GPT model(small_model());
@@ -331,6 +334,225 @@ TEST(Prune, ThePrunedCheckpointLoadsAsAnOrdinaryOneAndNamesItsMasks) {
   EXPECT_EQ(pruned_params(info), names);
   EXPECT_EQ(info.fields.at(kPruningField).at("method"), "magnitude");
 }
+
+// ---------------------------------------------------------------------------
+// Attention heads
+// ---------------------------------------------------------------------------
+
+// 4 heads of width 8: GPT-2 (multi-head, packed q | k | v) and LLaMA (2
+// key/value groups of 2 query heads).
+GPTConfig four_heads(bool llama) {
+  GPTConfig c = testing::small_gpt(0.0f, 2, 4);
+  if (llama) testing::llama_variant(2)(c);
+  return c;
+}
+
+// The output projection's weight of layer `layer`: the matrix whose input
+// (columns) are the heads.
+const ParamSpec& output_projection(const GPT& model, const GPT& smaller, int64_t layer) {
+  for (const ParamSpec& p : model.layout().params()) {
+    const ParamSpec& q = smaller.layout().param(smaller.layout().find(p.name));
+    if (p.linear_weight && p.group == model.block_group(static_cast<int>(layer)) && q.shape[1] != p.shape[1]) return p;
+  }
+  LOOM_CHECK(false, "no output projection in layer ", layer);
+  return model.layout().param(0);
+}
+
+// Zeroes the output projection's columns of the heads `smaller` lacks, in
+// every layer: the original model with those heads' outputs masked.
+void mask_removed_heads(const GPT& model, ParamStore& ps, const SmallerModel& smaller) {
+  const HostSection host;
+  float* w = ps.flat().data<float>();
+  const int64_t hd = model.config().head_dim();
+  for (int64_t l = 0; l < model.config().n_layer; ++l) {
+    const ParamSpec& p = output_projection(model, *smaller.model, l);
+    const std::vector<int64_t>& kept = smaller.pruning.kept[static_cast<size_t>(l)];
+    for (int64_t r = 0; r < p.shape[0]; ++r)
+      for (int64_t c = 0; c < p.shape[1]; ++c)
+        if (!std::binary_search(kept.begin(), kept.end(), c / hd)) w[p.offset + r * p.shape[1] + c] = 0.0f;
+  }
+}
+
+float max_rel_diff(const std::vector<float>& a, const std::vector<float>& ref) {
+  EXPECT_EQ(a.size(), ref.size());
+  float scale = 0.0f, diff = 0.0f;
+  for (size_t i = 0; i < ref.size() && i < a.size(); ++i) {
+    scale = std::max(scale, std::fabs(ref[i]));
+    diff = std::max(diff, std::fabs(a[i] - ref[i]));
+  }
+  return diff / scale;
+}
+
+// Runs `body` on four_heads' GPT-2 and LLaMA, each scored by weights alone
+// and over calibration data.
+void for_each_variant(const std::function<void(bool llama, bool data, const GPT& model, ParamStore& ps)>& body) {
+  for (bool llama : {false, true})
+    for (bool data : {false, true}) {
+      SCOPED_TRACE(str(llama ? "llama" : "gpt2", data ? ", calibrated" : ", by weights"));
+      GPT model(four_heads(llama));
+      ParamStore ps(model.layout(), 5);
+      body(llama, data, model, ps);
+    }
+}
+
+TEST(PruneHeads, GiveASmallerDenseModelWithTheMaskedOriginalsLogits) {
+  for_each_variant([](bool llama, bool data, const GPT& model, ParamStore& ps) {
+    const GPTConfig& c = model.config();
+    std::optional<WandaCalibration> cal;
+    if (data) {
+      cal.emplace();
+      calibrate(model, ps);
+    }
+    // One head (GPT-2) or one key/value group of two (LLaMA) per layer.
+    const SmallerModel smaller = remove_heads(model, ps, llama ? 0.5 : 0.25, cal ? &*cal : nullptr);
+    const GPTConfig& s = smaller.model->config();
+    EXPECT_EQ(s.n_head, llama ? 2 : 3);
+    EXPECT_EQ(s.kv_heads(), llama ? 1 : 3);
+    EXPECT_EQ(s.head_dim(), c.head_dim());
+    EXPECT_NE(s.q_dim(), s.n_embd);
+    EXPECT_EQ(s.n_embd, c.n_embd);
+    EXPECT_EQ(smaller.report.numel, smaller.model->layout().numel());
+    EXPECT_LT(smaller.report.numel, model.layout().numel());
+    for (const std::vector<int64_t>& kept : smaller.pruning.kept) {
+      ASSERT_EQ(static_cast<int64_t>(kept.size()), s.n_head);
+      EXPECT_TRUE(std::is_sorted(kept.begin(), kept.end()));
+      if (llama) {
+        EXPECT_EQ(kept[0] / 2, kept[1] / 2) << "a whole key/value group";
+      }
+    }
+    mask_removed_heads(model, ps, smaller);
+    EXPECT_LE(max_rel_diff(logits(*smaller.model, *smaller.params), logits(model, ps)), 1e-5f);
+  });
+}
+
+// The lowest summed score leaves; ties go to the lower index.
+TEST(PruneHeads, TheLeastImportantGroupLeavesFirst) {
+  for_each_variant([](bool llama, bool data, const GPT& model, ParamStore& ps) {
+    const GPTConfig& c = model.config();
+    const GPT shape_of_smaller(remove_heads(model, ps, 0.5).pruning.config);
+    const int64_t hd = c.head_dim();
+    {
+      // Layer 0: every head writes nothing, so all tie; layer 1: head 2
+      // (LLaMA: group 1, heads 2 and 3) writes nothing.
+      const HostSection host;
+      float* w = ps.flat().data<float>();
+      for (int64_t l : {0, 1}) {
+        const ParamSpec& p = output_projection(model, shape_of_smaller, l);
+        const int64_t first = l == 0 ? 0 : 2 * hd, last = l == 0 ? c.q_dim() : (llama ? 4 : 3) * hd;
+        for (int64_t r = 0; r < p.shape[0]; ++r)
+          for (int64_t col = first; col < last; ++col) w[p.offset + r * p.shape[1] + col] = 0.0f;
+      }
+    }
+    std::optional<WandaCalibration> cal;
+    if (data) {
+      cal.emplace();
+      calibrate(model, ps);
+    }
+    const StructuredPruning p = choose_heads(model, ps, llama ? 0.5 : 0.25, cal ? &*cal : nullptr);
+    EXPECT_EQ(p.kept[0], llama ? (std::vector<int64_t>{2, 3}) : (std::vector<int64_t>{1, 2, 3}));
+    EXPECT_EQ(p.kept[1], llama ? (std::vector<int64_t>{0, 1}) : (std::vector<int64_t>{0, 1, 3}));
+  });
+}
+
+// With calibration a head scores ||X_h|| ||W_o[:, h]||: recomputed here from
+// the calibration's input norms, the lowest is the one removed.
+TEST(PruneHeads, CalibratedScoresAreTheHeadInputTimesItsOutputColumns) {
+  const GPTConfig c = four_heads(false);
+  GPT model(c);
+  ParamStore ps(model.layout(), 9);
+  WandaCalibration cal;
+  calibrate(model, ps);
+  const StructuredPruning p = choose_heads(model, ps, 0.25, &cal);
+  const GPT smaller(p.config);
+  const int64_t hd = c.head_dim();
+  const HostSection host;
+  const float* w = ps.flat().data<float>();
+  for (int64_t l = 0; l < c.n_layer; ++l) {
+    const ParamSpec& o = output_projection(model, smaller, l);
+    const std::vector<double> x = cal.input_norms(model.layout().find(o.name));
+    std::vector<double> score(static_cast<size_t>(c.n_head));
+    for (int64_t h = 0; h < c.n_head; ++h) {
+      double xs = 0.0, ws = 0.0;
+      for (int64_t col = h * hd; col < (h + 1) * hd; ++col) {
+        xs += x[static_cast<size_t>(col)] * x[static_cast<size_t>(col)];
+        for (int64_t r = 0; r < o.shape[0]; ++r) ws += std::pow(w[o.offset + r * o.shape[1] + col], 2);
+      }
+      score[static_cast<size_t>(h)] = std::sqrt(xs) * std::sqrt(ws);
+    }
+    const int64_t lowest = std::min_element(score.begin(), score.end()) - score.begin();
+    const std::vector<int64_t>& kept = p.kept[static_cast<size_t>(l)];
+    EXPECT_EQ(std::find(kept.begin(), kept.end(), lowest), kept.end()) << "layer " << l;
+    EXPECT_EQ(kept.size(), 3u);
+  }
+}
+
+TEST(PruneHeads, BadInputsAreErrorsNamingTheFix) {
+  GPT model(four_heads(false));
+  ParamStore ps(model.layout(), 1);
+  EXPECT_CONTAINS(error_of([&] { choose_heads(model, ps, 0.1); }), "--sparsity 0.1 removes none of the 4 heads");
+  EXPECT_CONTAINS(error_of([&] { choose_heads(model, ps, 0.9); }), "--sparsity 0.9 removes all 4 heads");
+  GPT llama(four_heads(true));
+  ParamStore lps(llama.layout(), 1);
+  EXPECT_CONTAINS(error_of([&] { choose_heads(llama, lps, 0.2); }), "removes none of the 2 key/value groups");
+  EXPECT_CONTAINS(error_of([&] { choose_heads(llama, lps, 0.8); }), "removes all 2 key/value groups");
+  EXPECT_CONTAINS(error_of([] { validate({.method = PruneMethod::heads, .pattern = SparsityPattern::two_four}); }),
+                  "--method heads removes whole heads");
+  const WandaCalibration idle;
+  EXPECT_CONTAINS(error_of([&] { choose_heads(model, ps, 0.5, &idle); }), "saw no input of h.0.attn.c_proj.weight");
+}
+
+// The pruned checkpoint (heads of width 8 beside n_embd 32 / 2 heads = 16)
+// loads under tensor and data parallelism and fine-tunes as on one rank.
+struct PrunedLayout {
+  std::string name;
+  bool llama = false;
+  testing::DataParallelRun run;
+};
+
+class PrunedHeadsUnderLayout : public ::testing::TestWithParam<PrunedLayout> {};
+
+TEST_P(PrunedHeadsUnderLayout, LoadsAndFineTunesAsSingleRank) {
+  const bool llama = GetParam().llama;
+  GPT model(four_heads(llama));
+  ParamStore ps(model.layout(), 3);
+  const SmallerModel smaller = remove_heads(model, ps, 0.5);
+  testing::TempDir dir;
+  write_pruned_checkpoint(dir / "pruned", *smaller.model, *smaller.params, {.method = PruneMethod::heads}, smaller.report,
+                          {});
+  const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(dir / "pruned"));
+  const GPTConfig loaded = checkpoint_model_config(info);
+  ASSERT_TRUE(loaded == smaller.model->config());
+  EXPECT_EQ(loaded.head_size, 8);
+  EXPECT_EQ(loaded.n_head, 2);
+  EXPECT_EQ(info.fields.at(kPruningField).at("method"), "heads");
+  auto pruned_run = [&](testing::DataParallelRun r) {
+    r.model = loaded;
+    r.steps = 4;
+    r.init = [&](Trainer& t) { load_weights(info, t, 0); };
+    return testing::run_layout(r);
+  };
+  const testing::RunResult ref = pruned_run(testing::layout(0, 0));
+  EXPECT_EQ(ref.initial_params, values(*smaller.params));
+  EXPECT_NE(ref.params, ref.initial_params);  // the steps moved the weights
+  const testing::RunResult a = pruned_run(GetParam().run);
+  EXPECT_TRUE(testing::bit_equal(a.initial_params, ref.initial_params));
+  EXPECT_TRUE(testing::matches_reference(a, ref, 1e-5));
+}
+
+std::vector<PrunedLayout> pruned_layouts() {
+  std::vector<PrunedLayout> v;
+  for (bool llama : {false, true}) {
+    const std::string name = llama ? "llama" : "gpt2";
+    testing::DataParallelRun tp = testing::layout(1, 0);
+    tp.tp = 2;
+    v.push_back({name + "_tp2", llama, tp});
+    v.push_back({name + "_dp2", llama, testing::layout(2, 1)});
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Prune, PrunedHeadsUnderLayout, ::testing::ValuesIn(pruned_layouts()),
+                         [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace loom

@@ -254,22 +254,40 @@ TEST(HFExport, ThenImportIsAnIdentityInTheStoredDtype) {
 
 // A LLaMA-class model (grouped-query attention, untied head, llama3 RoPE)
 // exports as LlamaForCausalLM and imports back to the same model and bytes.
+// With model.head_dim apart from n_embd / n_head (heads 24 wide beside
+// 64 / 4 = 16), config.json's head_dim carries it.
 TEST(HFExport, ALlamaModelRoundTripsThroughTheLlamaArchitecture) {
+  for (int64_t head_size : {0, 24}) {
+    TempDir dir;
+    GPTConfig cfg = GPTConfig::preset("llama-tiny");
+    cfg.tied_embeddings = false;
+    cfg.rope_scaling = fixture("llama").model.rope_scaling;
+    cfg.head_size = head_size;
+    cfg.validate();
+    GPT model(cfg);
+    ParamStore ps(model.layout(), 5);
+    export_hf(model, ps, dir / "llama");
+    const nlohmann::json config = nlohmann::json::parse(read_file(dir / "llama" / "config.json"));
+    EXPECT_EQ(config.at("architectures").at(0), "LlamaForCausalLM");
+    EXPECT_EQ(config.at("num_key_value_heads"), cfg.n_kv_head);
+    EXPECT_EQ(config.at("head_dim"), cfg.head_dim());
+    EXPECT_EQ(config.at("rope_scaling").at("rope_type"), "llama3");
+    const HFImport back(dir / "llama");
+    EXPECT_TRUE(back.model == cfg) << "head_dim " << head_size;
+    EXPECT_EQ(imported_flat(dir / "llama"), flat_of(ps));
+  }
+}
+
+TEST(HFExport, AGpt2WhoseHeadsAreNotNEmbdWideIsRefused) {
   TempDir dir;
-  GPTConfig cfg = GPTConfig::preset("llama-tiny");
-  cfg.tied_embeddings = false;
-  cfg.rope_scaling = fixture("llama").model.rope_scaling;
-  cfg.validate();
+  GPTConfig cfg = testing::small_gpt(0.0f);
+  cfg.head_size = 8;  // 2 heads of 8 beside n_embd 32
   GPT model(cfg);
   ParamStore ps(model.layout(), 5);
-  export_hf(model, ps, dir / "llama");
-  const nlohmann::json config = nlohmann::json::parse(read_file(dir / "llama" / "config.json"));
-  EXPECT_EQ(config.at("architectures").at(0), "LlamaForCausalLM");
-  EXPECT_EQ(config.at("num_key_value_heads"), cfg.n_kv_head);
-  EXPECT_EQ(config.at("rope_scaling").at("rope_type"), "llama3");
-  const HFImport back(dir / "llama");
-  EXPECT_TRUE(back.model == cfg);
-  EXPECT_EQ(imported_flat(dir / "llama"), flat_of(ps));
+  const std::string e = error_of([&] { export_hf(model, ps, dir / "gpt2"); });
+  EXPECT_CONTAINS(e, "GPT-2's config.json has no head_dim");
+  EXPECT_CONTAINS(e, "LLaMA-shaped");
+  EXPECT_FALSE(fs::exists(dir / "gpt2"));
 }
 
 TEST(HFExport, ShardedExportIndexesEveryTensorAndImports) {

@@ -382,6 +382,20 @@ TEST(PlanTraining, TensorParallelMustDivideTheHeads) {
   EXPECT_EQ(e.find("or model.n_head"), std::string::npos) << e;
 }
 
+// model.head_dim frees the heads from n_embd: 6 heads of 10 beside width 48
+// (not 48 / 6 = 8); the tp rule then suggests head counts that need not
+// divide n_embd.
+TEST(PlanTraining, HeadDimKeySetsTheHeadWidthApartFromNEmbd) {
+  const TrainPlan p = plan_training(tiny({"model.n_head=6", "model.n_embd=48", "model.head_dim=10", "parallel.tp=2"}));
+  EXPECT_EQ(p.model.head_dim(), 10);
+  EXPECT_EQ(p.model.q_dim(), 60);
+  EXPECT_EQ(GPT(p.model).layout().numel(), p.model.num_params());
+  const std::string e =
+      error_of([] { plan_training(tiny({"model.n_head=5", "model.n_embd=48", "model.head_dim=10", "parallel.tp=2"})); });
+  EXPECT_CONTAINS(e, "or model.n_head = 4 or 6");
+  EXPECT_CONTAINS(error_of([] { plan_training(tiny({"model.n_head=5", "model.n_embd=48"})); }), "model.head_dim");
+}
+
 TEST(PlanTraining, LlamaKeysBuildTheModelAndTheirTensorParallelRules) {
   const TrainPlan p = plan_training(tiny({"model.n_head=4", "model.norm=rmsnorm", "model.positions=rope",
                                           "model.mlp=swiglu", "model.n_kv_head=2", "model.packed_qkv=false",

@@ -228,18 +228,24 @@ int main(int argc, char** argv) {
   quant->add_option("--data", quant_data, "token shard: report its loss and perplexity before and after");
 
   // prune
-  auto* prune = app.add_subcommand("prune", "zero the linear layers' smallest weights (docs/pruning.md)");
+  auto* prune = app.add_subcommand(
+      "prune", "zero the linear layers' smallest weights, or remove MLP channels or attention heads (docs/pruning.md)");
   std::string prune_out, prune_method = "magnitude", prune_pattern = "unstructured", prune_data;
   double prune_sparsity = 0.5;
   int64_t prune_batches = 0;
   prune->add_option("--checkpoint", ckpt, "checkpoint directory, a run directory (uses latest), or hf:DIR")->required();
   prune->add_option("--method", prune_method,
-                    "magnitude (|W|), wanda (|W| times its input's norm) or channels (MLP channels, a smaller model)")
+                    "magnitude (|W|), wanda (|W| times its input's norm), channels (MLP channels) or heads "
+                    "(attention heads, whole key/value groups; by ||head output|| ||W_o columns|| over --data, or by "
+                    "weights alone without): channels and heads give a smaller dense model")
       ->capture_default_str();
-  prune->add_option("--sparsity", prune_sparsity, "share of each matrix's weights (channels: of each MLP's) to remove")
+  prune->add_option("--sparsity", prune_sparsity,
+                    "share of each matrix's weights (channels: of each MLP's channels; heads: of each layer's heads, "
+                    "in key/value groups) to remove")
       ->capture_default_str();
   prune->add_option("--pattern", prune_pattern, "unstructured or 2:4")->capture_default_str();
-  prune->add_option("--data", prune_data, "token shard: the loss before and after, and wanda's calibration");
+  prune->add_option("--data", prune_data,
+                    "token shard: the loss before and after, and wanda's and heads' calibration");
   prune->add_option("--batches", prune_batches, "with --data: at most this many batches of 8 (0: the whole shard)");
   prune->add_option("--out", prune_out, "new run directory for the pruned checkpoint")->required();
 
@@ -409,13 +415,16 @@ int main(int argc, char** argv) {
       double cpt = 0.0;
       auto loss = [&] { return evaluate_shard(m, *m.params, prune_data, 0, 8, cpt, prune_batches); };
       std::optional<WandaCalibration> calibration;
-      if (po.method == PruneMethod::wanda && data) calibration.emplace();
-      // Wanda calibrates on the windows the loss before pruning reads.
+      if ((po.method == PruneMethod::wanda || po.method == PruneMethod::heads) && data) calibration.emplace();
+      // Wanda and heads calibrate on the windows the loss before pruning reads.
       const EvalResult before = data ? loss() : EvalResult{};
-      const int64_t intermediate = m.model->config().intermediate();
+      const GPTConfig original = m.model->config();
       PruneReport r;
-      if (po.method == PruneMethod::channels) {
-        SmallerModel smaller = remove_channels(*m.model, *m.params, po.sparsity);
+      if (po.method == PruneMethod::channels || po.method == PruneMethod::heads) {
+        SmallerModel smaller =
+            po.method == PruneMethod::channels
+                ? remove_channels(*m.model, *m.params, po.sparsity)
+                : remove_heads(*m.model, *m.params, po.sparsity, calibration ? &*calibration : nullptr);
         r = smaller.report;
         m.params = std::move(smaller.params);
         m.model = std::move(smaller.model);
@@ -428,9 +437,14 @@ int main(int argc, char** argv) {
           {ckpt, m.tokenizer.path(), tokenizer_sha256(m)});
       int64_t pruned = 0, zeros = 0;
       for (const PruneReport::Matrix& x : r.matrices) pruned += x.numel, zeros += x.zeros;
+      const GPTConfig& smaller = m.model->config();
       const std::string what =
-          po.method == PruneMethod::channels
-              ? str("MLP channels ", intermediate, " -> ", m.model->config().intermediate(), " per layer")
+          po.method == PruneMethod::channels ? str("MLP channels ", original.intermediate(), " -> ",
+                                                   smaller.intermediate(), " per layer")
+          : po.method == PruneMethod::heads
+              ? str("attention heads ", original.n_head, " -> ", smaller.n_head, " per layer (key/value heads ",
+                    original.kv_heads(), " -> ", smaller.kv_heads(), ", ", smaller.head_dim(), " wide; scored ",
+                    data ? "over --data" : "by weights alone", ")")
               : str(r.matrices.size(), " matrices at ", 100.0 * static_cast<double>(zeros) / static_cast<double>(pruned),
                     "% sparsity (", prune_method_name(po.method), ", ", sparsity_pattern_name(po.pattern), ")");
       std::printf("%s: %s; %lld of %lld parameters nonzero (%.2f%%), %.2f MB dense f32\n", dir.c_str(), what.c_str(),
