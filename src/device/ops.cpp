@@ -78,6 +78,10 @@ void dequantize_int4(float* out, const uint8_t* w, const float* scale, const uin
                      int64_t group) {
   LOOM_LAUNCH(dequantize_int4, out, w, scale, zero, OC, C, group);
 }
+void linear_forward_w8a8(float* out, int64_t ldo, const float* inp, const float* inv_smooth, const int8_t* w,
+                         const float* scale, const float* bias, int64_t N, int64_t C, int64_t OC, Int8Gemm gemm) {
+  LOOM_LAUNCH(linear_forward_w8a8, out, ldo, inp, inv_smooth, w, scale, bias, N, C, OC, gemm);
+}
 
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
                        int64_t C, int64_t pos0) {
