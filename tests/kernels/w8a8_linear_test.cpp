@@ -115,7 +115,7 @@ TEST(W8A8Linear, BothGemmsGiveTheSameBits) {
 // A row of the output is the same bits alone (decode, the own kernel) or in
 // a batch (prefill, oneDNN where there is one).
 TEST(W8A8Linear, ARowDoesNotDependOnTheBatch) {
-  const int64_t OC = 13, N = 11, C = 80;
+  const int64_t OC = 200, N = 11, C = 1024;  // the batch is worth oneDNN's parallel region
   const Weights w = random_weights(OC, C, 21);
   const std::vector<float> x = random_vector(N * C, 22), bias = random_vector(OC, 23),
                            inv_smooth = random_vector(C, 24, 0.5f, 2.0f);

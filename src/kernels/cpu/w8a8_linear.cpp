@@ -25,9 +25,13 @@ namespace loom::cpu {
 
 namespace {
 
-// Rows from which Int8Gemm::fastest takes oneDNN (measured: below, the own
-// kernel's lack of setup wins; see compression_bench's w8a8 GEMM figures).
-constexpr int64_t kOneDnnMinRows = 8;
+// Where Int8Gemm::fastest takes oneDNN: from this many rows, and for a
+// product worth a parallel region (oneDNN opens one on every call; on a
+// loaded machine a tiny model's many small products then wait on
+// descheduled threads). Below, the own kernel's lack of setup wins
+// (compression_bench's "w8a8 GEMM" lines measure both).
+constexpr int64_t kOneDnnMinRows = 2;
+bool onednn_pays(int64_t N, int64_t C, int64_t OC) { return N >= kOneDnnMinRows && N * C * OC >= 64 * kMinParallelWork; }
 
 #if defined(LOOM_WITH_ONEDNN)
 
@@ -208,7 +212,7 @@ void linear_forward_w8a8(float* out, int64_t ldo, const float* inp, const float*
   std::vector<int32_t> acc(static_cast<size_t>(N * OC));
   quantize_activations_int8(qx.data(), xscale.data(), inp, inv_smooth, N, C);
   const bool onednn = onednn_int8_gemm_available() &&
-                      (gemm == Int8Gemm::onednn || (gemm == Int8Gemm::fastest && N >= kOneDnnMinRows));
+                      (gemm == Int8Gemm::onednn || (gemm == Int8Gemm::fastest && onednn_pays(N, C, OC)));
 #if defined(LOOM_WITH_ONEDNN)
   if (onednn) onednn_gemm(acc.data(), qx.data(), w, N, C, OC);
 #endif
