@@ -77,6 +77,18 @@ double bytes_per_token(const GPT& model, const ParamStore& params) {
   return bytes;
 }
 
+// Best-of-5 seconds of run() after a warm-up.
+double best_seconds(const std::function<void()>& run) {
+  run();
+  double best = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    const double t0 = bench::now_seconds();
+    run();
+    best = std::min(best, bench::now_seconds() - t0);
+  }
+  return best;
+}
+
 // GFLOP/s of one linear layer's forward over `n` rows: fp32 (BLAS) and the
 // quantized kernels; best of 5.
 void linear_rates(int64_t n, int64_t in, int64_t out) {
@@ -85,14 +97,7 @@ void linear_rates(int64_t n, int64_t in, int64_t out) {
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 104729) % 251) / 251.0f - 0.5f;
   const QuantizedWeight q8 = quantize_int8(w.data(), out, in), q4 = quantize_int4(w.data(), out, in, 128);
   auto rate = [&](const std::function<void()>& run) {
-    run();
-    double best = 1e30;
-    for (int rep = 0; rep < 5; ++rep) {
-      const double t0 = bench::now_seconds();
-      run();
-      best = std::min(best, bench::now_seconds() - t0);
-    }
-    return 2.0 * static_cast<double>(n * in * out) / best / 1e9;
+    return 2.0 * static_cast<double>(n * in * out) / best_seconds(run) / 1e9;
   };
   const double fp32 = rate([&] { cpu::linear_forward(y.data(), x.data(), w.data(), nullptr, n, in, out); });
   const double int8 = rate([&] {
@@ -106,18 +111,6 @@ void linear_rates(int64_t n, int64_t in, int64_t out) {
   std::printf("linear %lld x %lld -> %lld: fp32 %.1f GFLOP/s, int8 %.2fx, int4 %.2fx of it\n",
               static_cast<long long>(n), static_cast<long long>(in), static_cast<long long>(out), fp32, int8 / fp32,
               int4 / fp32);
-}
-
-// Best-of-5 seconds of run() after a warm-up.
-double best_seconds(const std::function<void()>& run) {
-  run();
-  double best = 1e30;
-  for (int rep = 0; rep < 5; ++rep) {
-    const double t0 = bench::now_seconds();
-    run();
-    best = std::min(best, bench::now_seconds() - t0);
-  }
-  return best;
 }
 
 // A W8A8 model of `fp32`, smoothed by the inputs of two forwards over random

@@ -8,12 +8,9 @@
 
 #include "kernels/kernel_test_util.h"
 #include "loom/device.h"
-#include "loom/inference.h"
 #include "loom/io.h"
 #include "loom/quant.h"
-#include "loom/train.h"
-#include "test_util.h"
-#include "train/model_json.h"
+#include "quant_test_util.h"
 
 namespace loom {
 namespace {
@@ -23,6 +20,8 @@ using testing::error_of;
 using testing::random_tokens;
 using testing::TempDir;
 using cpu::kernel_testing::random_vector;
+using quant_testing::greedy_requests;
+using quant_testing::source_info;
 
 // Per column max|x| of a [n, cols] matrix.
 std::vector<float> column_max(const std::vector<float>& x, int64_t cols) {
@@ -79,14 +78,6 @@ TEST(SmoothQuant, AlphaMovesTheRangeBetweenActivationsAndWeights) {
     EXPECT_FLOAT_EQ(xmax[c] / s1[c], 1.0f);
     EXPECT_FLOAT_EQ(wmax[c] * s0[c], 1.0f);
   }
-}
-
-CheckpointInfo source_info(const fs::path& dir, const GPTConfig& cfg) {
-  CheckpointInfo info;
-  info.dir = dir;
-  info.step = 3;
-  info.fields = {{"step", 3}, {"model", model_json(cfg)}, {"tokenizer", "tokenizer.model"}};
-  return info;
 }
 
 // Runs the model's forward over random tokens (what `loom quantize --data`
@@ -153,14 +144,7 @@ TEST_P(W8A8Checkpoint, LoadsAsTheInMemoryModel) {
   for (size_t i = 0; i < got.size(); ++i) diff += std::fabs(got[i] - fp32[i]), mag += std::fabs(fp32[i]);
   EXPECT_LT(diff, 0.05 * mag) << "W8A8 logits far from fp32's";
 
-  std::vector<GenerationRequest> reqs;
-  for (int64_t len : {1, 5, 12}) {
-    GenerationRequest req;
-    req.prompt = random_tokens(len, cfg.vocab_size, 10 + static_cast<uint64_t>(len));
-    req.max_tokens = 12;  // past the context: sequences slide
-    req.sample.temperature = 0.0f;
-    reqs.push_back(req);
-  }
+  const std::vector<GenerationRequest> reqs = greedy_requests(cfg.vocab_size);
   const std::vector<GenerationResult> from_file = Generator(loaded_model, *loaded, 2).run(reqs);
   const std::vector<GenerationResult> in_memory = Generator(model, *memory, 2).run(reqs);
   for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(from_file[i].tokens, in_memory[i].tokens) << "sequence " << i;
