@@ -118,7 +118,10 @@ void dequantize_int4(float* out, const uint8_t* w, const float* scale, const uin
 // int8 products without saturating: VNNI) or in loom's own AVX2 kernel
 // (int8 widened to int16, vpmaddwd); both compute the same integers, so the
 // output is bit-identical whatever the path, N, a row's neighbours or the
-// thread count. `fastest` picks by N (bench/compression_bench measured it).
+// thread count. `fastest` takes the own kernel for one row (decode: about
+// 1.5x faster than oneDNN there) and oneDNN from 2 rows on products of at
+// least 2M multiply-adds (prefill: 2.5-4x faster at 32-512 rows), as
+// bench/compression_bench measures.
 // ---------------------------------------------------------------------------
 
 enum class Int8Gemm : uint8_t { fastest, onednn, own };
