@@ -6,6 +6,7 @@
 // (bench/compression_bench prints both).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -59,7 +60,7 @@ struct OneDnnMatmul {
 struct OneDnn {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   std::mutex mutex;
-  std::map<std::tuple<int64_t, int64_t, int64_t>, OneDnnMatmul> matmuls;
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, OneDnnMatmul> matmuls;
 };
 
 OneDnn& onednn() {
@@ -67,17 +68,17 @@ OneDnn& onednn() {
   return d;
 }
 
-// acc[N, OC] = qx[N, C] @ w[OC, C]^T.
-void onednn_gemm(int32_t* acc, const int8_t* qx, const int8_t* w, int64_t N, int64_t C, int64_t OC) {
+// acc[N, OC] (rows lda apart) = qx[N, C] @ w[OC, C]^T.
+void onednn_gemm(int32_t* acc, int64_t lda, const int8_t* qx, const int8_t* w, int64_t N, int64_t C, int64_t OC) {
   using dnnl::memory;
   OneDnn& d = onednn();
   const memory::desc src({N, C}, memory::data_type::s8, memory::dims{C, 1});
   const memory::desc wei({C, OC}, memory::data_type::s8, memory::dims{1, C});
-  const memory::desc dst({N, OC}, memory::data_type::s32, memory::dims{OC, 1});
+  const memory::desc dst({N, OC}, memory::data_type::s32, memory::dims{lda, 1});
   OneDnnMatmul m;
   {
     const std::lock_guard<std::mutex> lock(d.mutex);
-    const auto key = std::make_tuple(N, C, OC);
+    const auto key = std::make_tuple(N, C, OC, lda);
     auto it = d.matmuls.find(key);
     if (it == d.matmuls.end()) {
       // Generation's prefills come in many sizes: a bounded cache.
@@ -121,7 +122,7 @@ inline int32_t hsum(__m256i v) {
 // acc[t, o] for RB weight rows from o0 and TB tokens from t0: int16 pairs
 // multiplied and summed into int32 lanes (vpmaddwd; 127 * 127 * 2 fits).
 template <int RB, int TB>
-void tile(int32_t* acc, int64_t OC, const int8_t* qx, const int8_t* w, int64_t C, int64_t o0, int64_t t0) {
+void tile(int32_t* acc, int64_t lda, const int8_t* qx, const int8_t* w, int64_t C, int64_t o0, int64_t t0) {
   __m256i s[RB][TB];
   for (int r = 0; r < RB; ++r)
     for (int t = 0; t < TB; ++t) s[r][t] = _mm256_setzero_si256();
@@ -140,37 +141,37 @@ void tile(int32_t* acc, int64_t OC, const int8_t* qx, const int8_t* w, int64_t C
       const int8_t* xr = qx + (t0 + t) * C;
       const int8_t* wr = w + (o0 + r) * C;
       for (int64_t c = vc; c < C; ++c) y += static_cast<int32_t>(xr[c]) * wr[c];
-      acc[(t0 + t) * OC + o0 + r] = y;
+      acc[(t0 + t) * lda + o0 + r] = y;
     }
 }
 
 constexpr int64_t kRows = 4, kTokens = 4;
 
-void own_gemm(int32_t* acc, const int8_t* qx, const int8_t* w, int64_t N, int64_t C, int64_t OC) {
+void own_gemm(int32_t* acc, int64_t lda, const int8_t* qx, const int8_t* w, int64_t N, int64_t C, int64_t OC) {
   const int64_t tiles = (OC + kRows - 1) / kRows;
 #pragma omp parallel for schedule(static) if (N * OC * C >= 64 * kMinParallelWork)
   for (int64_t i = 0; i < tiles; ++i) {
     const int64_t o0 = i * kRows, nr = std::min(kRows, OC - o0);
     int64_t t = 0;
     if (nr == kRows) {
-      for (; t + kTokens <= N; t += kTokens) tile<kRows, kTokens>(acc, OC, qx, w, C, o0, t);
-      for (; t < N; ++t) tile<kRows, 1>(acc, OC, qx, w, C, o0, t);
+      for (; t + kTokens <= N; t += kTokens) tile<kRows, kTokens>(acc, lda, qx, w, C, o0, t);
+      for (; t < N; ++t) tile<kRows, 1>(acc, lda, qx, w, C, o0, t);
     } else {
       for (int64_t r = 0; r < nr; ++r)
-        for (t = 0; t < N; ++t) tile<1, 1>(acc, OC, qx, w, C, o0 + r, t);
+        for (t = 0; t < N; ++t) tile<1, 1>(acc, lda, qx, w, C, o0 + r, t);
     }
   }
 }
 
 #else
 
-void own_gemm(int32_t* acc, const int8_t* qx, const int8_t* w, int64_t N, int64_t C, int64_t OC) {
+void own_gemm(int32_t* acc, int64_t lda, const int8_t* qx, const int8_t* w, int64_t N, int64_t C, int64_t OC) {
 #pragma omp parallel for schedule(static) if (N * OC * C >= 64 * kMinParallelWork)
   for (int64_t o = 0; o < OC; ++o)
     for (int64_t t = 0; t < N; ++t) {
       int32_t y = 0;
       for (int64_t c = 0; c < C; ++c) y += static_cast<int32_t>(qx[t * C + c]) * w[o * C + c];
-      acc[t * OC + o] = y;
+      acc[t * lda + o] = y;
     }
 }
 
@@ -209,18 +210,23 @@ void linear_forward_w8a8(float* out, int64_t ldo, const float* inp, const float*
   if (N == 0) return;
   std::vector<int8_t> qx(static_cast<size_t>(N * C));
   std::vector<float> xscale(static_cast<size_t>(N));
-  std::vector<int32_t> acc(static_cast<size_t>(N * OC));
   quantize_activations_int8(qx.data(), xscale.data(), inp, inv_smooth, N, C);
+  // The int32 sums go where their outputs will be (same size, same place),
+  // so no scratch of N x OC is allocated (and faulted in) per call; the
+  // epilogue converts each element in place.
+  auto* acc = reinterpret_cast<int32_t*>(out);
   const bool onednn = onednn_int8_gemm_available() &&
                       (gemm == Int8Gemm::onednn || (gemm == Int8Gemm::fastest && onednn_pays(N, C, OC)));
 #if defined(LOOM_WITH_ONEDNN)
-  if (onednn) onednn_gemm(acc.data(), qx.data(), w, N, C, OC);
+  if (onednn) onednn_gemm(acc, ldo, qx.data(), w, N, C, OC);
 #endif
-  if (!onednn) own_gemm(acc.data(), qx.data(), w, N, C, OC);
+  if (!onednn) own_gemm(acc, ldo, qx.data(), w, N, C, OC);
 #pragma omp parallel for schedule(static) if (N * OC >= kMinParallelWork)
   for (int64_t t = 0; t < N; ++t)
     for (int64_t o = 0; o < OC; ++o) {
-      float y = static_cast<float>(acc[static_cast<size_t>(t * OC + o)]) * xscale[static_cast<size_t>(t)] * scale[o];
+      int32_t sum;
+      std::memcpy(&sum, out + t * ldo + o, sizeof(sum));
+      float y = static_cast<float>(sum) * xscale[static_cast<size_t>(t)] * scale[o];
       if (bias != nullptr) y += bias[o];
       out[t * ldo + o] = y;
     }
