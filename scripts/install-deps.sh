@@ -12,6 +12,7 @@ packages=(
   liburing-dev libssl-dev
   libtomlplusplus-dev nlohmann-json3-dev libcli11-dev
   libcpp-httplib-dev
+  libdnnl-dev
 )
 
 missing=()

@@ -140,6 +140,7 @@ namespace ops {
 using cpu::AdamWStep;
 using cpu::Distillation;
 using cpu::GradWrite;
+using cpu::Int8Gemm;
 
 // C[M,N] = alpha op(A) op(B) + beta C with leading dimensions (kernels.h's
 // gemm): for products over a band of columns of a wider matrix.
@@ -162,6 +163,9 @@ void embedding_lookup_int8(float* out, const int32_t* tokens, const int8_t* w, c
                            int64_t C);
 void embedding_lookup_int4(float* out, const int32_t* tokens, const uint8_t* w, const float* scale,
                            const uint8_t* zero, int64_t N, int64_t C, int64_t group);
+void linear_forward_w8a8(float* out, int64_t ldo, const float* inp, const float* inv_smooth, const int8_t* w,
+                         const float* scale, const float* bias, int64_t N, int64_t C, int64_t OC,
+                         Int8Gemm gemm = Int8Gemm::fastest);
 
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
                        int64_t C, int64_t pos0);

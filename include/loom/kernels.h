@@ -114,6 +114,36 @@ void embedding_lookup_int4(float* out, const int32_t* tokens, const uint8_t* w, 
                            const uint8_t* zero, int64_t N, int64_t C, int64_t group);
 
 // ---------------------------------------------------------------------------
+// W8A8 linear (inference, SmoothQuant): int8 weights as linear_forward_int8's
+// and int8 activations quantized per token on the fly. Each input row is
+// first divided by the weight's smoothing factors (x'[c] = x[c] *
+// inv_smooth[c], fp32; inv_smooth null: no smoothing), then quantized:
+// xscale = max|x'| / 127, qx[c] = round(x'[c] / xscale) to nearest even in
+// fp32 (an all-zero row: xscale 0, qx 0). Then
+//   out[t, o] = float(sum_c qx[t,c] * q[o,c]) * xscale[t] * scale[o] + bias[o]
+// with the sum an exact int32 (C at most kW8A8MaxColumns). The integer GEMM
+// runs in oneDNN (s8 x s8 -> s32, where the build has it and the CPU sums
+// int8 products without saturating: VNNI) or in loom's own AVX2 kernel
+// (int8 widened to int16, vpmaddwd); both compute the same integers, so the
+// output is bit-identical whatever the path, N, a row's neighbours or the
+// thread count. `fastest` takes the own kernel for one row (decode: about
+// 1.5x faster than oneDNN there) and oneDNN from 2 rows on products of at
+// least 2M multiply-adds (prefill: 2.5-4x faster at 32-512 rows), as
+// bench/compression_bench measures.
+// ---------------------------------------------------------------------------
+
+enum class Int8Gemm : uint8_t { fastest, onednn, own };
+inline constexpr int64_t kW8A8MaxColumns = (int64_t{1} << 31) / (127 * 127);
+// Whether Int8Gemm::onednn runs oneDNN (else it runs the own kernel).
+bool onednn_int8_gemm_available();
+// The activation quantization alone: q [N, C] and xscale [N].
+void quantize_activations_int8(int8_t* q, float* xscale, const float* inp, const float* inv_smooth, int64_t N,
+                               int64_t C);
+void linear_forward_w8a8(float* out, int64_t ldo, const float* inp, const float* inv_smooth, const int8_t* w,
+                         const float* scale, const float* bias, int64_t N, int64_t C, int64_t OC,
+                         Int8Gemm gemm = Int8Gemm::fastest);
+
+// ---------------------------------------------------------------------------
 // Embedding: out[b,t,:] = wte[tokens[b,t],:] + wpe[pos0 + t,:].
 // Token ids must already be validated to lie in [0, V).
 // backward: dwte[token] += dout, dwpe[pos0 + t] += dout (either may be null).

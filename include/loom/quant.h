@@ -1,7 +1,9 @@
-// loom quant: weight-only quantization of the Linear layers' weights for
-// inference (int8 per output channel, int4 group-wise with zero points), the
-// quantized checkpoint `loom quantize` writes, and the parameter store that
-// serves one to the model (docs/checkpoints.md).
+// loom quant: quantization of the Linear layers for inference: weight-only
+// (int8 per output channel, int4 group-wise with zero points) or W8A8 (int8
+// weights and per-token int8 activations, SmoothQuant's migration of
+// activation outliers into the weights), the quantized checkpoint `loom
+// quantize` writes, and the parameter store that serves one to the model
+// (docs/checkpoints.md).
 //
 // Which weights are quantized is data: the parameters a Linear declares as
 // its weight (ParamSpec::linear_weight) when quantizing, and at load what the
@@ -15,10 +17,12 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string_view>
 #include <vector>
 
 #include "loom/core.h"
+#include "loom/nn.h"
 #include "loom/store.h"
 
 namespace loom {
@@ -26,12 +30,15 @@ namespace loom {
 class GPT;
 struct CheckpointInfo;
 
-enum class QuantMethod : uint8_t { int8, int4 };
+enum class QuantMethod : uint8_t { int8, int4, w8a8 };
 const char* quant_method_name(QuantMethod m);
-// "int8" or "int4"; Error naming the choices otherwise.
+// "int8", "int4" or "w8a8"; Error naming the choices otherwise.
 QuantMethod parse_quant_method(std::string_view name);
 // int4 groups are 32, 64 or 128 input columns; Error naming them otherwise.
 void check_quant_group(int64_t group);
+// SmoothQuant's migration strength alpha lies in [0, 1]; Error naming
+// --alpha otherwise.
+void check_smooth_alpha(double alpha);
 
 // A Linear's [rows, cols] weight (rows = outputs), in the formats of
 // kernels.h's quantized linear.
@@ -42,6 +49,7 @@ struct QuantizedWeight {
   Tensor values;      // int8: i8 [rows, cols]; int4: u8 [rows, cols / 2], packed
   Tensor scales;      // f32 [rows, cols / group]
   Tensor zeros;       // int4: u8 [rows, cols / group]; int8: undefined
+  Tensor smooth;      // w8a8: f32 [cols], 1 / s per input column, applied to the input before it is quantized
   int64_t groups() const { return cols / group; }
   size_t nbytes() const;
 };
@@ -55,7 +63,19 @@ struct QuantizedWeight {
 // or group has scale 0 and comes back exactly.
 QuantizedWeight quantize_int8(const float* w, int64_t rows, int64_t cols, Tier tier = Tier::host);
 QuantizedWeight quantize_int4(const float* w, int64_t rows, int64_t cols, int64_t group, Tier tier = Tier::host);
-// The fp32 [rows, cols] matrix the kernels compute with, on w's tier.
+
+// SmoothQuant (Xiao et al. 2023): per input column j, with a_j = max|X_j|
+// over the calibration tokens and w_j = max_o |W[o, j]|, s_j = a_j^alpha /
+// w_j^(1 - alpha) (1 where a_j or w_j is 0). X W^T = (X diag(1/s)) (W
+// diag(s))^T: the activation's outlier columns shrink, the weight's grow.
+std::vector<float> smoothing_factors(std::span<const float> input_max, const float* w, int64_t rows, int64_t cols,
+                                     double alpha);
+// W diag(s) quantized as int8 (per output row), with 1 / s as `smooth`.
+QuantizedWeight quantize_w8a8(const float* w, int64_t rows, int64_t cols, std::span<const float> input_max,
+                              double alpha, Tier tier = Tier::host);
+// The fp32 [rows, cols] matrix the kernels compute with, on w's tier (w8a8:
+// with the smoothing undone, q * scale / s, the weight the model multiplies
+// its unsmoothed input by).
 Tensor dequantize(const QuantizedWeight& w);
 // out[N, :rows] (rows ldo apart) = in[N, cols] @ W[first_row, first_row + rows)^T + bias[rows] (bias may be
 // null), through ops (a stacked Linear's part writes its band of columns).
@@ -69,6 +89,30 @@ void quantized_embedding_lookup(float* out, const int32_t* tokens, const Quantiz
 struct QuantizeOptions {
   QuantMethod method = QuantMethod::int8;
   int64_t group = 128;  // int4 only
+  double alpha = 0.5;   // w8a8 only
+};
+// The options' own checks (int4's group, w8a8's alpha) and, for w8a8, that
+// there is calibration data: Errors naming the flag to fix.
+void check_quantize_options(const QuantizeOptions& options, bool calibrated);
+
+// SmoothQuant's calibration: while it lives, every linear layer's forward on
+// the constructing thread records max|x| per input column of each weight's
+// input (ScopedLinearInputHook), over all the tokens it sees.
+class SmoothQuantCalibration {
+ public:
+  SmoothQuantCalibration();
+  // Tokens seen by weight `id`'s layer.
+  int64_t tokens(int id) const;
+  // max|x| per input column of weight `id`'s input.
+  std::span<const float> input_max(int id) const;
+
+ private:
+  struct Stats {
+    std::vector<float> max;
+    int64_t tokens = 0;
+  };
+  std::map<int, Stats> stats_;
+  ScopedLinearInputHook hook_;
 };
 
 // Parameters of one rank with some Linear weights held quantized: the rest
@@ -92,24 +136,28 @@ class QuantizedParamStore final : public ParamStore {
 
 // The parameters quantize_params converts: the linear layers' weights
 // (ParamSpec::linear_weight) and the output head's table
-// (ParamSpec::output_table). The table is int8 under every method: its error
-// reaches every logit directly, and int8 already cuts its bytes to a quarter.
+// (ParamSpec::output_table). The table is weight-only int8 under every
+// method: its error reaches every logit directly, and int8 already cuts its
+// bytes to a quarter.
 bool quantizable(const ParamSpec& p);
 
 // Every quantizable weight of `params` quantized, the other parameters
-// copied. Error naming the weight and the fix when its
-// input width is not a multiple of an int4 group.
+// copied. Error naming the weight and the fix when its input width is not a
+// multiple of an int4 group; w8a8 reads `calibration` (Error naming --data
+// without it, or when it saw no input of a weight).
 std::unique_ptr<QuantizedParamStore> quantize_params(const ParamLayout& layout, const ParamStore& params,
-                                                     const QuantizeOptions& options);
+                                                     const QuantizeOptions& options,
+                                                     const SmoothQuantCalibration* calibration = nullptr);
 
-// The manifest field of a quantized checkpoint: {"method", "group", "source"}.
+// The manifest field of a quantized checkpoint: {"method", "group" (int4),
+// "alpha" (w8a8), "source"}.
 inline constexpr const char* kQuantizationField = "quantization";
 
 // Writes a quantized checkpoint to `out`: model.safetensors (the fp32
 // parameters under their names; a quantized weight as <name> (I8, or U8
-// packed), <name>.scale and, for int4, <name>.zero) and a manifest with the
-// source's model, step and tokenizer, the method and the group; committed
-// atomically. Error if `out` exists.
+// packed), <name>.scale, for int4 <name>.zero and for w8a8 <name>.smooth)
+// and a manifest with the source's model, step and tokenizer, the method and
+// its group or alpha; committed atomically. Error if `out` exists.
 void save_quantized_checkpoint(const CheckpointInfo& source, const ParamLayout& layout,
                                const QuantizedParamStore& params, const QuantizeOptions& options,
                                const std::filesystem::path& out);
@@ -118,7 +166,8 @@ void save_quantized_checkpoint(const CheckpointInfo& source, const ParamLayout& 
 // itself quantized, naming the checkpoint it was made from.
 std::unique_ptr<QuantizedParamStore> quantize_checkpoint(const CheckpointInfo& source, const ParamLayout& layout,
                                                          const ParamStore& params, const QuantizeOptions& options,
-                                                         const std::filesystem::path& out);
+                                                         const std::filesystem::path& out,
+                                                         const SmoothQuantCalibration* calibration = nullptr);
 // The options a quantized checkpoint was written with, or nullopt for an
 // fp32 checkpoint.
 std::optional<QuantizeOptions> checkpoint_quantization(const CheckpointInfo& info);

@@ -86,6 +86,10 @@ void embedding_lookup_int4(float* out, const int32_t* tokens, const uint8_t* w, 
                            const uint8_t* zero, int64_t N, int64_t C, int64_t group) {
   LOOM_LAUNCH(embedding_lookup_int4, out, tokens, w, scale, zero, N, C, group);
 }
+void linear_forward_w8a8(float* out, int64_t ldo, const float* inp, const float* inv_smooth, const int8_t* w,
+                         const float* scale, const float* bias, int64_t N, int64_t C, int64_t OC, Int8Gemm gemm) {
+  LOOM_LAUNCH(linear_forward_w8a8, out, ldo, inp, inv_smooth, w, scale, bias, N, C, OC, gemm);
+}
 
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
                        int64_t C, int64_t pos0) {

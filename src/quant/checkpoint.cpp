@@ -22,6 +22,7 @@ constexpr const char* kModelFile = "model.safetensors";
 // The tensors of a quantized weight beside its integer values.
 std::string scale_name(const std::string& weight) { return weight + ".scale"; }
 std::string zero_name(const std::string& weight) { return weight + ".zero"; }
+std::string smooth_name(const std::string& weight) { return weight + ".smooth"; }
 
 // The manifest fields an inference load reads, copied from the source.
 constexpr const char* kKeptFields[] = {"step", "model", "tokenizer", "tokenizer_sha256", "config", "dataset"};
@@ -34,7 +35,10 @@ QuantizedWeight read_quantized(const SafetensorsReader& r, const ParamSpec& p) {
   const SafetensorsReader::Entry& values = r.entry(name);
   const SafetensorsReader::Entry& scales = r.entry(scale_name(name));
   QuantizedWeight q;
-  q.method = values.dtype == DType::i8 ? QuantMethod::int8 : QuantMethod::int4;
+  // int8 values with smoothing factors are W8A8's.
+  q.method = values.dtype != DType::i8       ? QuantMethod::int4
+             : r.contains(smooth_name(name)) ? QuantMethod::w8a8
+                                             : QuantMethod::int8;
   q.rows = rows;
   q.cols = cols;
   const int64_t groups = scales.shape.size() == 2 ? scales.shape[1] : 0;
@@ -50,9 +54,17 @@ QuantizedWeight read_quantized(const SafetensorsReader& r, const ParamSpec& p) {
   if (!valid)
     throw Error(str("quantized weight '", name, "' in '", r.path().string(), "' is ", dtype_name(values.dtype), " ",
                     shape_str(values.shape), " with scales ", shape_str(scales.shape),
-                    ": not an int8 or int4 form of the model's ", shape_str(p.shape), " (rewrite it with loom quantize)"));
+                    ": not an int8, int4 or w8a8 form of the model's ", shape_str(p.shape), " (rewrite it with loom quantize)"));
   q.values = r.load(name, Tier::device);
   q.scales = r.load(scale_name(name), Tier::device);
+  if (q.method == QuantMethod::w8a8) {
+    const SafetensorsReader::Entry& smooth = r.entry(smooth_name(name));
+    if (smooth.dtype != DType::f32 || smooth.shape != Shape({cols}))
+      throw Error(str("smoothing factors '", smooth_name(name), "' in '", r.path().string(), "' are ",
+                      dtype_name(smooth.dtype), " ", shape_str(smooth.shape), ", not f32 [", cols,
+                      "] for the weight's input columns (rewrite it with loom quantize)"));
+    q.smooth = r.load(smooth_name(name), Tier::device);
+  }
   if (int4) {
     const SafetensorsReader::Entry& zeros = r.entry(zero_name(name));
     if (zeros.dtype != DType::u8 || zeros.shape != scales.shape)
@@ -74,6 +86,7 @@ std::optional<QuantizeOptions> checkpoint_quantization(const CheckpointInfo& inf
   QuantizeOptions o;
   o.method = parse_quant_method(j.at("method").get<std::string>());
   if (o.method == QuantMethod::int4) o.group = j.value("group", int64_t{0});
+  if (o.method == QuantMethod::w8a8) o.alpha = j.value("alpha", o.alpha);
   return o;
 }
 
@@ -98,12 +111,14 @@ void save_quantized_checkpoint(const CheckpointInfo& source, const ParamLayout& 
       specs.push_back({p.name, q->values.dtype(), q->values.shape()});
       specs.push_back({scale_name(p.name), DType::f32, q->scales.shape()});
       if (q->zeros.defined()) specs.push_back({zero_name(p.name), DType::u8, q->zeros.shape()});
+      if (q->smooth.defined()) specs.push_back({smooth_name(p.name), DType::f32, q->smooth.shape()});
     } else {
       specs.push_back({p.name, DType::f32, p.shape});
     }
   }
   nlohmann::json quantization = {{"method", quant_method_name(options.method)}, {"source", fs::absolute(source.dir).lexically_normal().string()}};
   if (options.method == QuantMethod::int4) quantization["group"] = options.group;
+  if (options.method == QuantMethod::w8a8) quantization["alpha"] = options.alpha;
   std::map<std::string, std::string> metadata{{"format", "loom"}, {"quantization", quantization.dump()}};
 
   fs::create_directories(out.parent_path().empty() ? fs::path(".") : out.parent_path());
@@ -118,6 +133,7 @@ void save_quantized_checkpoint(const CheckpointInfo& source, const ParamLayout& 
         w.write(p.name, q->values.raw());
         w.write(scale_name(p.name), q->scales.raw());
         if (q->zeros.defined()) w.write(zero_name(p.name), q->zeros.raw());
+        if (q->smooth.defined()) w.write(smooth_name(p.name), q->smooth.raw());
       } else {
         w.write(p.name, params.param(static_cast<int>(i)).raw());
       }
@@ -135,12 +151,12 @@ void save_quantized_checkpoint(const CheckpointInfo& source, const ParamLayout& 
 
 std::unique_ptr<QuantizedParamStore> quantize_checkpoint(const CheckpointInfo& source, const ParamLayout& layout,
                                                          const ParamStore& params, const QuantizeOptions& options,
-                                                         const fs::path& out) {
+                                                         const fs::path& out, const SmoothQuantCalibration* calibration) {
   if (const std::optional<QuantizeOptions> q = checkpoint_quantization(source))
     throw Error(str("checkpoint '", source.dir.string(), "' is already quantized (", quant_method_name(q->method),
                     "): quantize the fp32 checkpoint it was made from, ",
                     source.fields.at(kQuantizationField).value("source", std::string("its source"))));
-  std::unique_ptr<QuantizedParamStore> quantized = quantize_params(layout, params, options);
+  std::unique_ptr<QuantizedParamStore> quantized = quantize_params(layout, params, options, calibration);
   save_quantized_checkpoint(source, layout, *quantized, options, out);
   return quantized;
 }

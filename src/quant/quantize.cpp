@@ -38,13 +38,26 @@ void quantize_group(const float* w, int64_t n, float& scale, uint8_t& zero, uint
 
 }  // namespace
 
-const char* quant_method_name(QuantMethod m) { return m == QuantMethod::int8 ? "int8" : "int4"; }
+const char* quant_method_name(QuantMethod m) {
+  switch (m) {
+    case QuantMethod::int8: return "int8";
+    case QuantMethod::int4: return "int4";
+    case QuantMethod::w8a8: return "w8a8";
+  }
+  return "?";
+}
 
 QuantMethod parse_quant_method(std::string_view name) {
-  if (name == "int8") return QuantMethod::int8;
-  if (name == "int4") return QuantMethod::int4;
-  throw Error(str("quantization method '", name, "' is not known: choose int8 (per output channel) or int4 "
-                  "(group-wise, see --group)"));
+  for (QuantMethod m : {QuantMethod::int8, QuantMethod::int4, QuantMethod::w8a8})
+    if (name == quant_method_name(m)) return m;
+  throw Error(str("quantization method '", name, "' is not known: choose int8 (per output channel), int4 "
+                  "(group-wise, see --group) or w8a8 (int8 weights and activations, needs --data)"));
+}
+
+void check_smooth_alpha(double alpha) {
+  if (!(alpha >= 0.0 && alpha <= 1.0))
+    throw Error(str("--alpha ", alpha, " is outside [0, 1]: SmoothQuant's migration strength (0.5 by default; "
+                    "higher moves more of the activations' outliers into the weights)"));
 }
 
 void check_quant_group(int64_t group) {
@@ -53,7 +66,18 @@ void check_quant_group(int64_t group) {
 }
 
 size_t QuantizedWeight::nbytes() const {
-  return values.nbytes() + scales.nbytes() + (zeros.defined() ? zeros.nbytes() : 0);
+  return values.nbytes() + scales.nbytes() + (zeros.defined() ? zeros.nbytes() : 0) +
+         (smooth.defined() ? smooth.nbytes() : 0);
+}
+
+void check_quantize_options(const QuantizeOptions& options, bool calibrated) {
+  if (options.method == QuantMethod::int4) check_quant_group(options.group);
+  if (options.method == QuantMethod::w8a8) {
+    check_smooth_alpha(options.alpha);
+    if (!calibrated)
+      throw Error("--method w8a8 smooths each layer by its inputs' ranges (SmoothQuant): give calibration data "
+                  "with --data SHARD");
+  }
 }
 
 QuantizedWeight quantize_int8(const float* w, int64_t rows, int64_t cols, Tier tier) {
@@ -108,17 +132,61 @@ QuantizedWeight quantize_int4(const float* w, int64_t rows, int64_t cols, int64_
   return q;
 }
 
+std::vector<float> smoothing_factors(std::span<const float> input_max, const float* w, int64_t rows, int64_t cols,
+                                     double alpha) {
+  LOOM_CHECK(static_cast<int64_t>(input_max.size()) == cols, "smoothing: ", input_max.size(),
+             " input maxima for ", cols, " columns");
+  std::vector<float> wmax(static_cast<size_t>(cols), 0.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      wmax[static_cast<size_t>(c)] = std::max(wmax[static_cast<size_t>(c)], std::fabs(w[r * cols + c]));
+  std::vector<float> s(static_cast<size_t>(cols));
+  for (size_t c = 0; c < s.size(); ++c) {
+    const double a = input_max[c], m = wmax[c];
+    s[c] = a > 0.0 && m > 0.0 ? static_cast<float>(std::pow(a, alpha) / std::pow(m, 1.0 - alpha)) : 1.0f;
+  }
+  return s;
+}
+
+QuantizedWeight quantize_w8a8(const float* w, int64_t rows, int64_t cols, std::span<const float> input_max,
+                              double alpha, Tier tier) {
+  check_smooth_alpha(alpha);
+  const std::vector<float> s = smoothing_factors(input_max, w, rows, cols, alpha);
+  std::vector<float> smoothed(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      smoothed[static_cast<size_t>(r * cols + c)] = w[r * cols + c] * s[static_cast<size_t>(c)];
+  QuantizedWeight q = quantize_int8(smoothed.data(), rows, cols, tier);
+  q.method = QuantMethod::w8a8;
+  q.smooth = Tensor::empty({cols}, DType::f32, tier);
+  const HostSection host;
+  float* inv = q.smooth.data<float>();
+  for (int64_t c = 0; c < cols; ++c) inv[c] = 1.0f / s[static_cast<size_t>(c)];
+  return q;
+}
+
 Tensor dequantize(const QuantizedWeight& w) {
   Tensor out = Tensor::empty({w.rows, w.cols}, DType::f32, w.values.tier());
-  if (w.method == QuantMethod::int8)
-    ops::dequantize_int8(out.data<float>(), w.values.data<int8_t>(), w.scales.data<float>(), w.rows, w.cols);
-  else
+  if (w.method == QuantMethod::int4) {
     ops::dequantize_int4(out.data<float>(), w.values.data<uint8_t>(), w.scales.data<float>(),
                          w.zeros.data<uint8_t>(), w.rows, w.cols, w.group);
+    return out;
+  }
+  ops::dequantize_int8(out.data<float>(), w.values.data<int8_t>(), w.scales.data<float>(), w.rows, w.cols);
+  if (w.method == QuantMethod::w8a8) {
+    // Once, where a weight is read as fp32 (export, tests): on the host.
+    const HostSection host;
+    float* o = out.data<float>();
+    const float* inv = w.smooth.data<float>();
+    for (int64_t r = 0; r < w.rows; ++r)
+      for (int64_t c = 0; c < w.cols; ++c) o[r * w.cols + c] *= inv[c];
+  }
   return out;
 }
 
 void quantized_embedding_lookup(float* out, const int32_t* tokens, const QuantizedWeight& w, int64_t N) {
+  // quantize_params gives the output table a weight-only method.
+  LOOM_CHECK(w.method != QuantMethod::w8a8, "a W8A8 token table");
   if (w.method == QuantMethod::int8)
     ops::embedding_lookup_int8(out, tokens, w.values.data<int8_t>(), w.scales.data<float>(), N, w.cols);
   else
@@ -135,6 +203,9 @@ void quantized_linear_forward(float* out, int64_t ldo, const float* in, const Qu
   if (w.method == QuantMethod::int8)
     ops::linear_forward_int8(out, ldo, in, w.values.data<int8_t>() + first_row * w.cols, scales, bias, N, w.cols,
                              rows);
+  else if (w.method == QuantMethod::w8a8)
+    ops::linear_forward_w8a8(out, ldo, in, w.smooth.data<float>(), w.values.data<int8_t>() + first_row * w.cols,
+                             scales, bias, N, w.cols, rows);
   else
     ops::linear_forward_int4(out, ldo, in, w.values.data<uint8_t>() + first_row * (w.cols / 2), scales,
                              w.zeros.data<uint8_t>() + first_row * groups, bias, N, w.cols, rows, w.group);

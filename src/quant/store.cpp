@@ -43,8 +43,9 @@ size_t QuantizedParamStore::nbytes() const {
 bool quantizable(const ParamSpec& p) { return p.linear_weight || p.output_table; }
 
 std::unique_ptr<QuantizedParamStore> quantize_params(const ParamLayout& layout, const ParamStore& params,
-                                                     const QuantizeOptions& options) {
-  if (options.method == QuantMethod::int4) check_quant_group(options.group);
+                                                     const QuantizeOptions& options,
+                                                     const SmoothQuantCalibration* calibration) {
+  check_quantize_options(options, calibration != nullptr);
   std::map<int, QuantizedWeight> weights;
   const HostSection host;
   for (size_t i = 0; i < layout.params().size(); ++i) {
@@ -59,9 +60,19 @@ std::unique_ptr<QuantizedParamStore> quantize_params(const ParamLayout& layout, 
       throw Error(str("weight '", p.name, "' has ", cols, " input columns, not a multiple of the int4 group ",
                       options.group, ": choose a --group that divides it (32, 64 or 128) or --method int8"));
     const Tensor w = params.param(id);
-    weights.emplace(id, method == QuantMethod::int8
-                            ? quantize_int8(w.data<float>(), rows, cols, Tier::device)
-                            : quantize_int4(w.data<float>(), rows, cols, options.group, Tier::device));
+    switch (method) {
+      case QuantMethod::int8: weights.emplace(id, quantize_int8(w.data<float>(), rows, cols, Tier::device)); break;
+      case QuantMethod::int4:
+        weights.emplace(id, quantize_int4(w.data<float>(), rows, cols, options.group, Tier::device));
+        break;
+      case QuantMethod::w8a8:
+        if (calibration->tokens(id) == 0)
+          throw Error(str("SmoothQuant's calibration saw no input of ", p.name,
+                          ": run the model's forward over calibration data (--data) while it collects"));
+        weights.emplace(id, quantize_w8a8(w.data<float>(), rows, cols, calibration->input_max(id), options.alpha,
+                                          Tier::device));
+        break;
+    }
   }
   auto out = std::make_unique<QuantizedParamStore>(layout, std::move(weights));
   for (size_t i = 0; i < layout.params().size(); ++i) {

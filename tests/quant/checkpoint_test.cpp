@@ -7,27 +7,17 @@
 #include "loom/inference.h"
 #include "loom/io.h"
 #include "loom/quant.h"
-#include "loom/train.h"
-#include "test_util.h"
-#include "train/model_json.h"
+#include "quant_test_util.h"
 
 namespace loom {
 namespace {
 
 namespace fs = std::filesystem;
 using testing::error_of;
-using testing::random_tokens;
 using testing::TempDir;
 using testing::tree_contents;
-
-// What `loom quantize` reads of a training checkpoint besides the weights.
-CheckpointInfo source_info(const fs::path& dir, const GPTConfig& cfg) {
-  CheckpointInfo info;
-  info.dir = dir;
-  info.step = 7;
-  info.fields = {{"step", 7}, {"model", model_json(cfg)}, {"tokenizer", "tokenizer.model"}};
-  return info;
-}
+using quant_testing::greedy_requests;
+using quant_testing::source_info;
 
 struct Case {
   std::string preset;
@@ -63,14 +53,7 @@ TEST_P(QuantizedCheckpoint, GeneratesAsTheFp32ModelOfItsDequantizedWeights) {
   }
   EXPECT_GT(quantized, 0);
 
-  std::vector<GenerationRequest> reqs;
-  for (int64_t len : {1, 5, 12}) {
-    GenerationRequest r;
-    r.prompt = random_tokens(len, cfg.vocab_size, 10 + static_cast<uint64_t>(len));
-    r.max_tokens = 12;  // past the context: sequences slide
-    r.sample.temperature = 0.0f;
-    reqs.push_back(r);
-  }
+  const std::vector<GenerationRequest> reqs = greedy_requests(cfg.vocab_size);
   const std::vector<GenerationResult> got = Generator(loaded_model, *loaded, 2).run(reqs);
   const std::vector<GenerationResult> want = Generator(loaded_model, dequantized, 2).run(reqs);
   for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[i].tokens, want[i].tokens) << "sequence " << i;

@@ -217,15 +217,28 @@ int main(int argc, char** argv) {
 
   // quantize
   auto* quant = app.add_subcommand(
-      "quantize", "write a weight-only int8/int4 checkpoint for generate, eval and serve (docs/checkpoints.md)");
+      "quantize",
+      "write a quantized checkpoint (weight-only int8/int4, or W8A8) for generate, eval and serve "
+      "(docs/checkpoints.md)");
   std::string quant_out, quant_method = "int8", quant_data;
-  int64_t quant_group = 128;
+  int64_t quant_group = 128, quant_calibration_batches = 4;
+  double quant_alpha = 0.5;
   quant->add_option("--checkpoint", ckpt, "checkpoint directory, or a run directory (uses latest)")->required();
-  quant->add_option("--method", quant_method, "int8 (per output channel) or int4 (group-wise, zero points)")
+  quant->add_option("--method", quant_method,
+                    "int8 (weights per output channel), int4 (weights group-wise, zero points) or w8a8 (int8 "
+                    "weights and per-token int8 activations, SmoothQuant; needs --data)")
       ->capture_default_str();
   quant->add_option("--group", quant_group, "int4: input columns per scale: 32, 64 or 128")->capture_default_str();
+  quant->add_option("--alpha", quant_alpha,
+                    "w8a8: SmoothQuant's migration strength in [0, 1] (how much of the activations' outliers "
+                    "moves into the weights)")
+      ->capture_default_str();
   quant->add_option("--out", quant_out, "output checkpoint directory")->required();
-  quant->add_option("--data", quant_data, "token shard: report its loss and perplexity before and after");
+  quant->add_option("--data", quant_data,
+                    "token shard: report its loss and perplexity before and after; w8a8 calibrates on it");
+  quant->add_option("--calibration-batches", quant_calibration_batches,
+                    "w8a8: batches of 8 windows from the start of --data to calibrate on")
+      ->capture_default_str();
 
   // prune
   auto* prune = app.add_subcommand(
@@ -392,11 +405,21 @@ int main(int argc, char** argv) {
                     m.tokenizer.path().filename().string().c_str());
       }
     } else if (quant->parsed()) {
-      const QuantizeOptions qo{parse_quant_method(quant_method), quant_group};
-      if (qo.method == QuantMethod::int4) check_quant_group(qo.group);  // before the model loads
+      const QuantizeOptions qo{parse_quant_method(quant_method), quant_group, quant_alpha};
+      check_quantize_options(qo, !quant_data.empty());  // before the model loads
+      if (qo.method == QuantMethod::w8a8 && quant_calibration_batches < 1)
+        throw Error(str("--calibration-batches ", quant_calibration_batches, " must be at least 1"));
       LoadedModel m(ckpt);
       if (!m.info) throw Error("quantize reads a loom checkpoint; import an hf: model with `loom train` first");
-      const auto q = quantize_checkpoint(*m.info, m.model->layout(), *m.params, qo, quant_out);
+      std::optional<SmoothQuantCalibration> calibration;
+      if (qo.method == QuantMethod::w8a8) {
+        calibration.emplace();
+        double cpt = 0.0;
+        evaluate_shard(m, *m.params, quant_data, 0, 8, cpt, quant_calibration_batches);
+      }
+      const auto q = quantize_checkpoint(*m.info, m.model->layout(), *m.params, qo, quant_out,
+                                         calibration ? &*calibration : nullptr);
+      calibration.reset();
       const double fp32 = 4.0 * static_cast<double>(m.model->layout().numel()), size = static_cast<double>(q->nbytes());
       std::printf("wrote %s (%s): weights %.0f bytes, %.1f%% of fp32's %.0f\n", quant_out.c_str(),
                   quant_method_name(qo.method), size, 100.0 * size / fp32, fp32);
