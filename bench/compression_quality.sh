@@ -51,28 +51,16 @@ usage: $0 [options]
 EOF
 }
 
-need() { [ $# -ge 2 ] || { echo "error: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) layers=2 heads=2 embd=128 block=64 batch=8 micro=8 steps=10 ft_steps=4 timing_steps=4
              calib_batches=2 text_bytes=100000 ;;
-    --loom) need "$@"; loom=$2; shift ;;
-    --work) need "$@"; work=$2; shift ;;
-    --teacher) need "$@"; teacher=$2; shift ;;
-    --data) need "$@"; data=$2; shift ;;
-    --text) need "$@"; text=$2; shift ;;
-    --text-bytes) need "$@"; text_bytes=$2; shift ;;
-    --layers) need "$@"; layers=$2; shift ;;
-    --heads) need "$@"; heads=$2; shift ;;
-    --embd) need "$@"; embd=$2; shift ;;
-    --block) need "$@"; block=$2; shift ;;
-    --batch) need "$@"; batch=$2; shift ;;
-    --micro) need "$@"; micro=$2; shift ;;
-    --steps) need "$@"; steps=$2; shift ;;
-    --ft-steps) need "$@"; ft_steps=$2; shift ;;
-    --student-steps) need "$@"; student_steps=$2; shift ;;
-    --timing-steps) need "$@"; timing_steps=$2; shift ;;
-    --calib-batches) need "$@"; calib_batches=$2; shift ;;
+    --loom | --work | --teacher | --data | --text | --text-bytes | --layers | --heads | --embd | --block | --batch | \
+      --micro | --steps | --ft-steps | --student-steps | --timing-steps | --calib-batches)
+      [ $# -ge 2 ] || { echo "error: $1 needs a value" >&2; exit 2; }
+      # Each sets the variable of its name (--ft-steps: ft_steps).
+      eval "$(echo "${1#--}" | tr - _)=\$2"
+      shift ;;
     --parallel) parallel=1 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "error: unknown option '$1'" >&2; usage >&2; exit 2 ;;
