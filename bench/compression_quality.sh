@@ -178,12 +178,12 @@ echo
 echo "compression quality: $layers layers, width $embd, $steps steps; val loss over $loss_tokens tokens of $val"
 echo "('loss base' is the model each change is measured against: the trained fp32 model, but for the"
 echo " distilled student the student trained without a teacher; logs in $work/logs)"
-printf "%-26s %12s %6s %9s %9s %10s  %-20s %s\n" method bytes ratio "loss base" loss "ppl chg" target result
+printf "%-30s %12s %6s %9s %9s %10s  %-20s %s\n" method bytes ratio "loss base" loss "ppl chg" target result
 # One table row: NAME BYTES BEFORE AFTER TARGET RESULT ("-" where the issue
 # sets no target); the ratio to fp32 and the perplexity change computed here.
 row() {
   awk -v n="$1" -v b="$2" -v f="$fp32" -v l0="$3" -v l1="$4" -v t="$5" -v r="$6" 'BEGIN {
-    printf "%-26s %12s %6.3f %9.5f %9.5f %+9.3f%%  %-20s %s\n", n, b, b / f, l0, l1, 100 * (exp(l1 - l0) - 1), t, r }'
+    printf "%-30s %12s %6.3f %9.5f %9.5f %+9.3f%%  %-20s %s\n", n, b, b / f, l0, l1, 100 * (exp(l1 - l0) - 1), t, r }'
 }
 ppl_change() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%+.3f", 100 * (exp(b - a) - 1) }'; }
 # PASS when the perplexity change is at most TARGET percent.
