@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <thread>
 #include <tuple>
 #include <fstream>
@@ -813,6 +814,61 @@ TEST_F(MainJob, GenerationIsSeededAndEvaluationReportsPerCharLoss) {
   const EvalResult r = evaluate(model, ps, {d.val.file}, 32, 2, d.val.chars_per_token());
   EXPECT_DOUBLE_EQ(r.loss_per_token, final_eval.loss_per_token);
   EXPECT_NEAR(r.loss_per_char * d.val.chars_per_token(), r.loss_per_token, 1e-9);
+}
+
+// `loom quantize` and `loom prune` with --data report the compressed model's
+// size, the loss and perplexity before and after and their change: the loss
+// before is what `loom eval` measures of the source checkpoint, the loss
+// after what it measures of the checkpoint the command wrote.
+TEST_F(MainJob, CompressionCommandsReportTheLossesLoomEvalMeasures) {
+  train("compress-source", {"train.steps=5"});
+  const std::string source = (*dir_ / "compress-source").string(), val = (*dir_ / "data" / "val.bin").string();
+  auto loom = [](const std::string& args) {
+    const std::string command = str(LOOM_CLI, " ", args, " 2>&1");
+    FILE* pipe = popen(command.c_str(), "r");
+    EXPECT_NE(pipe, nullptr) << command;
+    std::string out;
+    char buf[4096];
+    while (pipe && fgets(buf, sizeof buf, pipe)) out += buf;
+    EXPECT_EQ(pipe ? pclose(pipe) : -1, 0) << command << "\n" << out;
+    return out;
+  };
+  auto eval_loss = [&](const std::string& checkpoint) {
+    const std::string out = loom(str("eval --checkpoint ", checkpoint, " --data ", val));
+    double loss = 0;
+    EXPECT_EQ(std::sscanf(out.c_str(), "loss %lf nats/token", &loss), 1) << out;
+    return loss;
+  };
+  const double before = eval_loss(source);
+  const std::vector<std::pair<std::string, std::string>> commands = {
+      {"quantize --method int8", "int8"},
+      {"prune --method wanda --sparsity 0.5", "wanda"},
+      {"prune --method channels --sparsity 0.5", "channels"}};
+  for (const auto& [args, name] : commands) {
+    SCOPED_TRACE(args);
+    const fs::path out = *dir_ / ("compressed-" + name);
+    const std::string report = loom(str(args, " --checkpoint ", source, " --data ", val, " --out ", out.string()));
+    // The size: quantize's weight bytes, prune's nonzero parameters and dense f32 megabytes.
+    EXPECT_TRUE(report.find(" bytes, ") != std::string::npos || report.find(" MB dense f32") != std::string::npos)
+        << report;
+    const size_t at = report.find("\nloss ");
+    ASSERT_NE(at, std::string::npos) << report;
+    double l0 = 0, l1 = 0, change = 0, p0 = 0, p1 = 0, ppl_change = 0;
+    long long tokens = 0;
+    ASSERT_EQ(std::sscanf(report.c_str() + at + 1,
+                          "loss %lf -> %lf nats/token (%lf%%), perplexity %lf -> %lf (%lf%%) over %lld tokens", &l0,
+                          &l1, &change, &p0, &p1, &ppl_change, &tokens),
+              7)
+        << report;
+    EXPECT_EQ(l0, before);  // both printed to 6 decimals from the same evaluation
+    EXPECT_EQ(l1, eval_loss(out.string()));
+    EXPECT_NE(l1, l0) << "compression changes the loss";
+    EXPECT_NEAR(p0, std::exp(l0), 1e-4 * p0);
+    EXPECT_NEAR(p1, std::exp(l1), 1e-4 * p1);
+    EXPECT_NEAR(change, 100.0 * (l1 / l0 - 1.0), 1e-3);
+    EXPECT_NEAR(ppl_change, 100.0 * (p1 / p0 - 1.0), 1e-3);
+    EXPECT_GT(tokens, 0);
+  }
 }
 
 // A traced run's timeline on every layout: each rank has a step span per
