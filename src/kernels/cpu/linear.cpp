@@ -16,7 +16,8 @@ void linear_forward(float* out, const float* inp, const float* weight, const flo
   if (rows == RowBlocking::fixed) {
     const int64_t vector_cols = C - C % row_linear::kBlock;
     row_linear::linear(out, OC, inp, bias, N, C, OC,
-                       [=](int64_t o) { return row_linear::F32Row{weight + o * C, vector_cols, vector_cols}; });
+                       [=](int64_t o) { return row_linear::F32Row{weight + o * C, vector_cols, vector_cols,
+                                                                    C * static_cast<int64_t>(sizeof(float))}; });
     return;
   }
 #endif

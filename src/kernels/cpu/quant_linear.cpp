@@ -1,8 +1,9 @@
 // Weight-only quantized linear: the weights stay int8/int4 in memory and are
 // widened to fp32 in registers, a block of 32 input columns at a time, so a
 // batch-1 decode reads a quarter (int8) or an eighth (int4) of fp32's bytes.
-// The tiling and the order of the arithmetic are row_linear.h's; the scales
-// multiply each group's sum of products (int8: the row's), not each weight.
+// The tiling and the order of the arithmetic are row_linear.h's. int8's one
+// scale multiplies the row's sum of products; int4 widens each nibble straight
+// to its dequantized weight, (q - zero) * scale, as dequantize_int4 writes it.
 #include <vector>
 
 #include "kernels/cpu/partition.h"
@@ -42,42 +43,69 @@ inline Vec widen_i8(const int8_t* q) {
 // One int8 weight row: one scale, the whole vectorized width one group.
 struct Int8Row {
   static constexpr bool kScaled = true;
+  static constexpr int64_t kBlockBytes = kInt4Block;
   const int8_t* q;
   float s;
-  int64_t vector_cols, group_cols;
-  void block(int64_t c, Vec w[kBlockVecs]) const {
+  int64_t vector_cols, group_cols, row_bytes;
+  const void* address(int64_t c) const { return q + c; }
+  struct Group {};
+  Group group(int64_t) const { return {}; }
+  void block(int64_t c, Group, Vec w[kBlockVecs]) const {
     for (int k = 0; k < kBlockVecs; ++k) w[k] = widen_i8(q + c + row_linear::kLanes * k);
   }
   float scale(int64_t) const { return s; }
   float scalar(int64_t c) const { return static_cast<float>(q[c]) * s; }
 };
 
-// One int4 weight row: a scale and a zero point per group of columns.
+// One int4 weight row: a scale and a zero point per group of columns. The
+// blocks come out scaled, each weight exactly its dequantized value
+// (q - zero) * scale: the same numbers the fp32 kernel would read.
 struct Int4Row {
-  static constexpr bool kScaled = true;
+  static constexpr bool kScaled = false;
+  static constexpr int64_t kBlockBytes = kInt4Block / 2;
   const uint8_t* q;  // the row's packed bytes
   const float* s;    // the row's group scales
   const uint8_t* z;  // and zero points
-  int64_t group;
-  int64_t vector_cols, group_cols;
-  void block(int64_t c, Vec w[kBlockVecs]) const {
-    const int64_t g = c / group;
+  int64_t group_size;
+  int64_t vector_cols, group_cols, row_bytes;
+  const void* address(int64_t c) const { return q + c / 2; }
+#if defined(__AVX512F__)
+  // The 16 weights a nibble can stand for in group g: a nibble widened to
+  // a 32-bit lane becomes its weight in one permute (vpermps reads the low
+  // 4 bits of each index), where widening it to float and scaling it would
+  // take three instructions.
+  struct Group {
+    __m512 table;
+  };
+  Group group(int64_t g) const {
+    const __m512i nibbles = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i centred = _mm512_sub_epi32(nibbles, _mm512_set1_epi32(z[g]));
+    return {_mm512_mul_ps(_mm512_cvtepi32_ps(centred), _mm512_set1_ps(s[g]))};
+  }
+  void block(int64_t c, Group g, Vec w[kBlockVecs]) const {
+    // Byte j of the block holds column c + j (low nibble) and c + 16 + j.
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c / 2)));
+    w[0] = _mm512_permutexvar_ps(bytes, g.table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), g.table);
+  }
+#else
+  struct Group {
+    __m256i zero;
+    __m256 scale;
+  };
+  Group group(int64_t g) const { return {_mm256_set1_epi32(z[g]), _mm256_set1_ps(s[g])}; }
+  void block(int64_t c, Group g, Vec w[kBlockVecs]) const {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c / 2));
     const __m128i mask = _mm_set1_epi8(0x0f);
     const __m128i lo = _mm_and_si128(packed, mask);                     // columns c .. c+15
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);  // columns c+16 .. c+31
-#if defined(__AVX512F__)
-    const __m512i zero = _mm512_set1_epi32(z[g]);
-    w[0] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), zero));
-    w[1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), zero));
-#else
-    const __m256i zero = _mm256_set1_epi32(z[g]);
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int k = 0; k < 4; ++k) w[k] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[k]), zero));
-#endif
+    for (int k = 0; k < 4; ++k)
+      w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[k]), g.zero)), g.scale);
   }
+#endif
   float scale(int64_t g) const { return s[g]; }
-  float scalar(int64_t c) const { return int4_weight(q, s, z, c, group); }
+  float scalar(int64_t c) const { return int4_weight(q, s, z, c, group_size); }
 };
 
 #else
@@ -112,7 +140,7 @@ void linear_forward_int8(float* out, int64_t ldo, const float* inp, const int8_t
 #if defined(LOOM_ROW_LINEAR_SIMD)
   const int64_t vector_cols = C - C % kInt4Block;
   row_linear::linear(out, ldo, inp, bias, N, C, OC,
-                     [=](int64_t o) { return Int8Row{w + o * C, scale[o], vector_cols, vector_cols}; });
+                     [=](int64_t o) { return Int8Row{w + o * C, scale[o], vector_cols, vector_cols, C}; });
 #else
   quantized_linear(out, ldo, inp, bias, N, C, OC,
                    [=](int64_t o, int64_t c) { return static_cast<float>(w[o * C + c]) * scale[o]; });
@@ -124,7 +152,7 @@ void linear_forward_int4(float* out, int64_t ldo, const float* inp, const uint8_
 #if defined(LOOM_ROW_LINEAR_SIMD)
   const int64_t groups = C / group;
   row_linear::linear(out, ldo, inp, bias, N, C, OC, [=](int64_t o) {
-    return Int4Row{w + o * (C / 2), scale + o * groups, zero + o * groups, group, C, group};
+    return Int4Row{w + o * (C / 2), scale + o * groups, zero + o * groups, group, C, group, C / 2};
   });
 #else
   quantized_linear(out, ldo, inp, bias, N, C, OC,

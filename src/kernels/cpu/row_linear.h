@@ -12,14 +12,25 @@
 // depends on its own input row alone: not on N, on the other rows or on the
 // thread count (what RowBlocking::fixed asks of generation).
 //
+// A decode is bound by the bytes of weights it reads, and a tile's rows are
+// short streams (a 1024-column int8 row is 1 KB) that the hardware
+// prefetcher starts too late for: each tile asks for the next tile's bytes
+// (the rows kRows below) while it works, so memory stays busy.
+//
 // A Row type (one output row of some weight format) provides:
 //   vector_cols             columns handled in blocks of kBlock (a multiple
 //                           of group_cols); the rest go through scalar(c)
-//   group_cols              columns per scale: the block products of a group
+//   group_cols              columns per group: what a block needs to widen
+//                           its weights is set up once per group (group(g)),
+//                           and with kScaled the block products of a group
 //                           are summed unscaled, then multiplied by scale(g)
-//   kScaled                 false when there is no scale (fp32)
-//   block(c, w)             columns [c, c + kBlock) as kBlockVecs float
-//                           vectors, unscaled
+//   kScaled                 false when the blocks are already scaled
+//   kBlockBytes             bytes of one block of the row in memory
+//   address(c)              where column c's block starts
+//   row_bytes               bytes from one row to the next
+//   group(g) -> Group       per-group state for block()
+//   block(c, group, w)      columns [c, c + kBlock) as kBlockVecs float
+//                           vectors, unscaled when kScaled
 //   scale(g), scalar(c)     group g's scale; column c's weight, scaled
 #pragma once
 
@@ -77,14 +88,35 @@ inline constexpr int kBlockVecs = kBlock / kLanes;
 // An fp32 weight row.
 struct F32Row {
   static constexpr bool kScaled = false;
+  static constexpr int64_t kBlockBytes = kBlock * sizeof(float);
   const float* w;
-  int64_t vector_cols, group_cols;
-  void block(int64_t c, Vec v[kBlockVecs]) const {
+  int64_t vector_cols, group_cols, row_bytes;
+  const void* address(int64_t c) const { return w + c; }
+  struct Group {};
+  Group group(int64_t) const { return {}; }
+  void block(int64_t c, Group, Vec v[kBlockVecs]) const {
     for (int k = 0; k < kBlockVecs; ++k) v[k] = load(w + c + kLanes * k);
   }
   float scale(int64_t) const { return 1.0f; }
   float scalar(int64_t c) const { return w[c]; }
 };
+
+// Output rows in tiles of kRows (decode) and tokens in tiles of kTokens
+// (prefill).
+inline constexpr int64_t kRows = 4;
+inline constexpr int64_t kTokens = 8;
+
+// Asks for the cache lines of column c's block kRows rows below this one
+// (into L2: they are used one tile later). Blocks smaller than a line ask
+// for it more than once, which costs less than a branch to skip them.
+template <typename Row>
+void prefetch_next_tile(const Row& row, int64_t c) {
+  // As an integer: past the last tile this points beyond the weights, which
+  // a prefetch may do and pointer arithmetic may not.
+  const uintptr_t next = reinterpret_cast<uintptr_t>(row.address(c)) + static_cast<uintptr_t>(kRows * row.row_bytes);
+  for (int64_t b = 0; b < Row::kBlockBytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(next + static_cast<uintptr_t>(b)), _MM_HINT_T1);
+}
 
 // out[t, o] for RB rows (rows[r] is output o0 + r) and TB tokens from t0.
 template <int RB, int TB, typename Row>
@@ -98,10 +130,13 @@ void tile(float* out, int64_t ldo, const float* inp, int64_t C, const Row* rows,
     Vec part[RB][TB];
     for (int r = 0; r < RB; ++r)
       for (int t = 0; t < TB; ++t) part[r][t] = zero();
+    typename Row::Group group[RB];
+    for (int r = 0; r < RB; ++r) group[r] = rows[r].group(g0 / gc);
     for (int64_t c = g0; c < g0 + gc; c += kBlock) {
       for (int r = 0; r < RB; ++r) {
+        prefetch_next_tile(rows[r], c);
         Vec w[kBlockVecs];
-        rows[r].block(c, w);
+        rows[r].block(c, group[r], w);
         for (int t = 0; t < TB; ++t) {
           const float* x = inp + (t0 + t) * C + c;
           for (int k = 0; k < kBlockVecs; ++k) part[r][t] = fma(w[k], load(x + kLanes * k), part[r][t]);
@@ -126,11 +161,8 @@ void tile(float* out, int64_t ldo, const float* inp, int64_t C, const Row* rows,
     }
 }
 
-// Output rows in tiles of kRows, in parallel (each element written by one
-// thread, computed as above).
-inline constexpr int64_t kRows = 4;
-inline constexpr int64_t kTokens = 8;
-
+// Output rows in tiles, in parallel (each element written by one thread,
+// computed as above).
 // out[N, :OC] (rows ldo apart) = inp[N, C] @ W^T + bias, W's row o being
 // make_row(o).
 template <typename MakeRow>
