@@ -162,14 +162,15 @@ void tile(float* out, int64_t ldo, const float* inp, int64_t C, const Row* rows,
 }
 
 // Output rows in tiles, in parallel (each element written by one thread,
-// computed as above).
+// computed as above). A decode's smallest layer (1024 x 1024 fp32: 4 MB, a
+// few hundred microseconds of reading) still pays for a parallel region.
 // out[N, :OC] (rows ldo apart) = inp[N, C] @ W^T + bias, W's row o being
 // make_row(o).
 template <typename MakeRow>
 void linear(float* out, int64_t ldo, const float* inp, const float* bias, int64_t N, int64_t C, int64_t OC,
             MakeRow make_row) {
   const int64_t tiles = (OC + kRows - 1) / kRows;
-#pragma omp parallel for schedule(static) if (N * OC * C >= 64 * kMinParallelWork)
+#pragma omp parallel for schedule(static) if (N * OC * C >= 8 * kMinParallelWork)
   for (int64_t i = 0; i < tiles; ++i) {
     const int64_t o0 = i * kRows, nr = OC - o0 < kRows ? OC - o0 : kRows;
     using Row = decltype(make_row(int64_t{0}));
