@@ -105,7 +105,7 @@ TEST_P(QuantLinear, ThreadInvariant) {
   const int64_t OC = 300, N = 7, C = k.method == QuantMethod::int8 ? k.C * 15 : 1024;
   const Case wide{k.method, k.group, C};
   const QuantizedWeight q = quantized(wide, random_vector(OC * C, 7), OC);
-  ASSERT_GE(N * OC * C, 64 * 32768) << "the test must reach the parallel path";
+  ASSERT_GE(N * OC * C, 8 * 32768) << "the test must reach the parallel path";
   const std::vector<float> x = random_vector(N * C, 8), bias = random_vector(OC, 9);
   expect_thread_invariant([&] { return run(q, x, bias.data(), N, OC); });
 }

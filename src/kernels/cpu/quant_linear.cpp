@@ -1,6 +1,7 @@
 // Weight-only quantized linear: the weights stay int8/int4 in memory and are
-// widened to fp32 in registers, a block of 32 input columns at a time, so a
-// batch-1 decode reads a quarter (int8) or an eighth (int4) of fp32's bytes.
+// widened to fp32 in registers, in blocks of 32 input columns (128 for int4
+// in groups of 128 or more), so a batch-1 decode reads a quarter (int8) or an
+// eighth (int4) of fp32's bytes.
 // The tiling and the order of the arithmetic are row_linear.h's. int8's one
 // scale multiplies the row's sum of products; int4 widens each nibble straight
 // to its dequantized weight, (q - zero) * scale, as dequantize_int4 writes it.
@@ -25,9 +26,10 @@ inline float int4_weight(const uint8_t* q, const float* scale, const uint8_t* ze
 
 #if defined(LOOM_ROW_LINEAR_SIMD)
 
-using row_linear::kBlockVecs;
+using row_linear::kBlock;
+using row_linear::kLanes;
 using row_linear::Vec;
-static_assert(row_linear::kBlock == kInt4Block);
+static_assert(kBlock == kInt4Block);
 
 // int8 integers (exact in fp32) to float lanes.
 #if defined(__AVX512F__)
@@ -42,59 +44,104 @@ inline Vec widen_i8(const int8_t* q) {
 
 // One int8 weight row: one scale, the whole vectorized width one group.
 struct Int8Row {
-  static constexpr bool kScaled = true;
-  static constexpr int64_t kBlockBytes = kInt4Block;
+  static constexpr bool kScaled = true, kReordersInput = false;
+  static constexpr int64_t kBlockCols = kBlock, kBlockBytes = kBlock;
   const int8_t* q;
   float s;
   int64_t vector_cols, group_cols, row_bytes;
   const void* address(int64_t c) const { return q + c; }
   struct Group {};
   Group group(int64_t) const { return {}; }
-  void block(int64_t c, Group, Vec w[kBlockVecs]) const {
-    for (int k = 0; k < kBlockVecs; ++k) w[k] = widen_i8(q + c + row_linear::kLanes * k);
+  void block(int64_t c, Group, Vec* w) const {
+    for (int k = 0; k < kBlock / kLanes; ++k) w[k] = widen_i8(q + c + kLanes * k);
   }
   float scale(int64_t) const { return s; }
   float scalar(int64_t c) const { return static_cast<float>(q[c]) * s; }
 };
 
-// One int4 weight row: a scale and a zero point per group of columns. The
-// blocks come out scaled, each weight exactly its dequantized value
-// (q - zero) * scale: the same numbers the fp32 kernel would read.
-struct Int4Row {
+// The int4 rows widen each nibble straight to its dequantized weight,
+// (q - zero) * scale as dequantize_int4 writes it, so their blocks come out
+// scaled. What they share: the packed row, its group scales and zero points.
+struct Int4Weights {
   static constexpr bool kScaled = false;
-  static constexpr int64_t kBlockBytes = kInt4Block / 2;
-  const uint8_t* q;  // the row's packed bytes
-  const float* s;    // the row's group scales
-  const uint8_t* z;  // and zero points
+  const uint8_t* q;
+  const float* s;
+  const uint8_t* z;
   int64_t group_size;
   int64_t vector_cols, group_cols, row_bytes;
   const void* address(int64_t c) const { return q + c / 2; }
+  float scalar(int64_t c) const { return int4_weight(q, s, z, c, group_size); }
+};
+
 #if defined(__AVX512F__)
-  // The 16 weights a nibble can stand for in group g: a nibble widened to
-  // a 32-bit lane becomes its weight in one permute (vpermps reads the low
-  // 4 bits of each index), where widening it to float and scaling it would
-  // take three instructions.
+
+// The 16 weights a nibble stands for in one group, (i - zero) * scale for
+// i = 0..15: a nibble in the low 4 bits of a 32-bit lane becomes its weight
+// in one vpermps (which reads only those bits of each index), where
+// widening it to float and scaling it would take three instructions.
+struct Int4TableRow : Int4Weights {
   struct Group {
     __m512 table;
   };
   Group group(int64_t g) const {
     const __m512i nibbles = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i centred = _mm512_sub_epi32(nibbles, _mm512_set1_epi32(z[g]));
-    return {_mm512_mul_ps(_mm512_cvtepi32_ps(centred), _mm512_set1_ps(s[g]))};
+    return {_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(nibbles, _mm512_set1_epi32(z[g]))), _mm512_set1_ps(s[g]))};
   }
-  void block(int64_t c, Group g, Vec w[kBlockVecs]) const {
-    // Byte j of the block holds column c + j (low nibble) and c + 16 + j.
+};
+
+// An int4 row in blocks of 32 columns (any group size). Byte j of a block
+// holds column j (low nibble) and 16 + j: widened to 32-bit lanes, the bytes
+// index the table once as they are and once shifted right by 4.
+struct Int4Row : Int4TableRow {
+  static constexpr bool kReordersInput = false;
+  static constexpr int64_t kBlockCols = kBlock, kBlockBytes = kBlock / 2;
+  void block(int64_t c, Group g, Vec* w) const {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c / 2)));
     w[0] = _mm512_permutexvar_ps(bytes, g.table);
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), g.table);
   }
+};
+
+// An int4 row in blocks of 128 columns, for groups of 128 or more: the
+// block's 64 bytes are loaded as 16 32-bit lanes whose 8 nibbles index the
+// table after shifts by 0, 4, ..., 28, one permute per 16 weights and no
+// widening (Int4Row spends one widening per 32). Lane i's nibble k is
+// column col(i, k) of the block, so the input is reordered to match.
+struct Int4WideRow : Int4TableRow {
+  static constexpr bool kReordersInput = true;
+  static constexpr int64_t kBlockCols = 4 * kBlock, kBlockBytes = kBlockCols / 2;
+  void block(int64_t c, Group g, Vec* w) const {
+    const __m512i lanes = _mm512_loadu_si512(q + c / 2);
+    w[0] = _mm512_permutexvar_ps(lanes, g.table);
+    for (int k = 1; k < 8; ++k)
+      w[k] = _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, static_cast<unsigned>(4 * k)), g.table);
+  }
+  // Nibble k of lane i is in byte 4i + k/2 of the block (low nibble for
+  // even k): column j + 16 * (k % 2) of the 32-column int4 block it is in.
+  static int64_t col(int64_t i, int64_t k) {
+    const int64_t byte = 4 * i + k / 2;
+    return byte / 16 * kBlock + byte % 16 + 16 * (k % 2);
+  }
+  static void reorder_input(const float* x, float* out, int64_t cols) {
+    for (int64_t b = 0; b < cols; b += kBlockCols)
+      for (int64_t k = 0; k < 8; ++k)
+        for (int64_t i = 0; i < 16; ++i) out[b + 16 * k + i] = x[b + col(i, k)];
+  }
+};
+
 #else
+
+// An int4 row in blocks of 32 columns (any group size); byte j of a block
+// holds column j (low nibble) and 16 + j.
+struct Int4Row : Int4Weights {
+  static constexpr bool kReordersInput = false;
+  static constexpr int64_t kBlockCols = kBlock, kBlockBytes = kBlock / 2;
   struct Group {
     __m256i zero;
     __m256 scale;
   };
   Group group(int64_t g) const { return {_mm256_set1_epi32(z[g]), _mm256_set1_ps(s[g])}; }
-  void block(int64_t c, Group g, Vec w[kBlockVecs]) const {
+  void block(int64_t c, Group g, Vec* w) const {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c / 2));
     const __m128i mask = _mm_set1_epi8(0x0f);
     const __m128i lo = _mm_and_si128(packed, mask);                     // columns c .. c+15
@@ -103,10 +150,9 @@ struct Int4Row {
     for (int k = 0; k < 4; ++k)
       w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[k]), g.zero)), g.scale);
   }
-#endif
-  float scale(int64_t g) const { return s[g]; }
-  float scalar(int64_t c) const { return int4_weight(q, s, z, c, group_size); }
 };
+
+#endif
 
 #else
 
@@ -151,9 +197,18 @@ void linear_forward_int4(float* out, int64_t ldo, const float* inp, const uint8_
                          const uint8_t* zero, const float* bias, int64_t N, int64_t C, int64_t OC, int64_t group) {
 #if defined(LOOM_ROW_LINEAR_SIMD)
   const int64_t groups = C / group;
-  row_linear::linear(out, ldo, inp, bias, N, C, OC, [=](int64_t o) {
-    return Int4Row{w + o * (C / 2), scale + o * groups, zero + o * groups, group, C, group, C / 2};
-  });
+  auto weights = [=](int64_t o) {
+    return Int4Weights{w + o * (C / 2), scale + o * groups, zero + o * groups, group, C, group, C / 2};
+  };
+#if defined(__AVX512F__)
+  if (group % Int4WideRow::kBlockCols == 0) {
+    row_linear::linear(out, ldo, inp, bias, N, C, OC, [=](int64_t o) { return Int4WideRow{{weights(o)}}; });
+    return;
+  }
+  row_linear::linear(out, ldo, inp, bias, N, C, OC, [=](int64_t o) { return Int4Row{{weights(o)}}; });
+#else
+  row_linear::linear(out, ldo, inp, bias, N, C, OC, [=](int64_t o) { return Int4Row{weights(o)}; });
+#endif
 #else
   quantized_linear(out, ldo, inp, bias, N, C, OC,
                    [=](int64_t o, int64_t c) {

@@ -4,8 +4,9 @@
 // and which doubles the bytes a batch-1 decode moves.
 //
 // Every output element is the dot product of its weight row with its input
-// row in column order, into one accumulator vector summed at the end,
-// whatever the tiling: tiles of kRows rows x 1 token (decode: independent
+// row in the Row's column order (column order, except for a Row that widens
+// its weights in another order and takes the input reordered to match),
+// into one accumulator vector summed at the end, whatever the tiling: tiles of kRows rows x 1 token (decode: independent
 // chains, the input block reused for several weight rows) or 1 row x kTokens
 // tokens (prefill: the widened weight block reused for several tokens) change
 // the order of the work, never the arithmetic of one element. So a result
@@ -18,8 +19,9 @@
 // (the rows kRows below) while it works, so memory stays busy.
 //
 // A Row type (one output row of some weight format) provides:
-//   vector_cols             columns handled in blocks of kBlock (a multiple
-//                           of group_cols); the rest go through scalar(c)
+//   kBlockCols              columns per block: kBlock, or a multiple of it
+//   vector_cols             columns handled in blocks (a multiple of
+//                           group_cols); the rest go through scalar(c)
 //   group_cols              columns per group: what a block needs to widen
 //                           its weights is set up once per group (group(g)),
 //                           and with kScaled the block products of a group
@@ -29,12 +31,17 @@
 //   address(c)              where column c's block starts
 //   row_bytes               bytes from one row to the next
 //   group(g) -> Group       per-group state for block()
-//   block(c, group, w)      columns [c, c + kBlock) as kBlockVecs float
-//                           vectors, unscaled when kScaled
+//   block(c, group, w)      the block of columns from c as kBlockCols /
+//                           kLanes float vectors, unscaled when kScaled
 //   scale(g), scalar(c)     group g's scale; column c's weight, scaled
+//   kReordersInput          whether block() yields its columns out of order;
+//                           then reorder_input(x, out, cols) writes an input
+//                           row's first cols columns in block() order
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 // GCC 12's AVX-512 intrinsics start some results from _mm512_undefined_*()
@@ -50,8 +57,8 @@
 
 namespace loom::cpu::row_linear {
 
-// Columns per block: one int4 block (kernels.h's packing), so a block never
-// straddles a group.
+// Columns per block by default: one int4 block (kernels.h's packing), so a
+// block never straddles a group.
 inline constexpr int64_t kBlock = 32;
 
 #if defined(__AVX512F__)
@@ -83,19 +90,18 @@ inline float sum(Vec v) {
 #if defined(LOOM_ROW_LINEAR_SIMD)
 
 inline constexpr int kLanes = sizeof(Vec) / sizeof(float);
-inline constexpr int kBlockVecs = kBlock / kLanes;
 
 // An fp32 weight row.
 struct F32Row {
-  static constexpr bool kScaled = false;
-  static constexpr int64_t kBlockBytes = kBlock * sizeof(float);
+  static constexpr bool kScaled = false, kReordersInput = false;
+  static constexpr int64_t kBlockCols = kBlock, kBlockBytes = kBlock * sizeof(float);
   const float* w;
   int64_t vector_cols, group_cols, row_bytes;
   const void* address(int64_t c) const { return w + c; }
   struct Group {};
   Group group(int64_t) const { return {}; }
-  void block(int64_t c, Group, Vec v[kBlockVecs]) const {
-    for (int k = 0; k < kBlockVecs; ++k) v[k] = load(w + c + kLanes * k);
+  void block(int64_t c, Group, Vec* v) const {
+    for (int k = 0; k < kBlock / kLanes; ++k) v[k] = load(w + c + kLanes * k);
   }
   float scale(int64_t) const { return 1.0f; }
   float scalar(int64_t c) const { return w[c]; }
@@ -126,27 +132,28 @@ void tile(float* out, int64_t ldo, const float* inp, int64_t C, const Row* rows,
   for (int r = 0; r < RB; ++r)
     for (int t = 0; t < TB; ++t) acc[r][t] = zero();
   const int64_t vc = rows[0].vector_cols, gc = rows[0].group_cols;
-  for (int64_t g0 = 0; g0 < vc; g0 += gc) {
+  for (int64_t g = 0, g0 = 0; g0 < vc; ++g, g0 += gc) {
     Vec part[RB][TB];
     for (int r = 0; r < RB; ++r)
       for (int t = 0; t < TB; ++t) part[r][t] = zero();
     typename Row::Group group[RB];
-    for (int r = 0; r < RB; ++r) group[r] = rows[r].group(g0 / gc);
-    for (int64_t c = g0; c < g0 + gc; c += kBlock) {
+    for (int r = 0; r < RB; ++r) group[r] = rows[r].group(g);
+    for (int64_t c = g0; c < g0 + gc; c += Row::kBlockCols) {
       for (int r = 0; r < RB; ++r) {
         prefetch_next_tile(rows[r], c);
-        Vec w[kBlockVecs];
+        constexpr int kVecs = Row::kBlockCols / kLanes;
+        Vec w[kVecs];
         rows[r].block(c, group[r], w);
         for (int t = 0; t < TB; ++t) {
           const float* x = inp + (t0 + t) * C + c;
-          for (int k = 0; k < kBlockVecs; ++k) part[r][t] = fma(w[k], load(x + kLanes * k), part[r][t]);
+          for (int k = 0; k < kVecs; ++k) part[r][t] = fma(w[k], load(x + kLanes * k), part[r][t]);
         }
       }
     }
     for (int r = 0; r < RB; ++r)
       for (int t = 0; t < TB; ++t) {
         if constexpr (Row::kScaled)
-          acc[r][t] = fma(part[r][t], broadcast(rows[r].scale(g0 / gc)), acc[r][t]);
+          acc[r][t] = fma(part[r][t], broadcast(rows[r].scale(g)), acc[r][t]);
         else
           acc[r][t] = add(acc[r][t], part[r][t]);
       }
@@ -169,11 +176,23 @@ void tile(float* out, int64_t ldo, const float* inp, int64_t C, const Row* rows,
 template <typename MakeRow>
 void linear(float* out, int64_t ldo, const float* inp, const float* bias, int64_t N, int64_t C, int64_t OC,
             MakeRow make_row) {
+  using Row = decltype(make_row(int64_t{0}));
+  std::vector<float> reordered;
+  if constexpr (Row::kReordersInput) {
+    // Once per call for every row of the weights: the input in the order
+    // the blocks widen their columns in, the scalar tail left in place.
+    const int64_t vc = make_row(0).vector_cols;
+    reordered.resize(static_cast<size_t>(N * C));
+    for (int64_t t = 0; t < N; ++t) {
+      Row::reorder_input(inp + t * C, reordered.data() + t * C, vc);
+      std::copy(inp + t * C + vc, inp + (t + 1) * C, reordered.data() + t * C + vc);
+    }
+    inp = reordered.data();
+  }
   const int64_t tiles = (OC + kRows - 1) / kRows;
 #pragma omp parallel for schedule(static) if (N * OC * C >= 8 * kMinParallelWork)
   for (int64_t i = 0; i < tiles; ++i) {
     const int64_t o0 = i * kRows, nr = OC - o0 < kRows ? OC - o0 : kRows;
-    using Row = decltype(make_row(int64_t{0}));
     Row rows[kRows]{};
     for (int64_t r = 0; r < nr; ++r) rows[r] = make_row(o0 + r);
     int64_t t = 0;
