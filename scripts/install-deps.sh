@@ -9,7 +9,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libsentencepiece-dev libpcre2-dev
   libopenmpi-dev openmpi-bin
-  liburing-dev libssl-dev
+  liburing-dev libssl-dev libxxhash-dev
   libtomlplusplus-dev nlohmann-json3-dev libcli11-dev
   libcpp-httplib-dev
   libdnnl-dev

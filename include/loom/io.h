@@ -1,4 +1,4 @@
-// loom io: the file primitives checkpoints are built from. SHA-256, the
+// loom io: the file primitives checkpoints are built from. Checksums, the
 // safetensors format (read lazily, written streaming), atomic directory and
 // file commits that survive crashes and full disks, checkpoint manifests with
 // per-file checksums, and retention of step_NNNNNNNN directories.
@@ -52,6 +52,44 @@ std::string sha256_hex(std::string_view bytes);
 std::string sha256_file(const std::filesystem::path& path);
 
 // ---------------------------------------------------------------------------
+// File checksums
+// ---------------------------------------------------------------------------
+// A manifest names each file's checksum by its algorithm. loom writes XXH3-128
+// (xxHash): it hashes at memory speed, so verifying a checkpoint costs little
+// beside reading it, where SHA-256 took several times as long as the read.
+// SHA-256 entries, which earlier versions wrote, still verify.
+enum class Checksum { xxh3_128, sha256 };
+
+// The manifest key, "xxh3_128" or "sha256"; the inverse returns nullopt for
+// any other key.
+const char* checksum_name(Checksum c);
+std::optional<Checksum> parse_checksum_name(std::string_view name);
+
+// A checksum computed over bytes that arrive in pieces.
+class FileHasher {
+ public:
+  explicit FileHasher(Checksum c = Checksum::xxh3_128);
+  ~FileHasher();
+  FileHasher(const FileHasher&) = delete;
+  FileHasher& operator=(const FileHasher&) = delete;
+
+  Checksum checksum() const { return checksum_; }
+  void update(const void* data, size_t bytes);
+  void update(std::string_view s) { update(s.data(), s.size()); }
+  // The digest as lowercase hex; the hasher is spent afterwards.
+  std::string hex_digest();
+
+  struct Algorithm;  // one per Checksum (src/io/checksum.cpp)
+
+ private:
+  Checksum checksum_;
+  std::unique_ptr<Algorithm> algorithm_;
+};
+
+// Streams the file in chunks; throws Error naming the path if it cannot be read.
+std::string checksum_file(const std::filesystem::path& path, Checksum c);
+
+// ---------------------------------------------------------------------------
 // safetensors
 // ---------------------------------------------------------------------------
 // Layout (docs/checkpoints.md): 8-byte little-endian header length N, N bytes
@@ -64,12 +102,19 @@ const char* safetensors_dtype_name(DType dt);
 // The inverse; throws Error for other tags (F64, BOOL, ...) naming what loom reads.
 DType parse_safetensors_dtype(std::string_view tag);
 
-// A file's size and lowercase hex SHA-256 (manifests, checkpoints).
+// A file's size and checksum (manifests, checkpoints).
 struct FileDigest {
   uint64_t bytes = 0;
-  std::string sha256;  // hex
+  Checksum checksum = Checksum::xxh3_128;
+  std::string hex;  // lowercase
   bool operator==(const FileDigest&) const = default;
 };
+
+// As a manifest lists it: {"<checksum name>": "<hex>", "bytes": <count>}.
+nlohmann::json digest_json(const FileDigest& digest);
+// The inverse; nullopt unless `entry` is exactly that, with a known checksum
+// and a digest of its length.
+std::optional<FileDigest> parse_digest_json(const nlohmann::json& entry);
 
 struct SafetensorsSpec {
   std::string name;
@@ -101,12 +146,17 @@ class SafetensorsWriter {
   void write_part(std::string_view name, const void* data, size_t bytes);
   // Checks every declared byte arrived, fsyncs and closes. Throws Error otherwise.
   void finish();
-  // After finish(): the file's size and SHA-256, hashed as the bytes were
+  // After finish(): the file's size and checksum, hashed as the bytes were
   // written (a sharded checkpoint's rank never reads its file back).
   const FileDigest& digest() const;
+  // After finish(): each tensor's XXH3-128 (hex), in the declared order, so
+  // that a reader of some tensors verifies only those (TensorVerifier).
+  const std::vector<std::string>& tensor_digests() const;
 
  private:
   void advance_to(std::string_view name);
+  // Moves on to the next declared tensor, keeping the finished one's digest.
+  void next_tensor();
   std::filesystem::path path_;
   std::vector<SafetensorsSpec> specs_;
   int fd_ = -1;
@@ -114,7 +164,9 @@ class SafetensorsWriter {
   size_t current_ = 0;          // index of the tensor being written
   size_t current_written_ = 0;  // bytes of it written so far
   bool finished_ = false;
-  std::unique_ptr<Sha256> sha_;
+  FileHasher hasher_;
+  std::unique_ptr<FileHasher> tensor_hasher_;  // of the tensor being written
+  std::vector<std::string> tensor_digests_;
   uint64_t bytes_ = 0;  // written so far, header included
   FileDigest digest_;
 };
@@ -173,6 +225,37 @@ class SafetensorsReader {
   std::map<std::string, std::string> metadata_;
 };
 
+// Reads byte ranges of a safetensors file's tensors, verifying each tensor it
+// reads against its XXH3-128 (SafetensorsWriter::tensor_digests) as the bytes
+// arrive: a read that continues where the tensor's hashing stands is hashed
+// in place, while its bytes are still in cache, so reading a tensor front to
+// back costs one pass; a read further on first hashes the bytes skipped; a
+// tensor read only in part is hashed to its end by finish(). Throws Error
+// naming the file and the tensor when a digest does not match.
+class TensorVerifier {
+ public:
+  // `digests`: tensor name -> XXH3-128 hex, for every tensor of `reader`.
+  TensorVerifier(const SafetensorsReader& reader, std::map<std::string, std::string, std::less<>> digests);
+  ~TensorVerifier();
+  TensorVerifier(const TensorVerifier&) = delete;
+  TensorVerifier& operator=(const TensorVerifier&) = delete;
+
+  // SafetensorsReader::read_range, verified.
+  void read_range(std::string_view name, uint64_t byte_offset, void* dst, size_t bytes);
+  // Verifies every tensor read so far to its end.
+  void finish();
+
+ private:
+  struct Tensor;  // one tensor's hashing: its digest, hasher and how far it got
+  Tensor& tensor(std::string_view name);
+  // Hashes the tensor's bytes from where its hashing stands up to `end`.
+  void hash_up_to(Tensor& t, uint64_t end);
+  void check_if_complete(Tensor& t);
+
+  const SafetensorsReader& reader_;
+  std::map<std::string, std::unique_ptr<Tensor>, std::less<>> tensors_;
+};
+
 // ---------------------------------------------------------------------------
 // Atomic commits
 // ---------------------------------------------------------------------------
@@ -220,7 +303,7 @@ std::string read_file(const std::filesystem::path& path);
 inline constexpr const char* kManifestFile = "manifest.json";
 
 // manifest.json of a checkpoint directory: any fields the trainer records
-// (step, config, layout, ...) plus "files": {relative path: {"sha256", "bytes"}}.
+// (step, config, layout, ...) plus "files": {relative path: digest_json}.
 struct Manifest {
   nlohmann::json fields = nlohmann::json::object();
   std::map<std::string, FileDigest> files;
@@ -238,7 +321,7 @@ Manifest write_manifest(const std::filesystem::path& dir, const nlohmann::json& 
 // Throws Error naming the directory if manifest.json is missing or corrupt.
 Manifest read_manifest(const std::filesystem::path& dir);
 // Checks that every file the manifest lists exists with its size and (unless
-// `checksums` is false) its SHA-256. Throws Error naming the directory and the
+// `checksums` is false) its checksum. Throws Error naming the directory and the
 // exact file that is missing, has the wrong size or the wrong checksum.
 Manifest verify_checkpoint_dir(const std::filesystem::path& dir, bool checksums = true);
 // The same for one file `rel` of the manifest (a sharded checkpoint's rank

@@ -375,6 +375,8 @@ class ChunkManager final : public OptimizerStore {
   // Every rank takes its shards from `fill`, which writes the whole state of
   // each chunk's range.
   void load_state(const StateFiller& fill) override;
+  // Only this rank's shard of each chunk: nothing else is asked of `fill`.
+  void load_owned_state(const StateFiller& fill) override;
   // This rank's shard of each chunk (padding left out), one chunk's staged
   // on the host at a time from whichever tier holds it.
   std::optional<std::vector<FlatRange>> owned_ranges() const override;

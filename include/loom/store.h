@@ -246,6 +246,11 @@ class OptimizerStore {
   // Collective: every rank takes its part of the state `fill` writes, piece
   // by piece.
   virtual void load_state(const StateFiller& fill) = 0;
+  // Collective: like load_state, but `fill` is asked only for the elements
+  // this rank keeps, in pieces that may split a parameter, so that a sharded
+  // store reads no more than its own state (a sharded checkpoint's load). A
+  // store that keeps whole parameters takes them as load_state does.
+  virtual void load_owned_state(const StateFiller& fill) { load_state(fill); }
   // This rank's own state, for sharded checkpoints; not collective. The flat
   // ranges it holds the fp32 values and moments of, in increasing order
   // (every replica of a store that is not sharded holds them all), or nullopt

@@ -263,7 +263,8 @@ class Trainer {
   // ranges of this rank's layout), at most one range staged at a time.
   void visit_own_state(const StateVisitor& visit);
   // Collective: the counters of `counters` and the weights and moments of
-  // every element this rank's layout holds from `fill`, which writes `n`
+  // every element this rank keeps (a sharded store asks for its own shard
+  // only, OptimizerStore::load_owned_state) from `fill`, which writes `n`
   // elements of the whole model's flat state from `global` (padding is
   // zero), in the pieces the store loads: nothing in the whole model's
   // order, unlike load_state.

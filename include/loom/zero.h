@@ -226,6 +226,8 @@ class ZeroOptimizer final : public OptimizerStore {
   // One parameter at a time, only those with elements this rank owns: a rank
   // stages one parameter beyond its own blocks, never the whole model.
   void load_state(const StateFiller& fill) override;
+  // Only the owned elements of those parameters, through the same buffer.
+  void load_owned_state(const StateFiller& fill) override;
   // ranges(), in place: nothing is staged.
   std::optional<std::vector<FlatRange>> owned_ranges() const override { return ranges_; }
   void visit_owned_state(const StateVisitor& visit) override;
@@ -254,6 +256,8 @@ class ZeroOptimizer final : public OptimizerStore {
   // rank's owned ranges; values(k, i) gives the fp32 values of range i for
   // outs[k], read before the next call.
   void gather_owned(std::span<Tensor* const> outs, const std::function<const float*(int kind, size_t range)>& values);
+  // load_state (whole parameters) or load_owned_state (owned elements).
+  void load_pieces(const StateFiller& fill, bool owned_only);
   // Copies the owned elements of flat elements `piece` (host values) into the
   // master weights and moments, in stream order.
   void take_owned(FlatRange piece, const float* params, const float* exp_avg, const float* exp_avg_sq);

@@ -6,10 +6,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool is_hex_digest(const std::string& s) {
-  return s.size() == 64 && s.find_first_not_of("0123456789abcdef") == std::string::npos;
-}
-
 // A manifest path must stay inside its directory.
 bool is_safe_relative(const std::string& rel) {
   fs::path p(rel);
@@ -29,7 +25,7 @@ Manifest write_manifest(const fs::path& dir, const nlohmann::json& fields) {
     if (!it->is_regular_file() || it->is_symlink()) continue;
     std::string rel = it->path().lexically_relative(dir).generic_string();
     if (rel == kManifestFile) continue;
-    files[rel] = FileDigest{it->file_size(), sha256_file(it->path())};
+    files[rel] = FileDigest{it->file_size(), Checksum::xxh3_128, checksum_file(it->path(), Checksum::xxh3_128)};
   }
   if (ec) throw Error(str("cannot list checkpoint directory '", dir.string(), "': ", ec.message()));
   return write_manifest(dir, fields, std::move(files));
@@ -43,7 +39,7 @@ Manifest write_manifest(const fs::path& dir, const nlohmann::json& fields, std::
 
   nlohmann::json j = fields;
   nlohmann::json& listed = j["files"] = nlohmann::json::object();
-  for (const auto& [rel, digest] : m.files) listed[rel] = {{"sha256", digest.sha256}, {"bytes", digest.bytes}};
+  for (const auto& [rel, digest] : m.files) listed[rel] = digest_json(digest);
   write_file_atomic(dir / kManifestFile, j.dump(2) + "\n");
   return m;
 }
@@ -70,10 +66,10 @@ Manifest read_manifest(const fs::path& dir) {
   Manifest m;
   for (const auto& [rel, entry] : j["files"].items()) {
     if (!is_safe_relative(rel)) throw corrupt(str("file path '", rel, "' is not a plain relative path"));
-    if (!entry.is_object() || !entry.contains("bytes") || !entry["bytes"].is_number_unsigned() ||
-        !entry.contains("sha256") || !entry["sha256"].is_string() || !is_hex_digest(entry["sha256"].get<std::string>()))
-      throw corrupt(str("entry of '", rel, "' is not {\"sha256\": <64 hex digits>, \"bytes\": <count>}"));
-    m.files[rel] = FileDigest{entry["bytes"].get<uint64_t>(), entry["sha256"].get<std::string>()};
+    const std::optional<FileDigest> digest = parse_digest_json(entry);
+    if (!digest)
+      throw corrupt(str("entry of '", rel, "' is not {\"xxh3_128\" or \"sha256\": <hex digest>, \"bytes\": <count>}"));
+    m.files[rel] = *digest;
   }
   j.erase("files");
   m.fields = std::move(j);
@@ -92,10 +88,10 @@ void verify_checkpoint_file(const fs::path& dir, const std::string& rel, const F
     throw Error(str("checkpoint '", dir.string(), "': '", rel, "' is ", bytes, " bytes but the manifest says ",
                     digest.bytes, " (truncated or overwritten); resume from another checkpoint"));
   if (!checksum) return;
-  std::string actual = sha256_file(p);
-  if (actual != digest.sha256)
-    throw Error(str("checkpoint '", dir.string(), "': '", rel, "' has SHA-256 ", actual, " but the manifest says ",
-                    digest.sha256, " (corrupt); resume from another checkpoint"));
+  const std::string actual = checksum_file(p, digest.checksum);
+  if (actual != digest.hex)
+    throw Error(str("checkpoint '", dir.string(), "': '", rel, "' has ", checksum_name(digest.checksum), " ", actual,
+                    " but the manifest says ", digest.hex, " (corrupt); resume from another checkpoint"));
 }
 
 Manifest verify_checkpoint_dir(const fs::path& dir, bool checksums) {

@@ -14,7 +14,7 @@ static_assert(std::endian::native == std::endian::little, "safetensors data is l
 
 SafetensorsWriter::SafetensorsWriter(std::filesystem::path path, std::vector<SafetensorsSpec> specs,
                                      const std::map<std::string, std::string>& metadata)
-    : path_(std::move(path)), specs_(std::move(specs)), sha_(std::make_unique<Sha256>()) {
+    : path_(std::move(path)), specs_(std::move(specs)), tensor_hasher_(std::make_unique<FileHasher>()) {
   // The header lists __metadata__ first and the tensors in data order, as the
   // reference implementation does.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
@@ -42,8 +42,8 @@ SafetensorsWriter::SafetensorsWriter(std::filesystem::path path, std::vector<Saf
   try {
     io_detail::write_all(fd.get(), path_, length, sizeof length);
     io_detail::write_all(fd.get(), path_, text.data(), text.size());
-    sha_->update(length, sizeof length);
-    sha_->update(text);
+    hasher_.update(length, sizeof length);
+    hasher_.update(text);
     bytes_ = sizeof length + text.size();
   } catch (...) {
     // No destructor runs for a constructor that throws.
@@ -58,13 +58,18 @@ SafetensorsWriter::~SafetensorsWriter() {
   if (!finished_ && regular_file_) ::unlink(path_.c_str());
 }
 
+void SafetensorsWriter::next_tensor() {
+  tensor_digests_.push_back(tensor_hasher_->hex_digest());
+  tensor_hasher_ = std::make_unique<FileHasher>();
+  ++current_;
+  current_written_ = 0;
+}
+
 void SafetensorsWriter::advance_to(std::string_view name) {
-  if (current_ < specs_.size() && current_written_ == specs_[current_].bytes() && specs_[current_].name != name) {
-    ++current_;
-    current_written_ = 0;
-  }
+  if (current_ < specs_.size() && current_written_ == specs_[current_].bytes() && specs_[current_].name != name)
+    next_tensor();
   // Zero-byte tensors need no write; step over them towards `name`.
-  while (current_ < specs_.size() && specs_[current_].name != name && specs_[current_].bytes() == 0) ++current_;
+  while (current_ < specs_.size() && specs_[current_].name != name && specs_[current_].bytes() == 0) next_tensor();
   LOOM_CHECK(current_ < specs_.size() && specs_[current_].name == name, "safetensors write of '", name, "' to ",
              path_.string(), " out of the declared order (expected '",
              current_ < specs_.size() ? specs_[current_].name : std::string("<end>"), "')");
@@ -76,7 +81,8 @@ void SafetensorsWriter::write_part(std::string_view name, const void* data, size
   LOOM_CHECK(current_written_ + bytes <= specs_[current_].bytes(), "tensor '", name, "' is ",
              specs_[current_].bytes(), " bytes; ", current_written_ + bytes, " written to ", path_.string());
   io_detail::write_all(fd_, path_, data, bytes);
-  sha_->update(data, bytes);
+  hasher_.update(data, bytes);
+  tensor_hasher_->update(data, bytes);
   bytes_ += bytes;
   current_written_ += bytes;
 }
@@ -89,11 +95,8 @@ void SafetensorsWriter::write(std::string_view name, const void* data) {
 
 void SafetensorsWriter::finish() {
   LOOM_CHECK(!finished_, "safetensors file ", path_.string(), " finished twice");
-  if (current_ < specs_.size() && current_written_ == specs_[current_].bytes()) {
-    ++current_;
-    current_written_ = 0;
-  }
-  while (current_ < specs_.size() && specs_[current_].bytes() == 0) ++current_;
+  if (current_ < specs_.size() && current_written_ == specs_[current_].bytes()) next_tensor();
+  while (current_ < specs_.size() && specs_[current_].bytes() == 0) next_tensor();
   LOOM_CHECK(current_ == specs_.size(), "safetensors file ", path_.string(), " finished before tensor '",
              specs_[current_].name, "' was written");
   io_detail::Fd fd(fd_);
@@ -101,12 +104,17 @@ void SafetensorsWriter::finish() {
   io_detail::fsync_fd(fd.get(), path_);
   io_detail::close_fd(fd, path_);
   finished_ = true;
-  digest_ = FileDigest{bytes_, sha_->hex_digest()};
+  digest_ = FileDigest{bytes_, hasher_.checksum(), hasher_.hex_digest()};
 }
 
 const FileDigest& SafetensorsWriter::digest() const {
   LOOM_CHECK(finished_, "digest of safetensors file ", path_.string(), " asked before finish()");
   return digest_;
+}
+
+const std::vector<std::string>& SafetensorsWriter::tensor_digests() const {
+  LOOM_CHECK(finished_, "tensor digests of safetensors file ", path_.string(), " asked before finish()");
+  return tensor_digests_;
 }
 
 void write_safetensors(const std::filesystem::path& path, const std::vector<SafetensorsTensor>& tensors,

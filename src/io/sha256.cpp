@@ -1,11 +1,5 @@
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <vector>
-
 #include <openssl/evp.h>
 
-#include "io/posix_file.h"
 #include "loom/io.h"
 
 namespace loom {
@@ -53,20 +47,6 @@ std::string Sha256::hex_digest() {
 std::string sha256_hex(std::string_view bytes) {
   Sha256 h;
   h.update(bytes);
-  return h.hex_digest();
-}
-
-std::string sha256_file(const std::filesystem::path& path) {
-  io_detail::Fd fd = io_detail::open_file(path, O_RDONLY, "read");
-  Sha256 h;
-  std::vector<uint8_t> chunk(size_t(1) << 20);
-  for (;;) {
-    ssize_t n = ::read(fd.get(), chunk.data(), chunk.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) io_detail::throw_io_error("read", path, errno);
-    if (n == 0) break;
-    h.update(chunk.data(), static_cast<size_t>(n));
-  }
   return h.hex_digest();
 }
 

@@ -597,7 +597,11 @@ void ChunkManager::visit_owned_state(const StateVisitor& visit) {
 }
 void ChunkManager::load_state(const StateFiller& fill) {
   const HostSection host;
-  impl_->load_state(fill);
+  impl_->load_state(fill, /*owned_only=*/false);
+}
+void ChunkManager::load_owned_state(const StateFiller& fill) {
+  const HostSection host;
+  impl_->load_state(fill, /*owned_only=*/true);
 }
 
 MemoryReport ChunkManager::report() const {

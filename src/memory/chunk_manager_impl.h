@@ -137,7 +137,8 @@ struct ChunkManager::Impl {
                      const std::function<void(FlatRange range, const float* whole, int64_t stride)>& visit);
   void visit_state(const StateVisitor& visit);
   void visit_gradients(const std::function<void(FlatRange range, const float* grads)>& visit);
-  void load_state(const StateFiller& fill);
+  // `fill` asked for each chunk's whole range, or only for its owned shard.
+  void load_state(const StateFiller& fill, bool owned_only);
   std::vector<FlatRange> owned_ranges() const;
   void visit_owned_state(const StateVisitor& visit);
 

@@ -218,22 +218,27 @@ void ChunkManager::Impl::visit_owned_state(const StateVisitor& visit) {
   }
 }
 
-void ChunkManager::Impl::load_state(const StateFiller& fill) {
+void ChunkManager::Impl::load_state(const StateFiller& fill, bool owned_only) {
   const int64_t S = chunks.shard_numel();
-  Tensor whole = Tensor::empty({3 * chunks.chunk_numel()}, DType::f32, Tier::host);
+  Tensor whole = owned_only ? Tensor() : Tensor::empty({3 * chunks.chunk_numel()}, DType::f32, Tier::host);
   Tensor state = Tensor::empty({3 * S}, DType::f32, Tier::host);
   for (int c = 0; c < chunks.num_chunks(); ++c) {
     ChunkState& s = cs[static_cast<size_t>(c)];
     LOOM_CHECK(s.refs == 0, "state loaded while chunk ", c, " is acquired");
     if (!s.aliased) drop(c);
-    const Chunk& ch = chunks.chunk(c);
-    const int64_t n = ch.numel();
-    float* w = whole.data<float>();
-    fill({ch.begin, ch.end}, w, w + n, w + 2 * n);
     // This rank's elements of each kind; the padding is zero.
     const FlatRange r = chunks.owned(c, rank);
     state.zero_();
-    for (int k = 0; k < 3; ++k) std::copy_n(w + k * n + (r.begin - ch.begin), r.numel(), state.data<float>() + k * S);
+    float* own = state.data<float>();
+    if (owned_only) {
+      if (r.numel() > 0) fill(r, own, own + S, own + 2 * S);
+    } else {
+      const Chunk& ch = chunks.chunk(c);
+      const int64_t n = ch.numel();
+      float* w = whole.data<float>();
+      fill({ch.begin, ch.end}, w, w + n, w + 2 * n);
+      for (int k = 0; k < 3; ++k) std::copy_n(w + k * n + (r.begin - ch.begin), r.numel(), own + k * S);
+    }
     store(s.optim, state.raw(), Tier::host);
     publish(c, state.data<float>(), Tier::host);
   }

@@ -72,6 +72,8 @@ class SavedState {
  public:
   virtual ~SavedState() = default;
   virtual void read(int kind, int64_t global, int64_t n, float* dst) = 0;
+  // After the last read: whatever verification the reads left to do.
+  virtual void finish() {}
 };
 
 // The single-file format: every parameter a tensor of model.safetensors and
@@ -196,7 +198,7 @@ std::vector<Tensor> snapshot_own_state(Trainer& t, const StateRuns& runs) {
 nlohmann::json write_own_shard(const fs::path& staging, int rank, const StateRuns& runs,
                                const std::function<void(const PartWriter&)>& source) {
   std::vector<SafetensorsSpec> specs;
-  nlohmann::json pieces = nlohmann::json::array();
+  nlohmann::json pieces = nlohmann::json::array();  // {"piece", "runs", "xxh3_128": [per kind]}
   for (size_t k = 0; k < runs.size(); ++k) {
     nlohmann::json listed = nlohmann::json::array();
     for (const Trainer::StateRun& r : runs[k]) listed.push_back({r.global, r.n});
@@ -214,10 +216,15 @@ nlohmann::json write_own_shard(const fs::path& staging, int rank, const StateRun
       writer.write_part(piece_tensor(kind, static_cast<int64_t>(k)), values, static_cast<size_t>(n) * 4);
     });
     writer.finish();
+    // Each tensor's digest goes with its piece, so a loader verifies just
+    // the tensors it reads.
+    const std::vector<std::string>& digests = writer.tensor_digests();
+    for (size_t j = 0; j < pieces.size(); ++j)
+      pieces[j]["xxh3_128"] = {digests.at(3 * j), digests.at(3 * j + 1), digests.at(3 * j + 2)};
     // Flushed here, by the rank (or the thread) that wrote it, so that the
     // commit's sync of the directory finds nothing left to write.
     io_detail::fsync_path(staging / file);
-    return {{"file", file}, {"bytes", writer.digest().bytes}, {"sha256", writer.digest().sha256}, {"pieces", pieces}};
+    return {{"file", file}, {"digest", digest_json(writer.digest())}, {"pieces", pieces}};
   } catch (const std::exception& e) {
     return {{"error", e.what()}};
   }
@@ -264,7 +271,9 @@ bool is_sharded(const fs::path& dir, const nlohmann::json& fields) {
 }
 
 // The state of a sharded checkpoint: where each run of the whole model's flat
-// state lies. A file is opened, and its checksum verified, when first read.
+// state lies. A file is opened when first read; each tensor read is verified
+// against its digest as it is read (TensorVerifier), or, in checkpoints
+// written before tensor digests, the whole file's checksum first.
 class ShardedState final : public SavedState {
  public:
   ShardedState(const CheckpointInfo& info, const ParamLayout& layout) : dir_(info.dir) {
@@ -290,9 +299,14 @@ class ShardedState final : public SavedState {
       for (const nlohmann::json& shard : info.fields.at("shards")) {
         const std::string file = shard.at("file").get<std::string>();
         if (!m.files.count(file)) throw corrupt(str("shard '", file, "' is not among its files"));
-        files_.push_back(file);
-        digests_.push_back(m.files.at(file));
+        File& f = files_.emplace_back();
+        f.name = file;
+        f.digest = m.files.at(file);
         for (const nlohmann::json& piece : shard.at("pieces")) {
+          if (piece.contains("xxh3_128"))
+            for (int kind = 0; kind < 3; ++kind)
+              f.tensor_digests[piece_tensor(kind, piece.at("piece").get<int64_t>())] =
+                  piece.at("xxh3_128").at(kind).get<std::string>();
           int64_t at = 0;
           for (const nlohmann::json& run : piece.at("runs")) {
             runs_.push_back({run.at(0).get<int64_t>(), run.at(1).get<int64_t>(), files_.size() - 1,
@@ -304,7 +318,6 @@ class ShardedState final : public SavedState {
     } catch (const nlohmann::json::exception& e) {
       throw corrupt(e.what());
     }
-    readers_.resize(files_.size());
     std::sort(runs_.begin(), runs_.end(), [](const Run& a, const Run& b) { return a.global < b.global; });
     // Every element in exactly one file.
     int64_t next = 0;
@@ -327,12 +340,23 @@ class ShardedState final : public SavedState {
       LOOM_CHECK(it != runs_.end() && it->global <= global && global < it->global + it->n, "flat element ", global,
                  " outside the state");
       const int64_t from = global - it->global, take = std::min(n, it->n - from);
-      reader(it->file).read_range(piece_tensor(kind, it->piece), static_cast<uint64_t>(it->at + from) * 4, dst,
-                                  static_cast<size_t>(take) * 4);
+      const std::string tensor = piece_tensor(kind, it->piece);
+      const uint64_t offset = static_cast<uint64_t>(it->at + from) * 4;
+      const size_t bytes = static_cast<size_t>(take) * 4;
+      File& f = open(it->file);
+      if (f.verifier)
+        f.verifier->read_range(tensor, offset, dst, bytes);
+      else
+        f.reader->read_range(tensor, offset, dst, bytes);
       global += take;
       dst += take;
       n -= take;
     }
+  }
+
+  void finish() override {
+    for (File& f : files_)
+      if (f.verifier) f.verifier->finish();
   }
 
  private:
@@ -342,19 +366,26 @@ class ShardedState final : public SavedState {
     int64_t piece, at;  // the piece's tensors, and the run's first element in them
   };
 
-  const SafetensorsReader& reader(size_t file) {
-    std::unique_ptr<SafetensorsReader>& r = readers_[file];
-    if (!r) {
-      verify_checkpoint_file(dir_, files_[file], digests_[file]);
-      r = std::make_unique<SafetensorsReader>(dir_ / files_[file]);
+  struct File {
+    std::string name;
+    FileDigest digest;
+    std::map<std::string, std::string, std::less<>> tensor_digests;  // none before tensor digests
+    std::unique_ptr<SafetensorsReader> reader;
+    std::unique_ptr<TensorVerifier> verifier;  // where there are tensor digests
+  };
+
+  File& open(size_t file) {
+    File& f = files_[file];
+    if (!f.reader) {
+      verify_checkpoint_file(dir_, f.name, f.digest, /*checksum=*/f.tensor_digests.empty());
+      f.reader = std::make_unique<SafetensorsReader>(dir_ / f.name);
+      if (!f.tensor_digests.empty()) f.verifier = std::make_unique<TensorVerifier>(*f.reader, f.tensor_digests);
     }
-    return *r;
+    return f;
   }
 
   fs::path dir_;
-  std::vector<std::string> files_;
-  std::vector<FileDigest> digests_;
-  std::vector<std::unique_ptr<SafetensorsReader>> readers_;
+  std::vector<File> files_;
   std::vector<Run> runs_;  // by global
 };
 
@@ -542,10 +573,10 @@ void CheckpointWriter::commit() {
       if (error.empty()) error = str("rank ", r, ": ", shard.at("error").get<std::string>());
       continue;
     }
-    p.files[shard.at("file").get<std::string>()] = {shard.at("bytes").get<uint64_t>(),
-                                                     shard.at("sha256").get<std::string>()};
-    shard.erase("bytes");
-    shard.erase("sha256");
+    const std::optional<FileDigest> digest = parse_digest_json(shard.at("digest"));
+    LOOM_CHECK(digest.has_value(), "rank ", r, " sent the digest ", shard.at("digest").dump());
+    p.files[shard.at("file").get<std::string>()] = *digest;
+    shard.erase("digest");
     shards.push_back(std::move(shard));
   }
   if (p.dir && error.empty()) {
@@ -611,7 +642,9 @@ void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& para
   Tensor flat = params.flat();
   // The files are read straight into the parameters.
   const HostSection host;
-  open_saved_state(info, model.layout())->read(0, 0, flat.numel(), flat.data<float>());
+  const std::unique_ptr<SavedState> state = open_saved_state(info, model.layout());
+  state->read(0, 0, flat.numel(), flat.data<float>());
+  state->finish();
 }
 
 void load_weights(const CheckpointInfo& info, Trainer& trainer, uint64_t seed) {
@@ -640,6 +673,7 @@ void load_weights(const CheckpointInfo& info, Trainer& trainer, uint64_t seed) {
       }
     });
   });
+  state->finish();
 }
 
 CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
@@ -692,6 +726,7 @@ CheckpointInfo load_checkpoint(const fs::path& dir, Trainer& trainer) {
     saved_state->read(1, global, n, exp_avg);
     saved_state->read(2, global, n, exp_avg_sq);
   });
+  saved_state->finish();
   return info;
 }
 
@@ -745,6 +780,7 @@ void load_teacher(const std::string& source, Trainer& trainer) {
         },
         r);
   });
+  saved->finish();
 }
 
 }  // namespace loom

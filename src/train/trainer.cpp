@@ -669,7 +669,7 @@ void Trainer::visit_own_state(const StateVisitor& visit) {
 
 void Trainer::load_own_state(const State& counters, const GlobalStateFiller& fill) {
   ops::synchronize();
-  optim_->load_state([&](FlatRange r, float* p, float* m, float* v) {
+  optim_->load_owned_state([&](FlatRange r, float* p, float* m, float* v) {
     for_each_whole_run(
         model_.layout(), state_layout(),
         [&](const ParamSpec&, int64_t at, int64_t global, int64_t n) {

@@ -176,24 +176,57 @@ void ZeroOptimizer::visit_owned_state(const StateVisitor& visit) {
           adamw_->exp_avg_sq().data<float>() + adamw_->offset(i));
 }
 
-void ZeroOptimizer::load_state(const StateFiller& fill) {
-  const auto owns_elements_of = [&](FlatRange piece) {
-    return std::any_of(ranges_.begin(), ranges_.end(),
-                       [&](FlatRange r) { return r.begin < piece.end && piece.begin < r.end; });
+void ZeroOptimizer::load_state(const StateFiller& fill) { load_pieces(fill, /*owned_only=*/false); }
+
+void ZeroOptimizer::load_owned_state(const StateFiller& fill) { load_pieces(fill, /*owned_only=*/true); }
+
+void ZeroOptimizer::load_pieces(const StateFiller& fill, bool owned_only) {
+  // Where the state lies in host memory (the CPU backend), owned elements
+  // are filled in place: a sharded load then moves each byte once, from the
+  // file into the state. Elsewhere they go through the staging buffer.
+  const bool in_place = owned_only && adamw_->exp_avg().device().kind == DeviceKind::cpu;
+  // Each parameter with elements this rank owns: whole, or just those
+  // elements (one piece per owned range it meets, with that range), in flat
+  // order.
+  struct Piece {
+    FlatRange elements;
+    size_t range;
   };
-  // One staging buffer, for the largest parameter: the host holds one
+  std::vector<Piece> pieces;
+  for (const ParamSpec& p : layout_.params()) {
+    const FlatRange param{p.offset, p.offset + p.numel()};
+    for (size_t i = 0; i < ranges_.size(); ++i) {
+      const FlatRange owned{std::max(ranges_[i].begin, param.begin), std::min(ranges_[i].end, param.end)};
+      if (owned.begin >= owned.end) continue;
+      if (!owned_only) {
+        pieces.push_back({param, i});
+        break;
+      }
+      // Owned elements go in blocks small enough that staged values are
+      // still in cache when they are copied on.
+      constexpr int64_t kBlock = int64_t(1) << 18;
+      for (int64_t b = owned.begin; b < owned.end; b += kBlock)
+        pieces.push_back({{b, std::min(owned.end, b + kBlock)}, i});
+    }
+  }
+  // One staging buffer, for the largest piece: the host holds at most one
   // parameter's state beyond the rank's own at any time.
   int64_t largest = 0;
-  for (const ParamSpec& p : layout_.params())
-    if (owns_elements_of({p.offset, p.offset + p.numel()})) largest = std::max(largest, p.numel());
+  if (!in_place)
+    for (const Piece& piece : pieces) largest = std::max(largest, piece.elements.numel());
   Tensor staged = Tensor::empty({3 * largest}, DType::f32, Tier::host);
-  for (const ParamSpec& p : layout_.params()) {
-    const FlatRange piece{p.offset, p.offset + p.numel()};
-    if (!owns_elements_of(piece)) continue;
-    const int64_t n = piece.numel();
+  for (const Piece& piece : pieces) {
+    if (in_place) {
+      const int64_t into = piece.elements.begin - ranges_[piece.range].begin;
+      const int64_t at = adamw_->offset(piece.range) + into;
+      fill(piece.elements, master(piece.range) + into, adamw_->exp_avg().data<float>() + at,
+           adamw_->exp_avg_sq().data<float>() + at);
+      continue;
+    }
+    const int64_t n = piece.elements.numel();
     float* values = staged.data<float>();
-    fill(piece, values, values + n, values + 2 * n);
-    take_owned(piece, values, values + n, values + 2 * n);
+    fill(piece.elements, values, values + n, values + 2 * n);
+    take_owned(piece.elements, values, values + n, values + 2 * n);
     // The copies read the staging buffer; the next parameter replaces it.
     ops::synchronize();
   }

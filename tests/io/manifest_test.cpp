@@ -10,6 +10,12 @@ namespace fs = std::filesystem;
 using testing::error_of;
 using testing::TempDir;
 
+std::string xxh3_hex(std::string_view bytes) {
+  FileHasher h(Checksum::xxh3_128);
+  h.update(bytes.data(), bytes.size());
+  return h.hex_digest();
+}
+
 // A checkpoint-like directory: a nested file, a top-level one, a manifest.
 fs::path make_checkpoint(const TempDir& root) {
   fs::path dir = root / "step_00000010";
@@ -27,8 +33,8 @@ TEST(Manifest, RecordsSizeAndDigestOfEveryFileAndTheCallersFields) {
   EXPECT_EQ(m.fields["config"]["model"]["n_layer"], 2);
   EXPECT_FALSE(m.fields.contains("files"));
   ASSERT_EQ(m.files.size(), 2u);
-  EXPECT_EQ(m.files.at("model.safetensors"), (FileDigest{1000, sha256_hex(std::string(1000, 'w'))}));
-  EXPECT_EQ(m.files.at("optim/rank_0.safetensors"), (FileDigest{7, sha256_hex("moments")}));
+  EXPECT_EQ(m.files.at("model.safetensors"), (FileDigest{1000, Checksum::xxh3_128, xxh3_hex(std::string(1000, 'w'))}));
+  EXPECT_EQ(m.files.at("optim/rank_0.safetensors"), (FileDigest{7, Checksum::xxh3_128, xxh3_hex("moments")}));
   Manifest verified = verify_checkpoint_dir(dir);
   EXPECT_EQ(verified.files, m.files);
 
@@ -62,9 +68,26 @@ TEST(Manifest, WrongChecksumIsNamedAndSkippedWhenOnlySizesAreChecked) {
   root.write("step_00000010/model.safetensors", flipped);
   std::string msg = error_of([&] { verify_checkpoint_dir(dir); });
   EXPECT_CONTAINS(msg, dir.string());
-  EXPECT_CONTAINS(msg, str("'model.safetensors' has SHA-256 ", sha256_hex(flipped), " but the manifest says ",
-                           sha256_hex(std::string(1000, 'w'))));
+  EXPECT_CONTAINS(msg, str("'model.safetensors' has xxh3_128 ", xxh3_hex(flipped), " but the manifest says ",
+                           xxh3_hex(std::string(1000, 'w'))));
   verify_checkpoint_dir(dir, /*checksums=*/false);
+}
+
+// Checkpoints written before XXH3 list SHA-256 digests; they still verify,
+// and a corrupt file under one is still refused.
+TEST(Manifest, SHA256EntriesOfEarlierCheckpointsVerify) {
+  TempDir root;
+  const fs::path dir = root / "step_00000010";
+  root.write("step_00000010/model.safetensors", std::string(1000, 'w'));
+  write_manifest(dir, {{"step", 10}},
+                 {{"model.safetensors", FileDigest{1000, Checksum::sha256, sha256_hex(std::string(1000, 'w'))}}});
+  EXPECT_CONTAINS(read_file(dir / kManifestFile), "\"sha256\"");
+  EXPECT_EQ(verify_checkpoint_dir(dir).files.at("model.safetensors").checksum, Checksum::sha256);
+  std::string flipped(1000, 'w');
+  flipped[7] = 'v';
+  root.write("step_00000010/model.safetensors", flipped);
+  EXPECT_CONTAINS(error_of([&] { verify_checkpoint_dir(dir); }),
+                  str("'model.safetensors' has sha256 ", sha256_hex(flipped), " but the manifest says"));
 }
 
 TEST(Manifest, MissingOrCorruptManifestIsNamed) {

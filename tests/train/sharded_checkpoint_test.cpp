@@ -43,6 +43,9 @@ struct Segment {
   fs::path saved;
   std::vector<SavePeak> peaks;  // per rank
   std::vector<size_t> load_extra;  // per rank: the host tier's peak during the load over what it held before
+  // Per rank: the elements a load asks of the checkpoint, and those the
+  // store keeps (its owned ranges; -1 for a store without them).
+  std::vector<int64_t> load_asked, own_numel;
 };
 
 // Runs steps [from, to) of layout `r`, starting from checkpoint `load` (when
@@ -54,6 +57,8 @@ Segment run_segment(const DataParallelRun& r, int from, int to, const fs::path& 
   const int world = r.dp == 0 ? 1 : r.dp * r.tp * r.pp;
   seg.peaks.resize(static_cast<size_t>(world));
   seg.load_extra.resize(static_cast<size_t>(world));
+  seg.load_asked.resize(static_cast<size_t>(world));
+  seg.own_numel.resize(static_cast<size_t>(world), -1);
   const auto body = [&](Communicator* comm) {
     const GPTConfig cfg = testing::small_gpt(0.0f, r.n_layer, r.n_head);
     const TrainOptions opts = testing::small_options(r);
@@ -67,8 +72,20 @@ Segment run_segment(const DataParallelRun& r, int from, int to, const fs::path& 
       const size_t before = host.used();
       host.reset_peak();
       load_checkpoint(load, t);
-      seg.load_extra[static_cast<size_t>(comm ? comm->rank() : 0)] = host.peak() - before;
+      const size_t me = static_cast<size_t>(comm ? comm->rank() : 0);
+      seg.load_extra[me] = host.peak() - before;
       const Trainer::State s = t.gather_state();
+      // Loading the gathered state again counts what a load asks for.
+      t.load_own_state(s, [&](int64_t global, int64_t n, float* params, float* exp_avg, float* exp_avg_sq) {
+        seg.load_asked[me] += n;
+        std::copy_n(s.params.data<float>() + global, n, params);
+        std::copy_n(s.exp_avg.data<float>() + global, n, exp_avg);
+        std::copy_n(s.exp_avg_sq.data<float>() + global, n, exp_avg_sq);
+      });
+      if (const auto owned = t.optimizer().owned_ranges()) {
+        seg.own_numel[me] = 0;
+        for (const FlatRange range : *owned) seg.own_numel[me] += range.numel();
+      }
       if (first) {
         seg.loaded_params = testing::to_vector(s.params);
         seg.loaded_exp_avg = testing::to_vector(s.exp_avg);
@@ -160,8 +177,13 @@ TEST_P(ShardedCheckpoint, SavesOwnStateAndResumesUnderAnyLayout) {
   for (const SavePeak& p : first.peaks) std::printf(" %zu (own state %lld)", p.host_extra, 12LL * p.own_numel);
   std::printf("\n");
 
-  // The same layout continues bit-exactly.
+  // The same layout continues bit-exactly, each rank asking the checkpoint
+  // for no element beyond those it keeps (under ZeRO and chunks, its shard).
   const Segment same = run_segment(saver, kSaveAt, kSteps, first.saved, {});
+  for (size_t rank = 0; rank < same.load_asked.size(); ++rank)
+    if (same.own_numel[rank] >= 0) {
+      EXPECT_LE(same.load_asked[rank], same.own_numel[rank]) << "rank " << rank;
+    }
   EXPECT_TRUE(testing::bit_equal(same.loaded_params, first.result.params));
   EXPECT_TRUE(testing::bit_equal(same.result.params, whole.result.params));
   EXPECT_TRUE(testing::bit_equal(same.result.exp_avg, whole.result.exp_avg));
@@ -185,6 +207,10 @@ TEST_P(ShardedCheckpoint, SavesOwnStateAndResumesUnderAnyLayout) {
     EXPECT_TRUE(testing::bit_equal(other.loaded_params, first.result.params)) << name;
     for (size_t rank = 0; rank < other.load_extra.size(); ++rank)
       EXPECT_LE(other.load_extra[rank], static_cast<size_t>(12 * largest_param)) << name << " rank " << rank;
+    for (size_t rank = 0; rank < other.load_asked.size(); ++rank)
+      if (other.own_numel[rank] >= 0) {
+        EXPECT_LE(other.load_asked[rank], other.own_numel[rank]) << name << " rank " << rank;
+      }
     EXPECT_TRUE(testing::bit_equal(other.loaded_exp_avg, first.result.exp_avg)) << name;
     EXPECT_TRUE(testing::bit_equal(other.loaded_exp_avg_sq, first.result.exp_avg_sq)) << name;
     EXPECT_LE(testing::max_loss_rel_diff(other.result, tail), 1e-5) << name;
@@ -229,6 +255,34 @@ TEST(ShardedCheckpointFiles, ACorruptFileIsRefusedByName) {
       error_of([&] { run_segment(with_heads(testing::layout(0, 0)), 1, 1, first.saved, {}); });
   EXPECT_CONTAINS(error, "rank_00001.safetensors");
   EXPECT_CONTAINS(error, "corrupt");
+}
+
+// Sharded checkpoints written before tensor digests (no "xxh3_128" in their
+// pieces) load, verified a whole file at a time.
+TEST(ShardedCheckpointFiles, ACheckpointWithoutTensorDigestsStillLoads) {
+  TempDir dir;
+  const Segment first = run_segment(with_heads(testing::layout(2, 3)), 0, 1, {}, dir.path());
+  const fs::path manifest = first.saved / kManifestFile;
+  nlohmann::json m = nlohmann::json::parse(read_file(manifest));
+  for (nlohmann::json& shard : m.at("shards"))
+    for (nlohmann::json& piece : shard.at("pieces")) ASSERT_EQ(piece.erase("xxh3_128"), 1u);
+  write_file_atomic(manifest, m.dump());
+  const Segment loaded = run_segment(with_heads(testing::layout(0, 0)), 1, 1, first.saved, {});
+  EXPECT_TRUE(testing::bit_equal(loaded.loaded_params, first.result.params));
+  EXPECT_TRUE(testing::bit_equal(loaded.loaded_exp_avg_sq, first.result.exp_avg_sq));
+
+  // A corrupt byte is then found by the file's checksum.
+  const fs::path file = first.saved / "rank_00000.safetensors";
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-9, std::ios::end);
+    const char c = static_cast<char>(f.get());
+    f.seekp(-9, std::ios::end);
+    f.put(static_cast<char>(c ^ 0x40));
+  }
+  const std::string error =
+      error_of([&] { run_segment(with_heads(testing::layout(0, 0)), 1, 1, first.saved, {}); });
+  EXPECT_CONTAINS(error, "'rank_00000.safetensors' has xxh3_128");
 }
 
 // The first format, one file for the whole model, still loads under any layout.
