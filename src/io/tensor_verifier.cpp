@@ -41,6 +41,7 @@ TensorVerifier::~TensorVerifier() = default;
 TensorVerifier::Tensor& TensorVerifier::tensor(std::string_view name) {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) reader_.entry(name);  // throws, naming the closest tensor
+  LOOM_CHECK(it != tensors_.end(), "tensor '", name, "' of ", reader_.path().string(), " has no verifier");
   return *it->second;
 }
 

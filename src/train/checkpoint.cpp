@@ -1,8 +1,8 @@
 // Checkpoints: weights and optimizer state in safetensors in the whole
 // model's global coordinates (one file per saving rank, or one file for the
 // whole model), plus a manifest with the run's config, step, data position,
-// where each piece of the state lies and the SHA-256 of every file; committed
-// atomically.
+// where each piece of the state lies and the checksum of every file (and of
+// every tensor of a sharded one); committed atomically.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
