@@ -23,18 +23,19 @@ using nlohmann::json;
 struct Served {
   Tokenizer tok =
       Tokenizer::load(std::filesystem::path(LOOM_SOURCE_DIR) / "tests/fixtures/tokenizer/gpt2/tokenizer.json");
-  GPT model{config(tok)};
+  int64_t context;
+  GPT model{config(tok, context)};
   ParamStore ps{model.layout(), 7};
   std::unique_ptr<Server> server;
   std::thread thread;
 
-  static GPTConfig config(const Tokenizer& tok) {
+  static GPTConfig config(const Tokenizer& tok, int64_t context) {
     GPTConfig c = GPTConfig::preset("tiny");
-    c.block_size = 32;
+    c.block_size = context;
     c.vocab_size = tok.vocab_size();
     return c;
   }
-  explicit Served(bool until_signal = false) {
+  explicit Served(bool until_signal = false, int64_t context = 32) : context(context) {
     ServeOptions o;
     o.port = 0;
     o.max_batch = 3;
@@ -286,15 +287,19 @@ TEST(Server, ADisconnectMidStreamFreesTheSlot) {
 // A stream in flight when the server stops.
 void stream_until_stopped(Served& s, bool& ended, Streamed& events) {
   httplib::Client c = s.client();
-  const httplib::Result res = c.Post("/v1/completions",
-                                     R"({"prompt": "Hello", "max_tokens": 1000000, "temperature": 1.5, "stream": true})",
-                                     "application/json");
+  // Greedy: the same tokens every run, none of them the end of text.
+  const httplib::Result res =
+      c.Post("/v1/completions", R"({"prompt": "Hello", "max_tokens": 1000000, "temperature": 0, "stream": true})",
+             "application/json");
   ended = true;
   if (res) events = parse_events(res->body);
 }
 
 TEST(Server, SigtermStopsItCleanly) {
-  Served s(true);
+  // A context long enough that the stream cannot end on its own before the
+  // signal is acted on (the server looks for it every 20 ms): with 32
+  // positions it sometimes finished first.
+  Served s(true, 4096);
   bool ended = false;
   Streamed events;
   std::thread client([&] { stream_until_stopped(s, ended, events); });
