@@ -18,7 +18,6 @@
 // On a machine whose cores are shared, OMP_NUM_THREADS=1 gives steadier
 // figures (a parallel region waits for its slowest thread).
 #include <cstdio>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -31,22 +30,6 @@
 using namespace loom;
 
 namespace {
-
-// Bytes moved per second by memcpy of a buffer far larger than the caches
-// (read + write), in parallel chunks; best of 5.
-double copy_bandwidth(size_t bytes) {
-  std::vector<char> a(bytes, 1), b(bytes, 0);
-  double best = 1e30;
-  for (int rep = 0; rep < 5; ++rep) {
-    const double t0 = bench::now_seconds();
-    const int64_t chunks = 64;
-    const size_t chunk = bytes / chunks;
-#pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) std::memcpy(b.data() + c * chunk, a.data() + c * chunk, chunk);
-    best = std::min(best, bench::now_seconds() - t0);
-  }
-  return 2.0 * static_cast<double>(bytes) / best;
-}
 
 // Greedy decode of `tokens` tokens after a one-token prompt; tokens/s.
 double decode_rate(const GPT& model, ParamStore& params, int64_t tokens) {
@@ -62,19 +45,6 @@ double decode_rate(const GPT& model, ParamStore& params, int64_t tokens) {
     times.push_back(bench::now_seconds() - t0);
   }
   return static_cast<double>(tokens) / bench::median(times);
-}
-
-// The weight bytes one decoded token reads: every parameter (the position
-// table, of which a token reads one row, counted whole: block_size rows, a
-// small share here).
-double bytes_per_token(const GPT& model, const ParamStore& params) {
-  double bytes = 0.0;
-  const ParamLayout& layout = model.layout();
-  for (size_t i = 0; i < layout.params().size(); ++i) {
-    const QuantizedWeight* q = params.quantized(static_cast<int>(i));
-    bytes += q != nullptr ? static_cast<double>(q->nbytes()) : 4.0 * static_cast<double>(layout.params()[i].numel());
-  }
-  return bytes;
 }
 
 // Best-of-5 seconds of run() after a warm-up.
@@ -197,7 +167,7 @@ int main(int argc, char** argv) {
   const auto int4 = quantize_params(model.layout(), fp32, {QuantMethod::int4, 128});
   const auto w8a8 = w8a8_params(model, fp32);
 
-  const double bandwidth = copy_bandwidth(size_t{512} << 20);
+  const double bandwidth = bench::copy_bandwidth(size_t{512} << 20);
   std::printf("model: %lld layers, width %lld, vocab %lld; %d threads; copy bandwidth %.2f GB/s (read + write)\n",
               static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_embd),
               static_cast<long long>(cfg.vocab_size), cpu::num_threads(), bandwidth / 1e9);
@@ -206,7 +176,7 @@ int main(int argc, char** argv) {
   for (const auto& [name, params] :
        {std::pair<const char*, ParamStore*>{"fp32", &fp32}, {"int8", int8.get()}, {"int4", int4.get()},
         {"w8a8", w8a8.get()}}) {
-    const double rate = decode_rate(model, *params, tokens), bytes = bytes_per_token(model, *params);
+    const double rate = decode_rate(model, *params, tokens), bytes = bench::weight_bytes_per_token(model, *params);
     if (base == 0.0) base = rate;
     std::printf("%-6s %14.1f %12.2f %9.2fx %13.1f%%\n", name, bytes / 1e6, rate, rate / base,
                 100.0 * rate / (bandwidth / bytes));

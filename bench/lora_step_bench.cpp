@@ -18,7 +18,6 @@
 // (loom's sgemm baseline, torch.mm) and the ratio a step at loom's sgemm rate
 // would reach.
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -63,29 +62,14 @@ struct TorchTiming {
   double gemm_gflops = 0.0;  // torch.mm, 2048^3
 };
 
-double json_number(const std::string& output, const std::string& key) {
-  const size_t at = output.find("\"" + key + "\": ");
-  if (at == std::string::npos) throw Error("bench: no " + key + " in the PyTorch side's output:\n" + output);
-  return std::strtod(output.c_str() + at + key.size() + 4, nullptr);
-}
-
 // Runs the PyTorch + PEFT step.
 TorchTiming pytorch_step(const std::vector<std::string>& args) {
-  const char* env = std::getenv("LOOM_BENCH_PYTHON");
-  const std::string python = env && *env ? env : "python3";
-  std::string cmd = python + " '" LOOM_BENCH_SOURCE_DIR "/bench/lora_step_torch.py'";
-  for (const std::string& a : args) cmd += " " + a;
-  cmd += " 2>&1";
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  if (!pipe) throw Error("bench: cannot run " + python);
-  std::string output;
-  char buf[4096];
-  while (size_t n = std::fread(buf, 1, sizeof buf, pipe)) output.append(buf, n);
-  if (::pclose(pipe) != 0)
-    throw Error("bench: the PyTorch side failed (" + cmd + "):\n" + output +
+  const bench::PythonRun run = bench::run_python(LOOM_BENCH_SOURCE_DIR "/bench/lora_step_torch.py", args);
+  if (run.status != 0)
+    throw Error("bench: the PyTorch side failed (" + run.command + "):\n" + run.output +
                 "\nIt needs torch, transformers and peft (pip install torch transformers peft); set "
                 "LOOM_BENCH_PYTHON to a python that has them.");
-  return {json_number(output, "seconds_per_step"), json_number(output, "gemm_gflops")};
+  return {bench::json_number(run.output, "seconds_per_step"), bench::json_number(run.output, "gemm_gflops")};
 }
 
 }  // namespace

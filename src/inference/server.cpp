@@ -1,12 +1,15 @@
 // `loom serve`: OpenAI-compatible completions over HTTP (cpp-httplib), one
 // engine thread stepping a Generator for every handler thread.
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <csignal>
+#include <cstring>
 #include <ctime>
 #include <sstream>
 #include <thread>
@@ -171,6 +174,17 @@ size_t complete_utf8(const std::string& text) {
   return text.size();
 }
 
+// cpp-httplib listens with a backlog of 5 connections (CPPHTTPLIB_LISTEN_BACKLOG,
+// compiled into Debian's libcpp-httplib.so, so defining it here would change
+// nothing). More clients than that connecting at once overflow the accept
+// queue: the kernel drops their handshakes and they retry a second later, a
+// time to first token of over a second (bench/inference_bench with 8 clients).
+// Listening again on the bound socket sets the backlog anew.
+class HttpServer : public httplib::Server {
+ public:
+  bool widen_backlog() { return ::listen(svr_sock_, SOMAXCONN) == 0; }
+};
+
 volatile std::sig_atomic_t g_signal = 0;
 void on_signal(int sig) { g_signal = sig; }
 
@@ -181,7 +195,7 @@ struct Server::Impl {
   ServeOptions opts;
   int64_t context;
   Generator gen;
-  httplib::Server http;
+  HttpServer http;
   int port = 0;
 
   mutable std::mutex mutex;  // guards everything below
@@ -405,6 +419,7 @@ Server::Server(const GPT& model, ParamStore& params, const Tokenizer& tok, Serve
   if (s.port <= 0 || (s.opts.port != 0 && !s.http.bind_to_port(s.opts.host, s.opts.port)))
     throw Error(str("cannot listen on ", s.opts.host, ":", s.opts.port,
                     ": is the port in use or the host not this machine's? (choose another with --host/--port)"));
+  LOOM_CHECK(s.http.widen_backlog(), "listen() on the bound socket failed: ", std::strerror(errno));
   s.engine = std::thread([&s] { s.run_engine(); });
 }
 
