@@ -72,7 +72,11 @@ class Generator {
  public:
   // max_batch: sequences decoded together, each with a KV cache slot of the
   // model's whole context. tok (may be null) decodes text for on_text, the
-  // results and stop strings. The model must be whole on this rank.
+  // results and stop strings. The model holds every layer on this rank,
+  // whole or split over a tensor-parallel group (ModelParallel::tp): then
+  // every rank of the group runs its own Generator over its part, with the
+  // same submissions in the same order and step() called in step, and all
+  // draw the same tokens (the logits are gathered before sampling).
   Generator(const GPT& model, ParamStore& params, int64_t max_batch, const Tokenizer* tok = nullptr);
 
   // Queues a request and returns its id (0, 1, ... in submission order). May

@@ -11,7 +11,7 @@ namespace loom {
 const char* finish_reason_name(FinishReason reason) { return reason == FinishReason::stop ? "stop" : "length"; }
 
 Generator::Generator(const GPT& model, ParamStore& params, int64_t max_batch, const Tokenizer* tok)
-    : model_(model), params_(params), tok_(tok), pool_(model.config(), max_batch) {
+    : model_(model), params_(params), tok_(tok), pool_(model.config(), max_batch, 0, model.parallel().tp.size()) {
   if (max_batch <= 0) throw Error(str("generation needs a batch of at least one sequence, not ", max_batch));
 }
 

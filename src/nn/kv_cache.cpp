@@ -9,9 +9,9 @@
 
 namespace loom {
 
-KVCachePool::KVCachePool(const GPTConfig& cfg, int64_t capacity, int64_t max_length)
+KVCachePool::KVCachePool(const GPTConfig& cfg, int64_t capacity, int64_t max_length, int tp)
     : n_layer_(cfg.n_layer),
-      kv_heads_(cfg.kv_heads()),
+      kv_heads_(cfg.local_kv_heads(tp)),
       head_dim_(cfg.head_dim()),
       max_len_(max_length > 0 ? max_length : cfg.block_size) {
   if (capacity <= 0) throw Error(str("a KV cache pool needs at least one slot, not ", capacity));
@@ -71,11 +71,10 @@ float* const* DecodeBatch::keys(int layer) const {
 float* const* DecodeBatch::values(int layer) const { return keys(layer) + S; }
 
 Tensor Embedding::forward_decode(const ParamStore& ps, const Tensor& token_ids, const DecodeBatch& batch) const {
-  LOOM_CHECK(tp_.size() == 1, "generation embeds on one rank");
+  LOOM_CHECK(!tp_.splits_tokens(), "generation under sequence parallelism");
   const int32_t* tokens = token_ids.data<int32_t>();
-  Tensor out = Tensor::empty({batch.N, C_});
-  if (const QuantizedWeight* q = ps.quantized(wte_)) {
-    quantized_embedding_lookup(out.data<float>(), tokens, *q, batch.N);
+  // Each sequence's rows get the positions from its cached length on.
+  auto add_positions = [&](Tensor& out) {
     if (wpe_ >= 0)
       for (int64_t s = 0; s < batch.S; ++s) {
         const int64_t row = batch.offsets[static_cast<size_t>(s)];
@@ -83,9 +82,26 @@ Tensor Embedding::forward_decode(const ParamStore& ps, const Tensor& token_ids, 
         ops::position_embedding_add(out.data<float>() + row * C_, ps.param(wpe_).data<float>(), 0, n, n, C_,
                                     batch.lengths[static_cast<size_t>(s)]);
       }
+  };
+  if (const QuantizedWeight* q = ps.quantized(wte_)) {
+    LOOM_CHECK(tp_.size() == 1, "a quantized token table on a tensor-parallel rank");
+    Tensor out = Tensor::empty({batch.N, C_});
+    quantized_embedding_lookup(out.data<float>(), tokens, *q, batch.N);
+    add_positions(out);
     return out;
   }
   const float* wte = ps.param(wte_).data<float>();
+  if (tp_.size() > 1) {
+    // Vocabulary-parallel: each rank looks up the tokens in its rows (zeros
+    // for the rest), and one rank's rows are the sum.
+    const int64_t rows = ps.layout().param(wte_).shape[0];
+    Tensor partial = Tensor::empty({batch.N, C_});
+    ops::embedding_lookup_range(partial.data<float>(), tokens, wte, tp_.rank() * rows, rows, batch.N, C_);
+    Tensor out = TensorParallelRegion::leave_forward(tp_, partial);
+    add_positions(out);
+    return out;
+  }
+  Tensor out = Tensor::empty({batch.N, C_});
   if (wpe_ < 0) {
     ops::embedding_lookup_range(out.data<float>(), tokens, wte, 0, vocab_, batch.N, C_);
     return out;
@@ -98,25 +114,25 @@ Tensor Embedding::forward_decode(const ParamStore& ps, const Tensor& token_ids, 
   return out;
 }
 
-void CausalSelfAttention::forward_decode(const ParamStore& ps, float* out, const float* in, const DecodeBatch& batch,
-                                         int layer) const {
-  const int64_t C = n_head_ * hs_;
+Tensor CausalSelfAttention::forward_decode(const ParamStore& ps, const float* in, const DecodeBatch& batch,
+                                           int layer) const {
+  // This rank's heads: attention needs no communication, c_proj sums them.
+  const int64_t local_C = local_heads_ * hs_;
   Tensor qkv = Tensor::empty({batch.N, c_attn_.local().out_features()});
   c_attn_.local().forward(ps, qkv.data<float>(), in, batch.N);
   rotate(qkv.data<float>(), batch);
-  Tensor att = Tensor::empty({batch.N, C});
+  Tensor att = Tensor::empty({batch.N, local_C});
   ops::attention_decode(att.data<float>(), nullptr, batch.keys(layer), batch.values(layer), qkv.data<float>(),
-                        batch.cache_lens.data<int32_t>(), batch.row_offsets.data<int32_t>(), batch.S, batch.N, C, n_head_,
-                        local_kv_heads_, batch.max_len);
-  c_proj_.local().forward(ps, out, att.data<float>(), batch.N);
+                        batch.cache_lens.data<int32_t>(), batch.row_offsets.data<int32_t>(), batch.S, batch.N, local_C,
+                        local_heads_, local_kv_heads_, batch.max_len);
+  return c_proj_.forward(ps, att);
 }
 
 void Block::forward_decode(const ParamStore& ps, float* x, const DecodeBatch& batch) const {
   const int64_t N = batch.N;
   Norm::Saved ln;
-  Tensor tmp = Tensor::empty({N, C_});
   ln_1_.forward(ps, ln, x, N);
-  attn_.forward_decode(ps, tmp.data<float>(), ln.out.data<float>(), batch, index_);
+  Tensor tmp = attn_.forward_decode(ps, ln.out.data<float>(), batch, index_);
   ops::accumulate(x, tmp.data<float>(), N * C_);
   ln_2_.forward(ps, ln, x, N);
   MLP::Saved mlp;
@@ -126,9 +142,11 @@ void Block::forward_decode(const ParamStore& ps, float* x, const DecodeBatch& ba
 
 Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> inputs,
                            bool all_positions) const {
-  LOOM_CHECK(mp_.tp.size() == 1 && mp_.first_stage && mp_.last_stage && num_chunks() == 1,
-             "generation needs the whole model on one rank");
-  LOOM_CHECK(pool.n_layer_ == cfg_.n_layer && pool.kv_heads_ == cfg_.kv_heads() && pool.head_dim_ == cfg_.head_dim(),
+  const TensorParallel& tp = mp_.tp;
+  LOOM_CHECK(!tp.splits_tokens() && mp_.first_stage && mp_.last_stage && num_chunks() == 1,
+             "generation needs every layer on this rank, without sequence parallelism");
+  LOOM_CHECK(pool.n_layer_ == cfg_.n_layer && pool.kv_heads_ == cfg_.local_kv_heads(tp.size()) &&
+                 pool.head_dim_ == cfg_.head_dim(),
              "the KV cache pool was built for another model");
   const int64_t C = cfg_.n_embd, V = cfg_.vocab_size;
   // Every product computes each sequence's rows alone: its tokens do not
@@ -194,10 +212,32 @@ Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const De
   ps.acquire(lnf_group_);
   ln_f_.forward(ps, ln, rows.data<float>(), R);
   ps.release(lnf_group_);
-  Tensor logits = Tensor::empty({R, V});
+  if (tp.size() == 1) {
+    Tensor logits = Tensor::empty({R, V});
+    ps.acquire(head_group());
+    head_logits(ps, logits.data<float>(), ln.out.data<float>(), R, V);
+    ps.release(head_group());
+    return logits;
+  }
+  // Vocabulary-parallel head: the ranks' slices are gathered, so that every
+  // rank samples from the same whole rows and all draw the same tokens
+  // (exactly, for any sampling settings). The rows are few, one per sequence
+  // when decoding: R * V floats, small beside the V * C head weights.
+  const int64_t Vl = local_vocab_;
+  Tensor local = Tensor::empty({R, Vl});
   ps.acquire(head_group());
-  head_logits(ps, logits.data<float>(), ln.out.data<float>(), R, V);
+  head_logits(ps, local.data<float>(), ln.out.data<float>(), R, Vl);
   ps.release(head_group());
+  Tensor gathered = Tensor::empty({tp.size(), R, Vl});
+  tp.group->all_gather(local, gathered);
+  // [tp, R, Vl] -> [R, V], without the last rank's padding rows.
+  Tensor logits = Tensor::empty({R, V});
+  for (int64_t r = 0; r < tp.size(); ++r) {
+    const int64_t n = std::min(Vl, V - r * Vl);
+    for (int64_t i = 0; i < R; ++i)
+      ops::copy(logits.data<float>() + i * V + r * Vl, gathered.data<float>() + (r * R + i) * Vl,
+                static_cast<size_t>(n) * sizeof(float));
+  }
   return logits;
 }
 
