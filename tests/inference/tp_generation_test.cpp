@@ -123,6 +123,38 @@ TEST_P(TensorParallelGeneration, GeneratorGivesOneRanksTokens) {
   }
 }
 
+// The point of tensor-parallel generation: a model whose weights do not fit
+// one rank's device budget generates when its matrices are split.
+TEST(TensorParallelGeneration, AModelTooLargeForOneRankGeneratesOnTwo) {
+  GPTConfig cfg = tiny_config("tiny");
+  cfg.n_embd = 128;
+  const size_t weights = sizeof(float) * static_cast<size_t>(cfg.num_params());
+  const size_t budget = weights * 7 / 10;
+  const std::vector<GenerationRequest> reqs = testing::requests(cfg, /*greedy=*/true);
+  const std::string error = testing::error_of([&] {
+    run_local(1, [&](Communicator&) {
+      MemoryContext::current().tier(Tier::device).set_budget(budget);
+      const GPT model(cfg);
+      ParamStore ps(model.layout(), 3);
+    });
+  });
+  EXPECT_CONTAINS(error, "budget");
+  const GPT reference(cfg);
+  ParamStore reference_ps(reference.layout(), 3);
+  const std::vector<GenerationResult> expected = Generator(reference, reference_ps, 3).run(reqs);
+  run_local(2, [&](Communicator& world) {
+    MemoryContext::current().tier(Tier::device).set_budget(budget);
+    ModelParallel mp;
+    mp.tp.group = &world;
+    const GPT model(cfg, mp);
+    ParamStore ps(model.layout(), 3);
+    const std::vector<GenerationResult> got = Generator(model, ps, 3).run(reqs);
+    ASSERT_EQ(got.size(), expected.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].tokens, expected[i].tokens) << "sequence " << i;
+    EXPECT_LE(MemoryContext::current().tier(Tier::device).peak(), budget);
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, TensorParallelGeneration,
                          ::testing::Combine(::testing::Values("tiny", "llama-tiny"), ::testing::Values(2, 4)),
                          [](const auto& info) {
