@@ -72,12 +72,15 @@ class Generator {
  public:
   // max_batch: sequences decoded together, each with a KV cache slot of the
   // model's whole context. tok (may be null) decodes text for on_text, the
-  // results and stop strings. The model holds every layer on this rank,
-  // whole or split over a tensor-parallel group (ModelParallel::tp): then
-  // every rank of the group runs its own Generator over its part, with the
+  // results and stop strings. The model is whole on this rank, or this
+  // rank's part of it, split over a tensor-parallel group (ModelParallel::tp)
+  // and over pipeline stages of one chunk each, `pipeline` their group (rank
+  // = stage): then every rank runs its own Generator over its part, with the
   // same submissions in the same order and step() called in step, and all
-  // draw the same tokens (the logits are gathered before sampling).
-  Generator(const GPT& model, ParamStore& params, int64_t max_batch, const Tokenizer* tok = nullptr);
+  // draw the same tokens (they sample from the same whole logits,
+  // GPT::forward_decode).
+  Generator(const GPT& model, ParamStore& params, int64_t max_batch, const Tokenizer* tok = nullptr,
+            Communicator* pipeline = nullptr);
 
   // Queues a request and returns its id (0, 1, ... in submission order). May
   // be called from any thread. Throws Error for prompt tokens outside the
@@ -123,6 +126,7 @@ class Generator {
   const GPT& model_;
   ParamStore& params_;
   const Tokenizer* tok_;
+  Communicator* pipeline_;
   KVCachePool pool_;
   std::vector<Sequence> active_;
   std::mutex mutex_;  // guards waiting_, results_, cancelled_ and next_id_

@@ -530,13 +530,17 @@ class Block {
 // one per sequence, each with its own length. A slot's cache, [n_layer, 2 (k,
 // v), n_kv_head, max_length, hs], is allocated (device tier of the calling
 // thread's MemoryContext) when the slot is taken and freed when it is
-// released, so a finished sequence's memory returns at once. Under tensor
-// parallelism each rank's pool holds its own kv heads (local_kv_heads).
+// released, so a finished sequence's memory returns at once. A rank's part
+// of a split model keeps its own: its kv heads (local_kv_heads) of its
+// pipeline stage's layers.
+class GPT;
 class KVCachePool {
  public:
-  // max_length: positions per sequence, at most (and by default) block_size;
-  // tp: the model's tensor-parallel ranks.
-  KVCachePool(const GPTConfig& cfg, int64_t capacity, int64_t max_length = 0, int tp = 1);
+  // The whole model's. max_length: positions per sequence, at most (and by
+  // default) block_size.
+  KVCachePool(const GPTConfig& cfg, int64_t capacity, int64_t max_length = 0);
+  // The part of the model this rank holds (one chunk of layers).
+  KVCachePool(const GPT& model, int64_t capacity, int64_t max_length = 0);
   int64_t capacity() const { return static_cast<int64_t>(slots_.size()); }
   int64_t max_length() const { return max_len_; }
   // Takes a free slot with an empty cache; -1 when every slot is taken.
@@ -558,8 +562,10 @@ class KVCachePool {
     Tensor kv;
     int64_t length = 0;
   };
+  KVCachePool(const GPTConfig& cfg, int64_t capacity, int64_t max_length, int64_t kv_heads, int first_layer,
+              int n_layer);
   const Slot& taken(int slot) const;
-  int64_t n_layer_ = 0, kv_heads_ = 0, head_dim_ = 0, max_len_ = 0;
+  int64_t first_layer_ = 0, n_layer_ = 0, kv_heads_ = 0, head_dim_ = 0, max_len_ = 0;
   std::vector<Slot> slots_;
 };
 
@@ -761,17 +767,22 @@ class GPT {
   Tensor backward_chunk(ParamStore& ps, GradStore& gs, MicroBatchState& s, int chunk, const Tensor& grad_output,
                         float dloss) const;
 
-  // Generation (every layer on this rank, whole or split over tp without
-  // sequence parallelism): feeds each sequence's new tokens through the model
-  // in one packed batch, appending their keys and values to its cache slot
-  // (which must be taken, each at most once in the batch), and returns the
-  // logits of each sequence's last new position [S, V], or with
-  // all_positions of every new position, [N, V] in batch order. Under tp
-  // every rank of the group calls it with the same batch and gets the same
-  // whole logits. Throws Error for bad token ids, a sequence without new
-  // tokens or one that would outgrow pool.max_length().
+  // Generation (the model whole, or split over tp without sequence
+  // parallelism and over pipeline stages of one chunk each): feeds each
+  // sequence's new tokens through the model in one packed batch, appending
+  // their keys and values to its cache slot (which must be taken, each at
+  // most once in the batch), and returns the logits of each sequence's last
+  // new position [S, V], or with all_positions of every new position, [N, V]
+  // in batch order. Every rank of a split model calls it with the same
+  // batch and gets the same whole logits; `pipeline` is the group of the
+  // pipeline stages (rank = stage; needed with more than one), which pass
+  // the activations on and get the last stage's logits. Throws Error for bad
+  // token ids, a sequence without new tokens or one that would outgrow
+  // pool.max_length().
   Tensor forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> batch,
-                        bool all_positions = false) const;
+                        bool all_positions = false, Communicator* pipeline = nullptr) const;
+  // The layers of this rank's only chunk (generation).
+  LayerRange decode_layers() const;
 
  private:
   // The head: final norm, logits of this rank's vocabulary slice and the loss.

@@ -10,8 +10,9 @@ namespace loom {
 
 const char* finish_reason_name(FinishReason reason) { return reason == FinishReason::stop ? "stop" : "length"; }
 
-Generator::Generator(const GPT& model, ParamStore& params, int64_t max_batch, const Tokenizer* tok)
-    : model_(model), params_(params), tok_(tok), pool_(model.config(), max_batch, 0, model.parallel().tp.size()) {
+Generator::Generator(const GPT& model, ParamStore& params, int64_t max_batch, const Tokenizer* tok,
+                     Communicator* pipeline)
+    : model_(model), params_(params), tok_(tok), pipeline_(pipeline), pool_(model, max_batch) {
   if (max_batch <= 0) throw Error(str("generation needs a batch of at least one sequence, not ", max_batch));
 }
 
@@ -161,7 +162,7 @@ bool Generator::step() {
     }
     batch.push_back({s.slot, s.pending});
   }
-  const Tensor logits = model_.forward_decode(params_, pool_, batch).clone(Tier::host);
+  const Tensor logits = model_.forward_decode(params_, pool_, batch, false, pipeline_).clone(Tier::host);
   std::vector<Sequence> still;
   for (size_t i = 0; i < active_.size(); ++i) {
     Sequence& s = active_[i];

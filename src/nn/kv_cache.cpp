@@ -9,9 +9,18 @@
 
 namespace loom {
 
-KVCachePool::KVCachePool(const GPTConfig& cfg, int64_t capacity, int64_t max_length, int tp)
-    : n_layer_(cfg.n_layer),
-      kv_heads_(cfg.local_kv_heads(tp)),
+KVCachePool::KVCachePool(const GPTConfig& cfg, int64_t capacity, int64_t max_length)
+    : KVCachePool(cfg, capacity, max_length, cfg.kv_heads(), 0, static_cast<int>(cfg.n_layer)) {}
+
+KVCachePool::KVCachePool(const GPT& model, int64_t capacity, int64_t max_length)
+    : KVCachePool(model.config(), capacity, max_length, model.config().local_kv_heads(model.parallel().tp.size()),
+                  model.decode_layers().begin, model.decode_layers().size()) {}
+
+KVCachePool::KVCachePool(const GPTConfig& cfg, int64_t capacity, int64_t max_length, int64_t kv_heads,
+                         int first_layer, int n_layer)
+    : first_layer_(first_layer),
+      n_layer_(n_layer),
+      kv_heads_(kv_heads),
       head_dim_(cfg.head_dim()),
       max_len_(max_length > 0 ? max_length : cfg.block_size) {
   if (capacity <= 0) throw Error(str("a KV cache pool needs at least one slot, not ", capacity));
@@ -140,13 +149,20 @@ void Block::forward_decode(const ParamStore& ps, float* x, const DecodeBatch& ba
   ops::accumulate(x, tmp.data<float>(), N * C_);
 }
 
+LayerRange GPT::decode_layers() const {
+  LOOM_CHECK(num_chunks() == 1, "generation runs one chunk of layers per rank, not ", num_chunks());
+  return chunks_.front();
+}
+
 Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> inputs,
-                           bool all_positions) const {
+                           bool all_positions, Communicator* pipeline) const {
   const TensorParallel& tp = mp_.tp;
-  LOOM_CHECK(!tp.splits_tokens() && mp_.first_stage && mp_.last_stage && num_chunks() == 1,
-             "generation needs every layer on this rank, without sequence parallelism");
-  LOOM_CHECK(pool.n_layer_ == cfg_.n_layer && pool.kv_heads_ == cfg_.local_kv_heads(tp.size()) &&
-                 pool.head_dim_ == cfg_.head_dim(),
+  const LayerRange layers = decode_layers();
+  LOOM_CHECK(!tp.splits_tokens(), "generation under sequence parallelism");
+  const bool staged = !(mp_.first_stage && mp_.last_stage);
+  LOOM_CHECK(!staged || (pipeline && pipeline->size() > 1), "a pipeline stage generates with its pipeline group");
+  LOOM_CHECK(pool.first_layer_ == layers.begin && pool.n_layer_ == layers.size() &&
+                 pool.kv_heads_ == cfg_.local_kv_heads(tp.size()) && pool.head_dim_ == cfg_.head_dim(),
              "the KV cache pool was built for another model");
   const int64_t C = cfg_.n_embd, V = cfg_.vocab_size;
   // Every product computes each sequence's rows alone: its tokens do not
@@ -173,23 +189,32 @@ Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const De
     batch.lengths.push_back(static_cast<int32_t>(slot.length));
     batch.offsets.push_back(static_cast<int32_t>(batch.offsets.back() + n));
     tokens.insert(tokens.end(), in.tokens.begin(), in.tokens.end());
+    // This stage's layers (indexed by their layer in the model) hold caches.
     float* base = slot.kv.data<float>();
-    const int64_t part = slot.kv.numel() / (2 * cfg_.n_layer);  // one layer's keys (or values)
-    for (int64_t l = 0; l < cfg_.n_layer; ++l)
+    const int64_t part = slot.kv.numel() / (2 * pool.n_layer_);  // one layer's keys (or values)
+    for (int64_t l = layers.begin; l < layers.end; ++l)
       for (int64_t kv = 0; kv < 2; ++kv)
-        addresses[static_cast<size_t>((l * 2 + kv) * batch.S + s)] = base + (l * 2 + kv) * part;
+        addresses[static_cast<size_t>((l * 2 + kv) * batch.S + s)] = base + ((l - layers.begin) * 2 + kv) * part;
   }
   batch.N = batch.offsets.back();
   LOOM_CHECK(batch.S > 0, "an empty decode batch");
-  embedding_.check_tokens(tokens.data(), batch.N);
+  if (mp_.first_stage) embedding_.check_tokens(tokens.data(), batch.N);
   batch.cache_lens = Tensor::from_host(batch.lengths.data(), {batch.S}, DType::i32);
   batch.row_offsets = Tensor::from_host(batch.offsets.data(), {batch.S + 1}, DType::i32);
   static_assert(sizeof(float*) == sizeof(int64_t), "addresses travel as i64 elements");
   batch.caches = Tensor::from_host(addresses.data(), {cfg_.n_layer, 2, batch.S}, DType::i64);
 
-  ps.acquire(embedding_group_);
-  Tensor x = embedding_.forward_decode(ps, Tensor::from_host(tokens.data(), {batch.N}, DType::i32), batch);
-  ps.release(embedding_group_);
+  // The activations pass from stage to stage (the same tp rank of each).
+  const int stage = staged ? pipeline->rank() : 0;
+  Tensor x;
+  if (mp_.first_stage) {
+    ps.acquire(embedding_group_);
+    x = embedding_.forward_decode(ps, Tensor::from_host(tokens.data(), {batch.N}, DType::i32), batch);
+    ps.release(embedding_group_);
+  } else {
+    x = Tensor::empty({batch.N, C});
+    pipeline->recv(x, stage - 1, 0);
+  }
   for (const Block& block : blocks_) {
     ps.acquire(block.group());
     block.forward_decode(ps, x.data<float>(), batch);
@@ -198,6 +223,13 @@ Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const De
   for (int64_t s = 0; s < batch.S; ++s)
     pool.slots_[static_cast<size_t>(inputs[static_cast<size_t>(s)].slot)].length +=
         batch.offsets[static_cast<size_t>(s) + 1] - batch.offsets[static_cast<size_t>(s)];
+  if (!mp_.last_stage) {
+    pipeline->send(x, stage + 1, 0);
+    // The last stage's logits, which every stage samples from.
+    Tensor logits = Tensor::empty({all_positions ? batch.N : batch.S, V});
+    pipeline->broadcast(logits, pipeline->size() - 1);
+    return logits;
+  }
 
   // Sampling needs only each sequence's last position.
   Tensor rows = x;
@@ -212,32 +244,31 @@ Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const De
   ps.acquire(lnf_group_);
   ln_f_.forward(ps, ln, rows.data<float>(), R);
   ps.release(lnf_group_);
-  if (tp.size() == 1) {
-    Tensor logits = Tensor::empty({R, V});
-    ps.acquire(head_group());
-    head_logits(ps, logits.data<float>(), ln.out.data<float>(), R, V);
-    ps.release(head_group());
-    return logits;
-  }
-  // Vocabulary-parallel head: the ranks' slices are gathered, so that every
-  // rank samples from the same whole rows and all draw the same tokens
-  // (exactly, for any sampling settings). The rows are few, one per sequence
-  // when decoding: R * V floats, small beside the V * C head weights.
-  const int64_t Vl = local_vocab_;
-  Tensor local = Tensor::empty({R, Vl});
-  ps.acquire(head_group());
-  head_logits(ps, local.data<float>(), ln.out.data<float>(), R, Vl);
-  ps.release(head_group());
-  Tensor gathered = Tensor::empty({tp.size(), R, Vl});
-  tp.group->all_gather(local, gathered);
-  // [tp, R, Vl] -> [R, V], without the last rank's padding rows.
   Tensor logits = Tensor::empty({R, V});
-  for (int64_t r = 0; r < tp.size(); ++r) {
-    const int64_t n = std::min(Vl, V - r * Vl);
-    for (int64_t i = 0; i < R; ++i)
-      ops::copy(logits.data<float>() + i * V + r * Vl, gathered.data<float>() + (r * R + i) * Vl,
-                static_cast<size_t>(n) * sizeof(float));
+  ps.acquire(head_group());
+  if (tp.size() == 1) {
+    head_logits(ps, logits.data<float>(), ln.out.data<float>(), R, V);
+  } else {
+    // Vocabulary-parallel head: the ranks' slices are gathered, so that every
+    // rank samples from the same whole rows and all draw the same tokens
+    // (exactly, for any sampling settings). The rows are few, one per
+    // sequence when decoding: R * V floats, small beside the V * C head
+    // weights.
+    const int64_t Vl = local_vocab_;
+    Tensor local = Tensor::empty({R, Vl});
+    head_logits(ps, local.data<float>(), ln.out.data<float>(), R, Vl);
+    Tensor gathered = Tensor::empty({tp.size(), R, Vl});
+    tp.group->all_gather(local, gathered);
+    // [tp, R, Vl] -> [R, V], without the last rank's padding rows.
+    for (int64_t r = 0; r < tp.size(); ++r) {
+      const int64_t n = std::min(Vl, V - r * Vl);
+      for (int64_t i = 0; i < R; ++i)
+        ops::copy(logits.data<float>() + i * V + r * Vl, gathered.data<float>() + (r * R + i) * Vl,
+                  static_cast<size_t>(n) * sizeof(float));
+    }
   }
+  ps.release(head_group());
+  if (staged) pipeline->broadcast(logits, pipeline->size() - 1);
   return logits;
 }
 

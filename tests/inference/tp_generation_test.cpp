@@ -1,9 +1,10 @@
-// Generation with the model split over tensor-parallel ranks (local ranks as
-// threads): the same logits as one rank, within float rounding, and the same
-// tokens.
+// Generation with the model split over tensor-parallel ranks and pipeline
+// stages (local ranks as threads): the same logits as one rank, within float
+// rounding, and the same tokens.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <string>
 #include <tuple>
@@ -11,6 +12,7 @@
 
 #include "loom/comm.h"
 #include "loom/inference.h"
+#include "loom/parallel.h"
 #include "generation_requests.h"
 #include "test_util.h"
 
@@ -32,9 +34,10 @@ GPTConfig tiny_config(const std::string& preset) {
 // together (every position's logits), then decoded for a few steps on the
 // given tokens (or, with none given, their greedy choices, returned in
 // `fed`).
-std::vector<std::vector<float>> decode_logits(const GPT& model, ParamStore& ps, std::vector<int32_t>& fed) {
+std::vector<std::vector<float>> decode_logits(const GPT& model, ParamStore& ps, std::vector<int32_t>& fed,
+                                              Communicator* pipeline = nullptr) {
   const GPTConfig& cfg = model.config();
-  KVCachePool pool(cfg, 2, 0, model.parallel().tp.size());
+  KVCachePool pool(model, 2);
   const int a = pool.allocate(), b = pool.allocate();
   const std::vector<int32_t> pa = random_tokens(5, cfg.vocab_size, 1), pb = random_tokens(2, cfg.vocab_size, 2);
   std::vector<std::vector<float>> out;
@@ -43,7 +46,7 @@ std::vector<std::vector<float>> decode_logits(const GPT& model, ParamStore& ps, 
     out.emplace_back(host.data<float>(), host.data<float>() + host.numel());
   };
   const DecodeInput prefill[] = {{a, pa}, {b, pb}};
-  keep(model.forward_decode(ps, pool, prefill, /*all_positions=*/true));
+  keep(model.forward_decode(ps, pool, prefill, /*all_positions=*/true, pipeline));
   const bool choose = fed.empty();
   for (int step = 0; step < 4; ++step) {
     if (choose) {
@@ -58,31 +61,49 @@ std::vector<std::vector<float>> decode_logits(const GPT& model, ParamStore& ps, 
     const std::span<const int32_t> ta(&fed[static_cast<size_t>(2 * step)], 1),
         tb(&fed[static_cast<size_t>(2 * step + 1)], 1);
     const DecodeInput next[] = {{a, ta}, {b, tb}};
-    keep(model.forward_decode(ps, pool, next));
+    keep(model.forward_decode(ps, pool, next, false, pipeline));
   }
   return out;
 }
 
-class TensorParallelGeneration : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+// Runs fn on tp x pp local ranks, each with its part of the model (the
+// layers split evenly over the stages) and the pipeline group (null without
+// stages).
+void run_split(int tp, int pp, const std::function<void(const ModelParallel&, Communicator*)>& fn, int64_t n_layer) {
+  run_local(tp * pp, [&](Communicator& world) {
+    MeshShape shape;
+    shape[MeshAxis::pp] = pp;
+    shape[MeshAxis::tp] = tp;
+    DeviceMesh mesh(world, shape);
+    const int stage = mesh.coord(MeshAxis::pp), per_stage = static_cast<int>(n_layer) / pp;
+    ModelParallel mp;
+    mp.tp.group = &mesh.group(MeshAxis::tp);
+    mp.first_stage = stage == 0;
+    mp.last_stage = stage == pp - 1;
+    mp.chunks = {{stage * per_stage, (stage + 1) * per_stage}};
+    fn(mp, pp > 1 ? &mesh.group(MeshAxis::pp) : nullptr);
+  });
+}
+
+// (preset, tp, pp)
+class TensorParallelGeneration : public ::testing::TestWithParam<std::tuple<std::string, int, int>> {};
 
 // Prefill and decode logits within 1e-5 of one rank's (relative to the
-// largest logit), with the same greedy choices. llama-tiny's 2 kv heads split
-// over tp = 2 and are replicated under tp = 4.
+// largest logit), with the same greedy choices, on every rank. llama-tiny's
+// 2 kv heads split over tp = 2 and are replicated under tp = 4.
 TEST_P(TensorParallelGeneration, LogitsMatchOneRank) {
-  const auto& [preset, tp] = GetParam();
+  const auto& [preset, tp, pp] = GetParam();
   const GPTConfig cfg = tiny_config(preset);
   const GPT reference(cfg);
   ParamStore reference_ps(reference.layout(), 3);
   std::vector<int32_t> greedy;
   const std::vector<std::vector<float>> expected = decode_logits(reference, reference_ps, greedy);
-  run_local(tp, [&](Communicator& world) {
-    ModelParallel mp;
-    mp.tp.group = &world;
+  run_split(tp, pp, [&](const ModelParallel& mp, Communicator* pipeline) {
     const GPT model(cfg, mp);
     ParamStore ps(model.layout(), 3);  // initialized by global index: the same weights
     std::vector<int32_t> fed;
-    const std::vector<std::vector<float>> got = decode_logits(model, ps, fed);
-    EXPECT_EQ(fed, greedy) << "rank " << world.rank();
+    const std::vector<std::vector<float>> got = decode_logits(model, ps, fed, pipeline);
+    EXPECT_EQ(fed, greedy) << "rank " << current_rank();
     ASSERT_EQ(got.size(), expected.size());
     for (size_t step = 0; step < got.size(); ++step) {
       ASSERT_EQ(got[step].size(), expected[step].size());
@@ -91,16 +112,16 @@ TEST_P(TensorParallelGeneration, LogitsMatchOneRank) {
         scale = std::max(scale, std::fabs(expected[step][i]));
         diff = std::max(diff, std::fabs(got[step][i] - expected[step][i]));
       }
-      EXPECT_LE(diff, 1e-5f * scale) << "rank " << world.rank() << ", forward " << step;
+      EXPECT_LE(diff, 1e-5f * scale) << "rank " << current_rank() << ", forward " << step;
     }
-  });
+  }, cfg.n_layer);
 }
 
 // Several prompts of different lengths (one longer than the context), more
 // than the batch holds, greedy and seeded sampling with top-k/top-p: every
 // rank gets one rank's tokens.
 TEST_P(TensorParallelGeneration, GeneratorGivesOneRanksTokens) {
-  const auto& [preset, tp] = GetParam();
+  const auto& [preset, tp, pp] = GetParam();
   const GPTConfig cfg = tiny_config(preset);
   for (bool greedy : {true, false}) {
     SCOPED_TRACE(greedy ? "greedy" : "sampled");
@@ -108,18 +129,16 @@ TEST_P(TensorParallelGeneration, GeneratorGivesOneRanksTokens) {
     const GPT reference(cfg);
     ParamStore reference_ps(reference.layout(), 3);
     const std::vector<GenerationResult> expected = Generator(reference, reference_ps, 3).run(reqs);
-    run_local(tp, [&](Communicator& world) {
-      ModelParallel mp;
-      mp.tp.group = &world;
+    run_split(tp, pp, [&](const ModelParallel& mp, Communicator* pipeline) {
       const GPT model(cfg, mp);
       ParamStore ps(model.layout(), 3);
-      Generator gen(model, ps, 3);
+      Generator gen(model, ps, 3, nullptr, pipeline);
       const std::vector<GenerationResult> got = gen.run(reqs);
       ASSERT_EQ(got.size(), expected.size());
       for (size_t i = 0; i < got.size(); ++i)
-        EXPECT_EQ(got[i].tokens, expected[i].tokens) << "rank " << world.rank() << ", sequence " << i;
+        EXPECT_EQ(got[i].tokens, expected[i].tokens) << "rank " << current_rank() << ", sequence " << i;
       EXPECT_EQ(gen.pool().bytes_in_use(), 0u);
-    });
+    }, cfg.n_layer);
   }
 }
 
@@ -156,10 +175,12 @@ TEST(TensorParallelGeneration, AModelTooLargeForOneRankGeneratesOnTwo) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, TensorParallelGeneration,
-                         ::testing::Combine(::testing::Values("tiny", "llama-tiny"), ::testing::Values(2, 4)),
+                         ::testing::Values(std::tuple("tiny", 2, 1), std::tuple("tiny", 4, 1), std::tuple("tiny", 1, 2),
+                                           std::tuple("tiny", 2, 2), std::tuple("llama-tiny", 2, 1),
+                                           std::tuple("llama-tiny", 4, 1), std::tuple("llama-tiny", 1, 2)),
                          [](const auto& info) {
-                           return std::string(std::get<0>(info.param) == "tiny" ? "Gpt2" : "Llama") + "Tp" +
-                                  std::to_string(std::get<1>(info.param));
+                           return str(std::get<0>(info.param) == std::string("tiny") ? "Gpt2" : "Llama", "Tp",
+                                      std::get<1>(info.param), "Pp", std::get<2>(info.param));
                          });
 
 }  // namespace
