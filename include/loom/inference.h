@@ -139,9 +139,16 @@ class Generator {
 // Generates up to `max_tokens` tokens after `prompt` (never stopping early),
 // calling on_text with each decoded piece as it is produced, through a
 // Generator of one sequence. Returns the generated text (without the prompt).
+// pipeline: as the Generator takes it.
 std::string generate(const GPT& model, ParamStore& params, const Tokenizer& tok, const std::string& prompt,
                      int64_t max_tokens, const SampleOptions& opts,
-                     const std::function<void(const std::string&)>& on_text = {});
+                     const std::function<void(const std::string&)>& on_text = {}, Communicator* pipeline = nullptr);
+
+// This rank's part of a model that generates split over `mesh`'s tp and pp
+// axes (the others of size 1): its tensor-parallel group, and the layers of
+// its pipeline stage, one chunk (pipeline_stage_layers' balance). The mesh's
+// pp group is the Generator's pipeline.
+ModelParallel generation_parallel(DeviceMesh& mesh, const GPTConfig& cfg);
 
 // One prompt of a prompts file, with its generation settings.
 struct PromptSpec {

@@ -1,10 +1,12 @@
 // Continuous batching: the Generator's scheduling step.
 #include <algorithm>
 #include <iterator>
+#include <numeric>
 
 #include "loom/data.h"
 #include "loom/comm.h"
 #include "loom/inference.h"
+#include "loom/planner.h"
 
 namespace loom {
 
@@ -190,14 +192,26 @@ std::vector<GenerationResult> Generator::run(std::vector<GenerationRequest> requ
 
 std::string generate(const GPT& model, ParamStore& params, const Tokenizer& tok, const std::string& prompt,
                      int64_t max_tokens, const SampleOptions& opts,
-                     const std::function<void(const std::string&)>& on_text) {
-  Generator gen(model, params, 1, &tok);
+                     const std::function<void(const std::string&)>& on_text, Communicator* pipeline) {
+  Generator gen(model, params, 1, &tok, pipeline);
   GenerationRequest r;
   r.prompt = tok.encode(prompt);
   r.max_tokens = max_tokens;
   r.sample = opts;
   r.on_text = on_text;
   return gen.run({std::move(r)}).front().text;
+}
+
+ModelParallel generation_parallel(DeviceMesh& mesh, const GPTConfig& cfg) {
+  const int pp = mesh.size(MeshAxis::pp), stage = mesh.coord(MeshAxis::pp);
+  const std::vector<int> layers = pipeline_stage_layers(cfg, cfg.block_size, pp, {});
+  ModelParallel mp;
+  mp.tp.group = &mesh.group(MeshAxis::tp);
+  mp.first_stage = stage == 0;
+  mp.last_stage = stage == pp - 1;
+  const int first = std::accumulate(layers.begin(), layers.begin() + stage, 0);
+  mp.chunks = {{first, first + layers[static_cast<size_t>(stage)]}};
+  return mp;
 }
 
 }  // namespace loom

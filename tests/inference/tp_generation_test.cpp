@@ -66,22 +66,16 @@ std::vector<std::vector<float>> decode_logits(const GPT& model, ParamStore& ps, 
   return out;
 }
 
-// Runs fn on tp x pp local ranks, each with its part of the model (the
-// layers split evenly over the stages) and the pipeline group (null without
-// stages).
-void run_split(int tp, int pp, const std::function<void(const ModelParallel&, Communicator*)>& fn, int64_t n_layer) {
+// Runs fn on tp x pp local ranks, each with its part of the model and the
+// pipeline group (null without stages).
+void run_split(int tp, int pp, const GPTConfig& cfg,
+               const std::function<void(const ModelParallel&, Communicator*)>& fn) {
   run_local(tp * pp, [&](Communicator& world) {
     MeshShape shape;
     shape[MeshAxis::pp] = pp;
     shape[MeshAxis::tp] = tp;
     DeviceMesh mesh(world, shape);
-    const int stage = mesh.coord(MeshAxis::pp), per_stage = static_cast<int>(n_layer) / pp;
-    ModelParallel mp;
-    mp.tp.group = &mesh.group(MeshAxis::tp);
-    mp.first_stage = stage == 0;
-    mp.last_stage = stage == pp - 1;
-    mp.chunks = {{stage * per_stage, (stage + 1) * per_stage}};
-    fn(mp, pp > 1 ? &mesh.group(MeshAxis::pp) : nullptr);
+    fn(generation_parallel(mesh, cfg), pp > 1 ? &mesh.group(MeshAxis::pp) : nullptr);
   });
 }
 
@@ -98,7 +92,7 @@ TEST_P(TensorParallelGeneration, LogitsMatchOneRank) {
   ParamStore reference_ps(reference.layout(), 3);
   std::vector<int32_t> greedy;
   const std::vector<std::vector<float>> expected = decode_logits(reference, reference_ps, greedy);
-  run_split(tp, pp, [&](const ModelParallel& mp, Communicator* pipeline) {
+  run_split(tp, pp, cfg, [&](const ModelParallel& mp, Communicator* pipeline) {
     const GPT model(cfg, mp);
     ParamStore ps(model.layout(), 3);  // initialized by global index: the same weights
     std::vector<int32_t> fed;
@@ -114,7 +108,7 @@ TEST_P(TensorParallelGeneration, LogitsMatchOneRank) {
       }
       EXPECT_LE(diff, 1e-5f * scale) << "rank " << current_rank() << ", forward " << step;
     }
-  }, cfg.n_layer);
+  });
 }
 
 // Several prompts of different lengths (one longer than the context), more
@@ -129,7 +123,7 @@ TEST_P(TensorParallelGeneration, GeneratorGivesOneRanksTokens) {
     const GPT reference(cfg);
     ParamStore reference_ps(reference.layout(), 3);
     const std::vector<GenerationResult> expected = Generator(reference, reference_ps, 3).run(reqs);
-    run_split(tp, pp, [&](const ModelParallel& mp, Communicator* pipeline) {
+    run_split(tp, pp, cfg, [&](const ModelParallel& mp, Communicator* pipeline) {
       const GPT model(cfg, mp);
       ParamStore ps(model.layout(), 3);
       Generator gen(model, ps, 3, nullptr, pipeline);
@@ -138,7 +132,7 @@ TEST_P(TensorParallelGeneration, GeneratorGivesOneRanksTokens) {
       for (size_t i = 0; i < got.size(); ++i)
         EXPECT_EQ(got[i].tokens, expected[i].tokens) << "rank " << current_rank() << ", sequence " << i;
       EXPECT_EQ(gen.pool().bytes_in_use(), 0u);
-    }, cfg.n_layer);
+    });
   }
 }
 

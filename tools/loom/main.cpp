@@ -65,21 +65,22 @@ struct LoadedModel {
   }
 };
 
-// Checks `loom generate --tp` against the checkpoint's model before any rank
-// allocates it: the heads, kv heads, MLP width and vocabulary must split over
-// tp ranks as training splits them (planner.h's layout rules).
-void check_generation_tp(const std::string& checkpoint, int tp) {
+// Checks `loom generate --tp --pp` against the checkpoint's model before any
+// rank allocates it: the heads, kv heads, MLP width and vocabulary must split
+// over tp ranks as training splits them (planner.h's layout rules), and
+// every stage needs a layer. Returns the model.
+GPTConfig check_generation_layout(const std::string& checkpoint, int tp, int pp) {
   if (tp < 1) throw Error(str("--tp ", tp, ": give the number of tensor-parallel ranks, at least 1"));
-  if (tp == 1) return;
+  if (pp < 1) throw Error(str("--pp ", pp, ": give the number of pipeline stages, at least 1"));
   GPTConfig cfg;
   if (const std::optional<fs::path> dir = hf_dir_of(checkpoint)) {
     cfg = HFImport(*dir).model;
   } else {
     const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(checkpoint));
     if (checkpoint_quantization(info))
-      throw Error(str("--tp ", tp, ": '", checkpoint,
-                      "' is quantized, and quantized checkpoints generate on one rank: drop --tp, or generate "
-                      "from the fp32 checkpoint it was quantized from"));
+      throw Error(str("'", checkpoint,
+                      "' is quantized, and quantized checkpoints generate on one rank: drop --tp and --pp, or "
+                      "generate from the fp32 checkpoint it was quantized from"));
     cfg = checkpoint_model_config(info);
   }
   auto violation = [&](int t) {
@@ -89,13 +90,17 @@ void check_generation_tp(const std::string& checkpoint, int tp) {
     layout.tp = t;
     return check_layout(problem, layout);
   };
-  const std::optional<LayoutViolation> v = violation(tp);
-  if (!v) return;
-  std::string valid;
-  for (int t = 1; t <= cfg.n_head; ++t)
-    if (!violation(t)) valid += str(valid.empty() ? "" : ", ", t);
-  throw Error(str("--tp ", tp, " does not split this model: the number of tensor-parallel ranks ", v->problem,
-                  "; valid values for this model: ", valid));
+  if (const std::optional<LayoutViolation> v = violation(tp)) {
+    std::string valid;
+    for (int t = 1; t <= cfg.n_head; ++t)
+      if (!violation(t)) valid += str(valid.empty() ? "" : ", ", t);
+    throw Error(str("--tp ", tp, " does not split this model: the number of tensor-parallel ranks ", v->problem,
+                    "; valid values for this model: ", valid));
+  }
+  if (pp > cfg.n_layer)
+    throw Error(str("--pp ", pp, " does not split this model: each pipeline stage needs a layer and the model has ",
+                    cfg.n_layer, "; valid values for this model: 1 to ", cfg.n_layer));
+  return cfg;
 }
 
 // The SHA-256 of `m`'s tokenizer (what data prepared for it records).
@@ -212,10 +217,13 @@ int main(int argc, char** argv) {
                   "with --prompts: write the results here, one JSONL line per prompt in input order (default: "
                   "standard output)");
   gen->add_option("--max-batch", max_batch, "with --prompts: sequences generated together")->capture_default_str();
-  int gen_tp = 1;
+  int gen_tp = 1, gen_pp = 1;
   gen->add_option("--tp", gen_tp,
-                  "split the model over this many tensor-parallel ranks (local threads), each loading its slice of "
-                  "the weights: for a model too large for one rank")
+                  "split the model's matrices over this many tensor-parallel ranks (local threads), each loading "
+                  "its slice of the weights: for a model too large for one rank")
+      ->capture_default_str();
+  gen->add_option("--pp", gen_pp,
+                  "split the model's layers over this many pipeline stages (local threads; times --tp ranks in all)")
       ->capture_default_str();
 
   // serve
@@ -371,7 +379,8 @@ int main(int argc, char** argv) {
       // The file and the layout are checked before the model loads.
       const std::vector<PromptSpec> prompts =
           prompts_path.empty() ? std::vector<PromptSpec>{} : read_prompts(prompts_path, defaults);
-      check_generation_tp(ckpt, gen_tp);
+      const bool split = gen_tp * gen_pp > 1;
+      const GPTConfig split_model = split ? check_generation_layout(ckpt, gen_tp, gen_pp) : GPTConfig{};
       std::ofstream file;
       if (!results_path.empty()) {
         file.open(results_path);
@@ -380,18 +389,21 @@ int main(int argc, char** argv) {
       std::ostream& out = results_path.empty() ? std::cout : file;
       // Every rank generates the same tokens from its part of the model;
       // rank 0 (`writes`) prints them.
-      auto run = [&](LoadedModel& m, bool writes) {
+      auto run = [&](LoadedModel& m, Communicator* pipeline, bool writes) {
         if (prompts_path.empty()) {
           if (writes) std::printf("%s", prompt.c_str());
-          generate(*m.model, *m.params, m.tokenizer, prompt, max_tokens, so, [&](const std::string& piece) {
-            if (!writes) return;
-            std::fputs(piece.c_str(), stdout);
-            std::fflush(stdout);
-          });
+          generate(
+              *m.model, *m.params, m.tokenizer, prompt, max_tokens, so,
+              [&](const std::string& piece) {
+                if (!writes) return;
+                std::fputs(piece.c_str(), stdout);
+                std::fflush(stdout);
+              },
+              pipeline);
           if (writes) std::printf("\n");
           return;
         }
-        Generator engine(*m.model, *m.params, max_batch, &m.tokenizer);
+        Generator engine(*m.model, *m.params, max_batch, &m.tokenizer, pipeline);
         std::vector<int64_t> ids;
         for (const PromptSpec& p : prompts) {
           GenerationRequest r;
@@ -414,15 +426,17 @@ int main(int argc, char** argv) {
         while (engine.step()) flush();
         flush();
       };
-      if (gen_tp == 1) {
+      if (!split) {
         LoadedModel m(ckpt);
-        run(m, true);
+        run(m, nullptr, true);
       } else {
-        run_local(gen_tp, [&](Communicator& world) {
-          ModelParallel mp;
-          mp.tp.group = &world;
-          LoadedModel m(ckpt, mp);
-          run(m, world.rank() == 0);
+        run_local(gen_tp * gen_pp, [&](Communicator& world) {
+          MeshShape shape;
+          shape[MeshAxis::pp] = gen_pp;
+          shape[MeshAxis::tp] = gen_tp;
+          DeviceMesh mesh(world, shape);
+          LoadedModel m(ckpt, generation_parallel(mesh, split_model));
+          run(m, gen_pp > 1 ? &mesh.group(MeshAxis::pp) : nullptr, world.rank() == 0);
         });
       }
       if (!prompts_path.empty() && !out)
