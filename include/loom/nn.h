@@ -781,10 +781,20 @@ class GPT {
   // pool.max_length().
   Tensor forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> batch,
                         bool all_positions = false, Communicator* pipeline = nullptr) const;
+  // forward_decode's greedy choices without the whole logits: each
+  // sequence's most likely next token (the lowest id among equals, as
+  // sample_token's), from each tp rank's best of its vocabulary slice, on
+  // every rank.
+  std::vector<int32_t> decode_greedy(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> batch,
+                                     Communicator* pipeline = nullptr) const;
   // The layers of this rank's only chunk (generation).
   LayerRange decode_layers() const;
 
  private:
+  // forward_decode up to the head: the final norm's output for the rows
+  // asked for [R, C] on the last stage; undefined on the others.
+  Tensor decode_head_input(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> batch,
+                           bool all_positions, Communicator* pipeline) const;
   // The head: final norm, logits of this rank's vocabulary slice and the loss.
   void head_forward(ParamStore& ps, MicroBatchState& s, const Tensor& x) const;
   // logits[N, V] = h[N, C] @ the output table^T (this rank's V vocabulary

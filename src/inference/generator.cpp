@@ -164,14 +164,25 @@ bool Generator::step() {
     }
     batch.push_back({s.slot, s.pending});
   }
-  const Tensor logits = model_.forward_decode(params_, pool_, batch, false, pipeline_).clone(Tier::host);
-  std::vector<Sequence> still;
-  for (size_t i = 0; i < active_.size(); ++i) {
-    Sequence& s = active_[i];
-    const uint64_t draw = s.result.tokens.size();  // the sequence's own token index
-    const int32_t token = sample_token(logits.data<float>() + static_cast<int64_t>(i) * V, V, s.request.sample, draw);
-    if (!advance(s, token)) still.push_back(std::move(s));
+  // A split vocabulary need not be gathered when every sequence is greedy:
+  // the ranks agree on the best token of each row instead.
+  const bool greedy = model_.parallel().tp.size() > 1 &&
+                      std::all_of(active_.begin(), active_.end(),
+                                  [](const Sequence& s) { return s.request.sample.temperature <= 0.0f; });
+  std::vector<int32_t> tokens;
+  if (greedy) {
+    tokens = model_.decode_greedy(params_, pool_, batch, pipeline_);
+  } else {
+    const Tensor logits = model_.forward_decode(params_, pool_, batch, false, pipeline_).clone(Tier::host);
+    for (size_t i = 0; i < active_.size(); ++i) {
+      const Sequence& s = active_[i];
+      const uint64_t draw = s.result.tokens.size();  // the sequence's own token index
+      tokens.push_back(sample_token(logits.data<float>() + static_cast<int64_t>(i) * V, V, s.request.sample, draw));
+    }
   }
+  std::vector<Sequence> still;
+  for (size_t i = 0; i < active_.size(); ++i)
+    if (!advance(active_[i], tokens[i])) still.push_back(std::move(active_[i]));
   active_ = std::move(still);
   return true;
 }

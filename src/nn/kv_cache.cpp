@@ -154,8 +154,8 @@ LayerRange GPT::decode_layers() const {
   return chunks_.front();
 }
 
-Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> inputs,
-                           bool all_positions, Communicator* pipeline) const {
+Tensor GPT::decode_head_input(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> inputs,
+                              bool all_positions, Communicator* pipeline) const {
   const TensorParallel& tp = mp_.tp;
   const LayerRange layers = decode_layers();
   LOOM_CHECK(!tp.splits_tokens(), "generation under sequence parallelism");
@@ -164,10 +164,7 @@ Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const De
   LOOM_CHECK(pool.first_layer_ == layers.begin && pool.n_layer_ == layers.size() &&
                  pool.kv_heads_ == cfg_.local_kv_heads(tp.size()) && pool.head_dim_ == cfg_.head_dim(),
              "the KV cache pool was built for another model");
-  const int64_t C = cfg_.n_embd, V = cfg_.vocab_size;
-  // Every product computes each sequence's rows alone: its tokens do not
-  // depend on the batch around it.
-  const FixedRowBlocks fixed_rows;
+  const int64_t C = cfg_.n_embd;
   DecodeBatch batch;
   batch.S = static_cast<int64_t>(inputs.size());
   batch.max_len = pool.max_length();
@@ -225,10 +222,7 @@ Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const De
         batch.offsets[static_cast<size_t>(s) + 1] - batch.offsets[static_cast<size_t>(s)];
   if (!mp_.last_stage) {
     pipeline->send(x, stage + 1, 0);
-    // The last stage's logits, which every stage samples from.
-    Tensor logits = Tensor::empty({all_positions ? batch.N : batch.S, V});
-    pipeline->broadcast(logits, pipeline->size() - 1);
-    return logits;
+    return {};
   }
 
   // Sampling needs only each sequence's last position.
@@ -239,15 +233,33 @@ Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const De
       ops::copy(rows.data<float>() + s * C, x.data<float>() + (batch.offsets[static_cast<size_t>(s) + 1] - 1) * C,
                 static_cast<size_t>(C) * sizeof(float));
   }
-  const int64_t R = rows.numel() / C;
   Norm::Saved ln;
   ps.acquire(lnf_group_);
-  ln_f_.forward(ps, ln, rows.data<float>(), R);
+  ln_f_.forward(ps, ln, rows.data<float>(), rows.numel() / C);
   ps.release(lnf_group_);
+  return ln.out;
+}
+
+Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> inputs,
+                           bool all_positions, Communicator* pipeline) const {
+  // Every product computes each sequence's rows alone: its tokens do not
+  // depend on the batch around it.
+  const FixedRowBlocks fixed_rows;
+  const Tensor h = decode_head_input(ps, pool, inputs, all_positions, pipeline);
+  const TensorParallel& tp = mp_.tp;
+  const int64_t V = cfg_.vocab_size;
+  int64_t R = static_cast<int64_t>(inputs.size());
+  if (all_positions)
+    for (const DecodeInput& in : inputs) R += static_cast<int64_t>(in.tokens.size()) - 1;
   Tensor logits = Tensor::empty({R, V});
+  // The last stage's logits, which every stage samples from.
+  if (!mp_.last_stage) {
+    pipeline->broadcast(logits, pipeline->size() - 1);
+    return logits;
+  }
   ps.acquire(head_group());
   if (tp.size() == 1) {
-    head_logits(ps, logits.data<float>(), ln.out.data<float>(), R, V);
+    head_logits(ps, logits.data<float>(), h.data<float>(), R, V);
   } else {
     // Vocabulary-parallel head: the ranks' slices are gathered, so that every
     // rank samples from the same whole rows and all draw the same tokens
@@ -256,7 +268,7 @@ Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const De
     // weights.
     const int64_t Vl = local_vocab_;
     Tensor local = Tensor::empty({R, Vl});
-    head_logits(ps, local.data<float>(), ln.out.data<float>(), R, Vl);
+    head_logits(ps, local.data<float>(), h.data<float>(), R, Vl);
     Tensor gathered = Tensor::empty({tp.size(), R, Vl});
     tp.group->all_gather(local, gathered);
     // [tp, R, Vl] -> [R, V], without the last rank's padding rows.
@@ -268,8 +280,49 @@ Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const De
     }
   }
   ps.release(head_group());
-  if (staged) pipeline->broadcast(logits, pipeline->size() - 1);
+  if (!mp_.first_stage) pipeline->broadcast(logits, pipeline->size() - 1);
   return logits;
+}
+
+std::vector<int32_t> GPT::decode_greedy(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> inputs,
+                                        Communicator* pipeline) const {
+  const FixedRowBlocks fixed_rows;
+  const Tensor h = decode_head_input(ps, pool, inputs, false, pipeline);
+  const TensorParallel& tp = mp_.tp;
+  const int64_t S = static_cast<int64_t>(inputs.size()), V = cfg_.vocab_size, Vl = local_vocab_;
+  Tensor tokens = Tensor::empty({S}, DType::i32, Tier::host);
+  if (mp_.last_stage) {
+    Tensor local = Tensor::empty({S, Vl});
+    ps.acquire(head_group());
+    head_logits(ps, local.data<float>(), h.data<float>(), S, Vl);
+    ps.release(head_group());
+    // Each rank's best of its vocabulary rows (the first, as sample_token's
+    // max_element, padding left out), then the best of the ranks' (the
+    // lowest id among equals): [tp, S, (logit, id)], ids exact in floats.
+    LOOM_CHECK(V < (int64_t{1} << 24), "token ids up to ", V, " do not travel exactly as floats");
+    const Tensor host = local.clone(Tier::host);
+    const int64_t first = tp.rank() * Vl, n = std::min(Vl, V - first);
+    Tensor best = Tensor::empty({S, 2}, DType::f32, Tier::host);
+    for (int64_t s = 0; s < S; ++s) {
+      const float* row = host.data<float>() + s * Vl;
+      const int64_t at = std::max_element(row, row + n) - row;
+      best.data<float>()[2 * s] = row[at];
+      best.data<float>()[2 * s + 1] = static_cast<float>(first + at);
+    }
+    Tensor all = best;
+    if (tp.size() > 1) {
+      all = Tensor::empty({tp.size(), S, 2}, DType::f32, Tier::host);
+      tp.group->all_gather(best, all);
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      int64_t winner = 0;
+      for (int64_t r = 1; r < tp.size(); ++r)
+        if (all.data<float>()[(r * S + s) * 2] > all.data<float>()[(winner * S + s) * 2]) winner = r;
+      tokens.data<int32_t>()[s] = static_cast<int32_t>(all.data<float>()[(winner * S + s) * 2 + 1]);
+    }
+  }
+  if (!(mp_.first_stage && mp_.last_stage)) pipeline->broadcast(tokens, pipeline->size() - 1);
+  return {tokens.data<int32_t>(), tokens.data<int32_t>() + S};
 }
 
 }  // namespace loom
