@@ -136,8 +136,9 @@ TEST_P(TensorParallelGeneration, GeneratorGivesOneRanksTokens) {
   }
 }
 
-// The point of tensor-parallel generation: a model whose weights do not fit
-// one rank's device budget generates when its matrices are split.
+// The point of split generation: a model whose weights do not fit one
+// rank's device budget generates when its matrices (tp = 2) or its layers
+// (pp = 2) are split.
 TEST(TensorParallelGeneration, AModelTooLargeForOneRankGeneratesOnTwo) {
   GPTConfig cfg = tiny_config("tiny");
   cfg.n_embd = 128;
@@ -155,17 +156,18 @@ TEST(TensorParallelGeneration, AModelTooLargeForOneRankGeneratesOnTwo) {
   const GPT reference(cfg);
   ParamStore reference_ps(reference.layout(), 3);
   const std::vector<GenerationResult> expected = Generator(reference, reference_ps, 3).run(reqs);
-  run_local(2, [&](Communicator& world) {
-    MemoryContext::current().tier(Tier::device).set_budget(budget);
-    ModelParallel mp;
-    mp.tp.group = &world;
-    const GPT model(cfg, mp);
-    ParamStore ps(model.layout(), 3);
-    const std::vector<GenerationResult> got = Generator(model, ps, 3).run(reqs);
-    ASSERT_EQ(got.size(), expected.size());
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].tokens, expected[i].tokens) << "sequence " << i;
-    EXPECT_LE(MemoryContext::current().tier(Tier::device).peak(), budget);
-  });
+  for (const auto& [tp, pp] : {std::pair(2, 1), std::pair(1, 2)}) {
+    SCOPED_TRACE(str("tp ", tp, ", pp ", pp));
+    run_split(tp, pp, cfg, [&](const ModelParallel& mp, Communicator* pipeline) {
+      MemoryContext::current().tier(Tier::device).set_budget(budget);
+      const GPT model(cfg, mp);
+      ParamStore ps(model.layout(), 3);
+      const std::vector<GenerationResult> got = Generator(model, ps, 3, nullptr, pipeline).run(reqs);
+      ASSERT_EQ(got.size(), expected.size());
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].tokens, expected[i].tokens) << "sequence " << i;
+      EXPECT_LE(MemoryContext::current().tier(Tier::device).peak(), budget);
+    });
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, TensorParallelGeneration,
