@@ -76,7 +76,8 @@ class Generator {
   // rank's part of it, split over a tensor-parallel group (ModelParallel::tp)
   // and over pipeline stages of one chunk each, `pipeline` their group (rank
   // = stage): then every rank runs its own Generator over its part, with the
-  // same submissions in the same order and step() called in step, and all
+  // same submissions and cancellations in the same order between the same
+  // steps (step() called in step), and all
   // draw the same tokens (they sample from the same whole logits,
   // GPT::forward_decode).
   Generator(const GPT& model, ParamStore& params, int64_t max_batch, const Tokenizer* tok = nullptr,

@@ -112,14 +112,17 @@ TEST_P(TensorParallelGeneration, LogitsMatchOneRank) {
 }
 
 // Several prompts of different lengths (one longer than the context), more
-// than the batch holds, greedy and seeded sampling with top-k/top-p: every
-// rank gets one rank's tokens.
+// than the batch holds, greedy (GPT::decode_greedy's steps), seeded sampling
+// with top-k/top-p, and both in one batch: every rank gets one rank's tokens.
 TEST_P(TensorParallelGeneration, GeneratorGivesOneRanksTokens) {
   const auto& [preset, tp, pp] = GetParam();
   const GPTConfig cfg = tiny_config(preset);
-  for (bool greedy : {true, false}) {
-    SCOPED_TRACE(greedy ? "greedy" : "sampled");
-    const std::vector<GenerationRequest> reqs = testing::requests(cfg, greedy);
+  for (const char* mode : {"greedy", "sampled", "mixed"}) {
+    SCOPED_TRACE(mode);
+    std::vector<GenerationRequest> reqs = testing::requests(cfg, mode == std::string("greedy"));
+    // Mixed: greedy and sampled sequences in the same steps.
+    if (mode == std::string("mixed"))
+      for (size_t i = 0; i < reqs.size(); i += 2) reqs[i].sample.temperature = 0.0f;
     const GPT reference(cfg);
     ParamStore reference_ps(reference.layout(), 3);
     const std::vector<GenerationResult> expected = Generator(reference, reference_ps, 3).run(reqs);
