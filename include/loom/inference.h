@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,11 @@ struct SampleOptions {
 // Draws a token from one row of logits; the draw is a pure function of
 // (seed, draw index), so a seeded generation is reproducible.
 int32_t sample_token(const float* logits, int64_t V, const SampleOptions& opts, uint64_t draw);
+// The same draw from a row's candidates as sample_token orders them
+// (descending logit, the lower id first among equals), at least the top_k
+// best (the whole row when top_k is 0): what a vocabulary split over ranks
+// gathers instead of its logits (GPT::decode_top_k).
+int32_t sample_candidates(std::span<const TokenLogit> sorted, const SampleOptions& opts, uint64_t draw);
 
 enum class FinishReason { stop, length };
 // "stop" or "length", as the results file spells them.

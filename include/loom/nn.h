@@ -569,6 +569,12 @@ class KVCachePool {
   std::vector<Slot> slots_;
 };
 
+// A candidate next token: its logit and id.
+struct TokenLogit {
+  float logit = 0.0f;
+  int32_t id = 0;
+};
+
 // One sequence's part of a decode batch: its slot in the pool and its new
 // tokens (a prompt's many when prefilling, one when decoding).
 struct DecodeInput {
@@ -781,12 +787,13 @@ class GPT {
   // pool.max_length().
   Tensor forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> batch,
                         bool all_positions = false, Communicator* pipeline = nullptr) const;
-  // forward_decode's greedy choices without the whole logits: each
-  // sequence's most likely next token (the lowest id among equals, as
-  // sample_token's), from each tp rank's best of its vocabulary slice, on
-  // every rank.
-  std::vector<int32_t> decode_greedy(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> batch,
-                                     Communicator* pipeline = nullptr) const;
+  // forward_decode's k most likely next tokens of each sequence [S][k]
+  // (fewer when the vocabulary is smaller), in descending logit, the lower
+  // id first among equals, on every rank, without the whole logits: each tp
+  // rank's k best of its vocabulary slice are gathered and merged.
+  std::vector<std::vector<TokenLogit>> decode_top_k(ParamStore& ps, KVCachePool& pool,
+                                                    std::span<const DecodeInput> batch, int64_t k,
+                                                    Communicator* pipeline = nullptr) const;
   // The layers of this rank's only chunk (generation).
   LayerRange decode_layers() const;
 

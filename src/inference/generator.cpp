@@ -164,14 +164,19 @@ bool Generator::step() {
     }
     batch.push_back({s.slot, s.pending});
   }
-  // A split vocabulary need not be gathered when every sequence is greedy:
-  // the ranks agree on the best token of each row instead.
-  const bool greedy = model_.parallel().tp.size() > 1 &&
-                      std::all_of(active_.begin(), active_.end(),
-                                  [](const Sequence& s) { return s.request.sample.temperature <= 0.0f; });
+  // A split vocabulary is not gathered when every sequence samples from at
+  // most k candidates (greedy: one; top_k): the ranks merge their k best of
+  // each row instead, from which the draws are sample_token's.
+  int64_t k = 0;
+  for (const Sequence& s : active_)
+    k = s.request.sample.temperature <= 0.0f ? std::max<int64_t>(k, 1)
+        : s.request.sample.top_k > 0         ? std::max(k, s.request.sample.top_k)
+                                             : V;
   std::vector<int32_t> tokens;
-  if (greedy) {
-    tokens = model_.decode_greedy(params_, pool_, batch, pipeline_);
+  if (model_.parallel().tp.size() > 1 && k < V) {
+    const std::vector<std::vector<TokenLogit>> top = model_.decode_top_k(params_, pool_, batch, k, pipeline_);
+    for (size_t i = 0; i < active_.size(); ++i)
+      tokens.push_back(sample_candidates(top[i], active_[i].request.sample, active_[i].result.tokens.size()));
   } else {
     const Tensor logits = model_.forward_decode(params_, pool_, batch, false, pipeline_).clone(Tier::host);
     for (size_t i = 0; i < active_.size(); ++i) {

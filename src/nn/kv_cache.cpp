@@ -284,45 +284,59 @@ Tensor GPT::forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const De
   return logits;
 }
 
-std::vector<int32_t> GPT::decode_greedy(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> inputs,
-                                        Communicator* pipeline) const {
+std::vector<std::vector<TokenLogit>> GPT::decode_top_k(ParamStore& ps, KVCachePool& pool,
+                                                       std::span<const DecodeInput> inputs, int64_t k,
+                                                       Communicator* pipeline) const {
   const FixedRowBlocks fixed_rows;
   const Tensor h = decode_head_input(ps, pool, inputs, false, pipeline);
   const TensorParallel& tp = mp_.tp;
   const int64_t S = static_cast<int64_t>(inputs.size()), V = cfg_.vocab_size, Vl = local_vocab_;
-  Tensor tokens = Tensor::empty({S}, DType::i32, Tier::host);
+  k = std::min(k, V);
+  LOOM_CHECK(k > 0 && V < (int64_t{1} << 24), "top ", k, " of ", V, " tokens (ids travel exactly as floats)");
+  auto before = [](const TokenLogit& a, const TokenLogit& b) {
+    return a.logit > b.logit || (a.logit == b.logit && a.id < b.id);
+  };
+  // Every rank's k best of each row, [tp, S, k, (logit, id)]; id -1 where a
+  // rank has fewer than k tokens.
+  Tensor all = Tensor::empty({tp.size(), S, k, 2}, DType::f32, Tier::host);
   if (mp_.last_stage) {
     Tensor local = Tensor::empty({S, Vl});
     ps.acquire(head_group());
     head_logits(ps, local.data<float>(), h.data<float>(), S, Vl);
     ps.release(head_group());
-    // Each rank's best of its vocabulary rows (the first, as sample_token's
-    // max_element, padding left out), then the best of the ranks' (the
-    // lowest id among equals): [tp, S, (logit, id)], ids exact in floats.
-    LOOM_CHECK(V < (int64_t{1} << 24), "token ids up to ", V, " do not travel exactly as floats");
     const Tensor host = local.clone(Tier::host);
-    const int64_t first = tp.rank() * Vl, n = std::min(Vl, V - first);
-    Tensor best = Tensor::empty({S, 2}, DType::f32, Tier::host);
+    const int64_t first = tp.rank() * Vl, n = std::min(Vl, V - first), kept = std::min(k, n);
+    Tensor best = Tensor::empty({S, k, 2}, DType::f32, Tier::host);
+    std::vector<TokenLogit> row(static_cast<size_t>(n));
     for (int64_t s = 0; s < S; ++s) {
-      const float* row = host.data<float>() + s * Vl;
-      const int64_t at = std::max_element(row, row + n) - row;
-      best.data<float>()[2 * s] = row[at];
-      best.data<float>()[2 * s + 1] = static_cast<float>(first + at);
+      for (int64_t i = 0; i < n; ++i)
+        row[static_cast<size_t>(i)] = {host.data<float>()[s * Vl + i], static_cast<int32_t>(first + i)};
+      std::partial_sort(row.begin(), row.begin() + kept, row.end(), before);
+      float* out = best.data<float>() + s * k * 2;
+      for (int64_t i = 0; i < k; ++i) {
+        out[2 * i] = i < kept ? row[static_cast<size_t>(i)].logit : 0.0f;
+        out[2 * i + 1] = i < kept ? static_cast<float>(row[static_cast<size_t>(i)].id) : -1.0f;
+      }
     }
-    Tensor all = best;
-    if (tp.size() > 1) {
-      all = Tensor::empty({tp.size(), S, 2}, DType::f32, Tier::host);
+    if (tp.size() > 1)
       tp.group->all_gather(best, all);
-    }
-    for (int64_t s = 0; s < S; ++s) {
-      int64_t winner = 0;
-      for (int64_t r = 1; r < tp.size(); ++r)
-        if (all.data<float>()[(r * S + s) * 2] > all.data<float>()[(winner * S + s) * 2]) winner = r;
-      tokens.data<int32_t>()[s] = static_cast<int32_t>(all.data<float>()[(winner * S + s) * 2 + 1]);
-    }
+    else
+      all = best;
   }
-  if (!(mp_.first_stage && mp_.last_stage)) pipeline->broadcast(tokens, pipeline->size() - 1);
-  return {tokens.data<int32_t>(), tokens.data<int32_t>() + S};
+  if (!(mp_.first_stage && mp_.last_stage)) pipeline->broadcast(all, pipeline->size() - 1);
+  // Merged: the k best of the ranks' candidates are the row's k best.
+  std::vector<std::vector<TokenLogit>> top(static_cast<size_t>(S));
+  for (int64_t s = 0; s < S; ++s) {
+    std::vector<TokenLogit>& t = top[static_cast<size_t>(s)];
+    for (int64_t r = 0; r < tp.size(); ++r)
+      for (int64_t i = 0; i < k; ++i) {
+        const float* c = all.data<float>() + ((r * S + s) * k + i) * 2;
+        if (c[1] >= 0.0f) t.push_back({c[0], static_cast<int32_t>(c[1])});
+      }
+    std::partial_sort(t.begin(), t.begin() + k, t.end(), before);
+    t.resize(static_cast<size_t>(k));
+  }
+  return top;
 }
 
 }  // namespace loom
