@@ -70,8 +70,6 @@ struct LoadedModel {
 // over tp ranks as training splits them (planner.h's layout rules), and
 // every stage needs a layer. Returns the model.
 GPTConfig check_generation_layout(const std::string& checkpoint, int tp, int pp) {
-  if (tp < 1) throw Error(str("--tp ", tp, ": give the number of tensor-parallel ranks, at least 1"));
-  if (pp < 1) throw Error(str("--pp ", pp, ": give the number of pipeline stages, at least 1"));
   GPTConfig cfg;
   if (const std::optional<fs::path> dir = hf_dir_of(checkpoint)) {
     cfg = HFImport(*dir).model;
@@ -373,6 +371,8 @@ int main(int argc, char** argv) {
         return run_training_with_restarts(load_config(config_path, overrides), run, max_restarts, elastic);
       if (run_training(load_config(config_path, overrides), run).stop_signal != 0) return kPreemptedExitStatus;
     } else if (gen->parsed()) {
+      if (gen_tp < 1) throw Error(str("--tp ", gen_tp, ": give the number of tensor-parallel ranks, at least 1"));
+      if (gen_pp < 1) throw Error(str("--pp ", gen_pp, ": give the number of pipeline stages, at least 1"));
       PromptSpec defaults;
       defaults.max_tokens = max_tokens;
       defaults.sample = so;
