@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,11 @@ struct SampleOptions {
 // Draws a token from one row of logits; the draw is a pure function of
 // (seed, draw index), so a seeded generation is reproducible.
 int32_t sample_token(const float* logits, int64_t V, const SampleOptions& opts, uint64_t draw);
+// The same draw from a row's candidates as sample_token orders them
+// (descending logit, the lower id first among equals), at least the top_k
+// best (the whole row when top_k is 0): what a vocabulary split over ranks
+// gathers instead of its logits (GPT::decode_top_k).
+int32_t sample_candidates(std::span<const TokenLogit> sorted, const SampleOptions& opts, uint64_t draw);
 
 enum class FinishReason { stop, length };
 // "stop" or "length", as the results file spells them.
@@ -72,8 +78,16 @@ class Generator {
  public:
   // max_batch: sequences decoded together, each with a KV cache slot of the
   // model's whole context. tok (may be null) decodes text for on_text, the
-  // results and stop strings. The model must be whole on this rank.
-  Generator(const GPT& model, ParamStore& params, int64_t max_batch, const Tokenizer* tok = nullptr);
+  // results and stop strings. The model is whole on this rank, or this
+  // rank's part of it, split over a tensor-parallel group (ModelParallel::tp)
+  // and over pipeline stages of one chunk each, `pipeline` their group (rank
+  // = stage): then every rank runs its own Generator over its part, with the
+  // same submissions and cancellations in the same order between the same
+  // steps (step() called in step), and all
+  // draw the same tokens (they sample from the same whole logits,
+  // GPT::forward_decode).
+  Generator(const GPT& model, ParamStore& params, int64_t max_batch, const Tokenizer* tok = nullptr,
+            Communicator* pipeline = nullptr);
 
   // Queues a request and returns its id (0, 1, ... in submission order). May
   // be called from any thread. Throws Error for prompt tokens outside the
@@ -119,6 +133,7 @@ class Generator {
   const GPT& model_;
   ParamStore& params_;
   const Tokenizer* tok_;
+  Communicator* pipeline_;
   KVCachePool pool_;
   std::vector<Sequence> active_;
   std::mutex mutex_;  // guards waiting_, results_, cancelled_ and next_id_
@@ -131,9 +146,16 @@ class Generator {
 // Generates up to `max_tokens` tokens after `prompt` (never stopping early),
 // calling on_text with each decoded piece as it is produced, through a
 // Generator of one sequence. Returns the generated text (without the prompt).
+// pipeline: as the Generator takes it.
 std::string generate(const GPT& model, ParamStore& params, const Tokenizer& tok, const std::string& prompt,
                      int64_t max_tokens, const SampleOptions& opts,
-                     const std::function<void(const std::string&)>& on_text = {});
+                     const std::function<void(const std::string&)>& on_text = {}, Communicator* pipeline = nullptr);
+
+// This rank's part of a model that generates split over `mesh`'s tp and pp
+// axes (the others of size 1): its tensor-parallel group, and the layers of
+// its pipeline stage, one chunk (pipeline_stage_layers' balance). The mesh's
+// pp group is the Generator's pipeline.
+ModelParallel generation_parallel(DeviceMesh& mesh, const GPTConfig& cfg);
 
 // One prompt of a prompts file, with its generation settings.
 struct PromptSpec {

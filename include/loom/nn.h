@@ -103,6 +103,9 @@ struct GPTConfig {
   // The query projection's and attention output's width.
   int64_t q_dim() const { return n_head * head_dim(); }
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  // The kv heads each of tp tensor-parallel ranks holds: its share when they
+  // split evenly, else one (the head its query heads share, k and v kept whole).
+  int64_t local_kv_heads(int tp) const { return kv_heads() % tp == 0 ? kv_heads() / tp : 1; }
   int64_t intermediate() const { return intermediate_size > 0 ? intermediate_size : 4 * n_embd; }
   // Every block's linear layers, in the block's order.
   std::vector<BlockLinear> block_linears() const;
@@ -387,8 +390,9 @@ class Embedding {
   // rows [rows, C] (all B*T without sequence parallelism). Throws Error for
   // pos0 + T > block_size.
   Tensor forward(const ParamStore& ps, const Tensor& tokens, const BatchShape& bs, int64_t pos0 = 0) const;
-  // Generation (no tensor parallelism): the packed rows of a decode batch,
-  // each sequence's from its own position on. Returns [N, C].
+  // Generation (tensor parallelism without sequence parallelism): the packed
+  // rows of a decode batch, each sequence's from its own position on.
+  // Returns [N, C].
   Tensor forward_decode(const ParamStore& ps, const Tensor& tokens, const DecodeBatch& batch) const;
   // dout: the gradient of forward's result.
   void backward(const Grads& g, const Tensor& dout, const Tensor& tokens, const BatchShape& bs) const;
@@ -425,11 +429,11 @@ class CausalSelfAttention {
   Tensor backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s, const BatchShape& bs,
                   const AdapterDropout& drop) const;
 
-  // Generation (no tensor parallelism): in [N, C] are the packed rows of a
-  // decode batch; appends their keys and values to layer `layer` of each
+  // Generation: in [N, C] are the packed rows of a decode batch; appends
+  // their keys and values (this rank's kv heads) to layer `layer` of each
   // sequence's cache and attends each row to its sequence's positions up to
-  // its own. Writes out [N, C].
-  void forward_decode(const ParamStore& ps, float* out, const float* in, const DecodeBatch& batch, int layer) const;
+  // its own. Returns c_proj of the result [N, C], summed over tp.
+  Tensor forward_decode(const ParamStore& ps, const float* in, const DecodeBatch& batch, int layer) const;
 
   int64_t n_head() const { return n_head_; }
 
@@ -526,11 +530,17 @@ class Block {
 // one per sequence, each with its own length. A slot's cache, [n_layer, 2 (k,
 // v), n_kv_head, max_length, hs], is allocated (device tier of the calling
 // thread's MemoryContext) when the slot is taken and freed when it is
-// released, so a finished sequence's memory returns at once.
+// released, so a finished sequence's memory returns at once. A rank's part
+// of a split model keeps its own: its kv heads (local_kv_heads) of its
+// pipeline stage's layers.
+class GPT;
 class KVCachePool {
  public:
-  // max_length: positions per sequence, at most (and by default) block_size.
+  // The whole model's. max_length: positions per sequence, at most (and by
+  // default) block_size.
   KVCachePool(const GPTConfig& cfg, int64_t capacity, int64_t max_length = 0);
+  // The part of the model this rank holds (one chunk of layers).
+  KVCachePool(const GPT& model, int64_t capacity, int64_t max_length = 0);
   int64_t capacity() const { return static_cast<int64_t>(slots_.size()); }
   int64_t max_length() const { return max_len_; }
   // Takes a free slot with an empty cache; -1 when every slot is taken.
@@ -552,9 +562,17 @@ class KVCachePool {
     Tensor kv;
     int64_t length = 0;
   };
+  KVCachePool(const GPTConfig& cfg, int64_t capacity, int64_t max_length, int64_t kv_heads, int first_layer,
+              int n_layer);
   const Slot& taken(int slot) const;
-  int64_t n_layer_ = 0, kv_heads_ = 0, head_dim_ = 0, max_len_ = 0;
+  int64_t first_layer_ = 0, n_layer_ = 0, kv_heads_ = 0, head_dim_ = 0, max_len_ = 0;
   std::vector<Slot> slots_;
+};
+
+// A candidate next token: its logit and id.
+struct TokenLogit {
+  float logit = 0.0f;
+  int32_t id = 0;
 };
 
 // One sequence's part of a decode batch: its slot in the pool and its new
@@ -755,17 +773,35 @@ class GPT {
   Tensor backward_chunk(ParamStore& ps, GradStore& gs, MicroBatchState& s, int chunk, const Tensor& grad_output,
                         float dloss) const;
 
-  // Generation (whole model, no tensor parallelism): feeds each sequence's
-  // new tokens through the model in one packed batch, appending their keys
-  // and values to its cache slot (which must be taken, each at most once in
-  // the batch), and returns the logits of each sequence's last new position
-  // [S, V], or with all_positions of every new position, [N, V] in batch
-  // order. Throws Error for bad token ids, a sequence without new tokens or
-  // one that would outgrow pool.max_length().
+  // Generation (the model whole, or split over tp without sequence
+  // parallelism and over pipeline stages of one chunk each): feeds each
+  // sequence's new tokens through the model in one packed batch, appending
+  // their keys and values to its cache slot (which must be taken, each at
+  // most once in the batch), and returns the logits of each sequence's last
+  // new position [S, V], or with all_positions of every new position, [N, V]
+  // in batch order. Every rank of a split model calls it with the same
+  // batch and gets the same whole logits; `pipeline` is the group of the
+  // pipeline stages (rank = stage; needed with more than one), which pass
+  // the activations on and get the last stage's logits. Throws Error for bad
+  // token ids, a sequence without new tokens or one that would outgrow
+  // pool.max_length().
   Tensor forward_decode(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> batch,
-                        bool all_positions = false) const;
+                        bool all_positions = false, Communicator* pipeline = nullptr) const;
+  // forward_decode's k most likely next tokens of each sequence [S][k]
+  // (fewer when the vocabulary is smaller), in descending logit, the lower
+  // id first among equals, on every rank, without the whole logits: each tp
+  // rank's k best of its vocabulary slice are gathered and merged.
+  std::vector<std::vector<TokenLogit>> decode_top_k(ParamStore& ps, KVCachePool& pool,
+                                                    std::span<const DecodeInput> batch, int64_t k,
+                                                    Communicator* pipeline = nullptr) const;
+  // The layers of this rank's only chunk (generation).
+  LayerRange decode_layers() const;
 
  private:
+  // forward_decode up to the head: the final norm's output for the rows
+  // asked for [R, C] on the last stage; undefined on the others.
+  Tensor decode_head_input(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> batch,
+                           bool all_positions, Communicator* pipeline) const;
   // The head: final norm, logits of this rank's vocabulary slice and the loss.
   void head_forward(ParamStore& ps, MicroBatchState& s, const Tensor& x) const;
   // logits[N, V] = h[N, C] @ the output table^T (this rank's V vocabulary

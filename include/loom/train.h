@@ -550,7 +550,8 @@ class CheckpointWriter {
 // file it reads from; single file, every file is verified first.
 CheckpointInfo load_checkpoint(const std::filesystem::path& dir, Trainer& trainer);
 // Weights only (generate, eval, export): verifies the checkpoint and returns
-// its info; `load_weights` fills a ParamStore of the model it describes.
+// its info; `load_weights` fills a ParamStore of the model it describes (or
+// of a rank's part of it, ModelParallel: only that rank's pieces are read).
 CheckpointInfo read_checkpoint_info(const std::filesystem::path& dir);
 GPTConfig checkpoint_model_config(const CheckpointInfo& info);
 void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& params);

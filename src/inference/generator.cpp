@@ -1,17 +1,20 @@
 // Continuous batching: the Generator's scheduling step.
 #include <algorithm>
 #include <iterator>
+#include <numeric>
 
 #include "loom/data.h"
 #include "loom/comm.h"
 #include "loom/inference.h"
+#include "loom/planner.h"
 
 namespace loom {
 
 const char* finish_reason_name(FinishReason reason) { return reason == FinishReason::stop ? "stop" : "length"; }
 
-Generator::Generator(const GPT& model, ParamStore& params, int64_t max_batch, const Tokenizer* tok)
-    : model_(model), params_(params), tok_(tok), pool_(model.config(), max_batch) {
+Generator::Generator(const GPT& model, ParamStore& params, int64_t max_batch, const Tokenizer* tok,
+                     Communicator* pipeline)
+    : model_(model), params_(params), tok_(tok), pipeline_(pipeline), pool_(model, max_batch) {
   if (max_batch <= 0) throw Error(str("generation needs a batch of at least one sequence, not ", max_batch));
 }
 
@@ -161,14 +164,30 @@ bool Generator::step() {
     }
     batch.push_back({s.slot, s.pending});
   }
-  const Tensor logits = model_.forward_decode(params_, pool_, batch).clone(Tier::host);
-  std::vector<Sequence> still;
-  for (size_t i = 0; i < active_.size(); ++i) {
-    Sequence& s = active_[i];
-    const uint64_t draw = s.result.tokens.size();  // the sequence's own token index
-    const int32_t token = sample_token(logits.data<float>() + static_cast<int64_t>(i) * V, V, s.request.sample, draw);
-    if (!advance(s, token)) still.push_back(std::move(s));
+  // A split vocabulary is not gathered when every sequence samples from at
+  // most k candidates (greedy: one; top_k): the ranks merge their k best of
+  // each row instead, from which the draws are sample_token's.
+  int64_t k = 0;
+  for (const Sequence& s : active_)
+    k = s.request.sample.temperature <= 0.0f ? std::max<int64_t>(k, 1)
+        : s.request.sample.top_k > 0         ? std::max(k, s.request.sample.top_k)
+                                             : V;
+  std::vector<int32_t> tokens;
+  if (model_.parallel().tp.size() > 1 && k < V) {
+    const std::vector<std::vector<TokenLogit>> top = model_.decode_top_k(params_, pool_, batch, k, pipeline_);
+    for (size_t i = 0; i < active_.size(); ++i)
+      tokens.push_back(sample_candidates(top[i], active_[i].request.sample, active_[i].result.tokens.size()));
+  } else {
+    const Tensor logits = model_.forward_decode(params_, pool_, batch, false, pipeline_).clone(Tier::host);
+    for (size_t i = 0; i < active_.size(); ++i) {
+      const Sequence& s = active_[i];
+      const uint64_t draw = s.result.tokens.size();  // the sequence's own token index
+      tokens.push_back(sample_token(logits.data<float>() + static_cast<int64_t>(i) * V, V, s.request.sample, draw));
+    }
   }
+  std::vector<Sequence> still;
+  for (size_t i = 0; i < active_.size(); ++i)
+    if (!advance(active_[i], tokens[i])) still.push_back(std::move(active_[i]));
   active_ = std::move(still);
   return true;
 }
@@ -189,14 +208,26 @@ std::vector<GenerationResult> Generator::run(std::vector<GenerationRequest> requ
 
 std::string generate(const GPT& model, ParamStore& params, const Tokenizer& tok, const std::string& prompt,
                      int64_t max_tokens, const SampleOptions& opts,
-                     const std::function<void(const std::string&)>& on_text) {
-  Generator gen(model, params, 1, &tok);
+                     const std::function<void(const std::string&)>& on_text, Communicator* pipeline) {
+  Generator gen(model, params, 1, &tok, pipeline);
   GenerationRequest r;
   r.prompt = tok.encode(prompt);
   r.max_tokens = max_tokens;
   r.sample = opts;
   r.on_text = on_text;
   return gen.run({std::move(r)}).front().text;
+}
+
+ModelParallel generation_parallel(DeviceMesh& mesh, const GPTConfig& cfg) {
+  const int pp = mesh.size(MeshAxis::pp), stage = mesh.coord(MeshAxis::pp);
+  const std::vector<int> layers = pipeline_stage_layers(cfg, cfg.block_size, pp, {});
+  ModelParallel mp;
+  mp.tp.group = &mesh.group(MeshAxis::tp);
+  mp.first_stage = stage == 0;
+  mp.last_stage = stage == pp - 1;
+  const int first = std::accumulate(layers.begin(), layers.begin() + stage, 0);
+  mp.chunks = {{first, first + layers[static_cast<size_t>(stage)]}};
+  return mp;
 }
 
 }  // namespace loom

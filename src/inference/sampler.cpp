@@ -15,20 +15,26 @@ int32_t sample_token(const float* logits, int64_t V, const SampleOptions& opts, 
   int64_t keep = opts.top_k > 0 ? std::min(opts.top_k, V) : V;
   auto by_logit = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
   std::partial_sort(order.begin(), order.begin() + keep, order.end(), by_logit);
-  order.resize(static_cast<size_t>(keep));
+  std::vector<TokenLogit> sorted(static_cast<size_t>(keep));
+  for (size_t i = 0; i < sorted.size(); ++i) sorted[i] = {logits[order[i]], order[i]};
+  return sample_candidates(sorted, opts, draw);
+}
 
-  std::vector<double> p(order.size());
-  const double max_logit = logits[order[0]];
+int32_t sample_candidates(std::span<const TokenLogit> sorted, const SampleOptions& opts, uint64_t draw) {
+  if (opts.temperature <= 0.0f) return sorted.front().id;
+  const size_t keep = opts.top_k > 0 ? std::min(static_cast<size_t>(opts.top_k), sorted.size()) : sorted.size();
+  std::vector<double> p(keep);
+  const double max_logit = sorted[0].logit;
   double sum = 0.0;
-  for (size_t i = 0; i < order.size(); ++i) {
-    p[i] = std::exp((logits[order[i]] - max_logit) / opts.temperature);
+  for (size_t i = 0; i < keep; ++i) {
+    p[i] = std::exp((sorted[i].logit - max_logit) / opts.temperature);
     sum += p[i];
   }
   // Nucleus: the smallest prefix whose probability reaches top_p.
-  size_t n = order.size();
+  size_t n = keep;
   if (opts.top_p < 1.0f) {
     double acc = 0.0;
-    for (size_t i = 0; i < order.size(); ++i) {
+    for (size_t i = 0; i < keep; ++i) {
       acc += p[i] / sum;
       if (acc >= opts.top_p) {
         n = i + 1;
@@ -41,9 +47,9 @@ int32_t sample_token(const float* logits, int64_t V, const SampleOptions& opts, 
   double acc = 0.0;
   for (size_t i = 0; i < n; ++i) {
     acc += p[i];
-    if (u < acc) return order[i];
+    if (u < acc) return sorted[i].id;
   }
-  return order[n - 1];
+  return sorted[n - 1].id;
 }
 
 }  // namespace loom

@@ -7,7 +7,8 @@ namespace loom {
 
 CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string& prefix, const GPTConfig& cfg,
                                          int group, float proj_std, const TensorParallel& tp)
-    : n_head_(cfg.n_head), hs_(cfg.head_dim()), local_heads_(cfg.n_head / tp.size()) {
+    : n_head_(cfg.n_head), hs_(cfg.head_dim()), local_heads_(cfg.n_head / tp.size()),
+      local_kv_heads_(cfg.local_kv_heads(tp.size())) {
   const int64_t C = cfg.n_embd, q = cfg.q_dim(), nkv = cfg.kv_heads();
   LOOM_CHECK(n_head_ % tp.size() == 0, n_head_, " heads do not split over ", tp.size(), " tensor-parallel ranks");
   LOOM_CHECK(nkv % tp.size() == 0 || tp.size() % nkv == 0, nkv, " kv heads over ", tp.size(),
@@ -15,7 +16,6 @@ CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string&
   if (cfg.packed_qkv) {
     // q, k and v are three blocks of c_attn's rows: splitting each block keeps
     // whole heads on every rank, so attention itself needs no communication.
-    local_kv_heads_ = local_heads_;
     c_attn_ = ColumnParallelLinear(layout, prefix + ".c_attn", C, 3 * q, group, 0.02f, tp, 3,
                                    cfg.adapter("attn.c_attn"));
   } else {
@@ -24,15 +24,12 @@ CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string&
     std::vector<LinearPart> parts{{prefix + ".q", q, split, split, 0, 0, cfg.adapter("attn.q")},
                                   {prefix + ".k", nkv * hs_, split, split, 0, 0, cfg.adapter("attn.k")},
                                   {prefix + ".v", nkv * hs_, split, split, 0, 0, cfg.adapter("attn.v")}};
-    if (nkv % tp.size() == 0) {
-      local_kv_heads_ = nkv / tp.size();
-    } else {
+    if (nkv % tp.size() != 0) {
       // Fewer kv heads than ranks: every rank holds k and v whole and uses the
       // rows of the kv head its query heads share; the ranks' gradients of k
       // and v are partial sums.
       ParamParallel replicated;
       replicated.partial_grad = true;
-      local_kv_heads_ = 1;
       const int64_t head = tp.rank() / (tp.size() / nkv);
       for (size_t i = 1; i < parts.size(); ++i) {
         parts[i].weight = parts[i].bias = replicated;

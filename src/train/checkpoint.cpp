@@ -637,13 +637,45 @@ GPTConfig checkpoint_model_config(const CheckpointInfo& info) {
   return c;
 }
 
+namespace {
+
+// Reads a rank's piece of one parameter (p, of the rank's layout) from the
+// whole model's saved state, where the whole tensor starts at flat element
+// `first`: run by run of consecutive global elements (padding: zero).
+void read_piece(SavedState& state, const ParamSpec& p, int64_t first, float* dst) {
+  for (int64_t i = 0, run = 0; i < p.numel(); i += run) {
+    const int64_t g = p.global_index(i, &run);
+    run = std::min(run, p.numel() - i);
+    if (g < 0)
+      std::fill(dst + i, dst + i + run, 0.0f);
+    else
+      state.read(0, first + g, run, dst + i);
+  }
+}
+
+}  // namespace
+
 void load_weights(const CheckpointInfo& info, const GPT& model, ParamStore& params) {
   reject_quantized(info);
   Tensor flat = params.flat();
   // The files are read straight into the parameters.
   const HostSection host;
-  const std::unique_ptr<SavedState> state = open_saved_state(info, model.layout());
-  state->read(0, 0, flat.numel(), flat.data<float>());
+  const ModelParallel& mp = model.parallel();
+  if (mp.tp.size() == 1 && mp.first_stage && mp.last_stage && model.num_chunks() == 1) {
+    const std::unique_ptr<SavedState> state = open_saved_state(info, model.layout());
+    state->read(0, 0, flat.numel(), flat.data<float>());
+    state->finish();
+    return;
+  }
+  // A rank's part of the model (tensor-parallel generation): only its pieces.
+  const GPT saved(checkpoint_model_config(info));
+  const ParamLayout& whole = saved.layout();
+  const std::unique_ptr<SavedState> state = open_saved_state(info, whole);
+  for (const ParamSpec& p : model.layout().params()) {
+    const int id = whole.find(p.name);
+    LOOM_CHECK(id >= 0, "parameter '", p.name, "' is not in the checkpoint's model");
+    read_piece(*state, p, whole.param(id).offset, flat.data<float>() + p.offset);
+  }
   state->finish();
 }
 
@@ -654,23 +686,11 @@ void load_weights(const CheckpointInfo& info, Trainer& trainer, uint64_t seed) {
   trainer.load_weights([&](const ParamLayout& layout, FlatRange range, float* params) {
     for_each_param_in(layout, range, [&](const ParamSpec& p, int64_t at) {
       report_progress();
-      float* dst = params + at;
       const int id = whole.find(p.name);
-      if (id < 0) {
-        layout.initialize(dst, p.offset, p.numel(), seed);
-        return;
-      }
-      // This rank's piece of the whole tensor, run by run of consecutive
-      // global elements (padding: zero).
-      const int64_t first = whole.param(id).offset;
-      for (int64_t i = 0, run = 0; i < p.numel(); i += run) {
-        const int64_t g = p.global_index(i, &run);
-        run = std::min(run, p.numel() - i);
-        if (g < 0)
-          std::fill(dst + i, dst + i + run, 0.0f);
-        else
-          state->read(0, first + g, run, dst + i);
-      }
+      if (id < 0)
+        layout.initialize(params + at, p.offset, p.numel(), seed);
+      else
+        read_piece(*state, p, whole.param(id).offset, params + at);
     });
   });
   state->finish();

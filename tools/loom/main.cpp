@@ -9,6 +9,7 @@
 #include <optional>
 #include <nlohmann/json.hpp>
 
+#include "loom/comm.h"
 #include "loom/config.h"
 #include "loom/data.h"
 #include "loom/inference.h"
@@ -33,7 +34,10 @@ struct LoadedModel {
   std::unique_ptr<ParamStore> params;
   Tokenizer tokenizer;
 
-  explicit LoadedModel(const std::string& checkpoint) : tokenizer(open(checkpoint)) {
+  // mp: this rank's part of the model (whole by default); the loaders read
+  // only its slices of the weights.
+  explicit LoadedModel(const std::string& checkpoint, const ModelParallel& mp = {})
+      : tokenizer(open(checkpoint, mp)) {
     if (!hf) {
       params = load_inference_weights(*info, *model);  // fp32, or quantized as the checkpoint holds
       return;
@@ -44,10 +48,10 @@ struct LoadedModel {
 
  private:
   // Validates the checkpoint and describes its model; returns its tokenizer.
-  Tokenizer open(const std::string& checkpoint) {
+  Tokenizer open(const std::string& checkpoint, const ModelParallel& mp) {
     if (const std::optional<fs::path> dir = hf_dir_of(checkpoint)) {
       hf = std::make_unique<HFImport>(*dir);
-      model = std::make_unique<GPT>(hf->model);
+      model = std::make_unique<GPT>(hf->model, mp);
       Tokenizer tok = Tokenizer::load(*dir);
       if (tok.vocab_size() > hf->model.vocab_size)
         throw Error(str("the tokenizer in '", dir->string(), "' has ", tok.vocab_size(),
@@ -56,10 +60,46 @@ struct LoadedModel {
       return tok;
     }
     info = read_checkpoint_info(resolve_checkpoint(checkpoint));
-    model = std::make_unique<GPT>(checkpoint_model_config(*info));
+    model = std::make_unique<GPT>(checkpoint_model_config(*info), mp);
     return Tokenizer::load(info->fields.at("tokenizer").get<std::string>());
   }
 };
+
+// Checks `loom generate --tp --pp` against the checkpoint's model before any
+// rank allocates it: the heads, kv heads, MLP width and vocabulary must split
+// over tp ranks as training splits them (planner.h's layout rules), and
+// every stage needs a layer. Returns the model.
+GPTConfig check_generation_layout(const std::string& checkpoint, int tp, int pp) {
+  GPTConfig cfg;
+  if (const std::optional<fs::path> dir = hf_dir_of(checkpoint)) {
+    cfg = HFImport(*dir).model;
+  } else {
+    const CheckpointInfo info = read_checkpoint_info(resolve_checkpoint(checkpoint));
+    if (checkpoint_quantization(info))
+      throw Error(str("'", checkpoint,
+                      "' is quantized, and quantized checkpoints generate on one rank: drop --tp and --pp, or "
+                      "generate from the fp32 checkpoint it was quantized from"));
+    cfg = checkpoint_model_config(info);
+  }
+  auto violation = [&](int t) {
+    LayoutProblem problem;
+    problem.model = cfg;
+    Layout layout;
+    layout.tp = t;
+    return check_layout(problem, layout);
+  };
+  if (const std::optional<LayoutViolation> v = violation(tp)) {
+    std::string valid;
+    for (int t = 1; t <= cfg.n_head; ++t)
+      if (!violation(t)) valid += str(valid.empty() ? "" : ", ", t);
+    throw Error(str("--tp ", tp, " does not split this model: the number of tensor-parallel ranks ", v->problem,
+                    "; valid values for this model: ", valid));
+  }
+  if (pp > cfg.n_layer)
+    throw Error(str("--pp ", pp, " does not split this model: each pipeline stage needs a layer and the model has ",
+                    cfg.n_layer, "; valid values for this model: 1 to ", cfg.n_layer));
+  return cfg;
+}
 
 // The SHA-256 of `m`'s tokenizer (what data prepared for it records).
 std::string tokenizer_sha256(const LoadedModel& m) {
@@ -175,6 +215,14 @@ int main(int argc, char** argv) {
                   "with --prompts: write the results here, one JSONL line per prompt in input order (default: "
                   "standard output)");
   gen->add_option("--max-batch", max_batch, "with --prompts: sequences generated together")->capture_default_str();
+  int gen_tp = 1, gen_pp = 1;
+  gen->add_option("--tp", gen_tp,
+                  "split the model's matrices over this many tensor-parallel ranks (local threads), each loading "
+                  "its slice of the weights: for a model too large for one rank")
+      ->capture_default_str();
+  gen->add_option("--pp", gen_pp,
+                  "split the model's layers over this many pipeline stages (local threads; times --tp ranks in all)")
+      ->capture_default_str();
 
   // serve
   auto* serve = app.add_subcommand(
@@ -322,49 +370,77 @@ int main(int argc, char** argv) {
       if (max_restarts > 0)
         return run_training_with_restarts(load_config(config_path, overrides), run, max_restarts, elastic);
       if (run_training(load_config(config_path, overrides), run).stop_signal != 0) return kPreemptedExitStatus;
-    } else if (gen->parsed() && !prompts_path.empty()) {
+    } else if (gen->parsed()) {
+      if (gen_tp < 1) throw Error(str("--tp ", gen_tp, ": give the number of tensor-parallel ranks, at least 1"));
+      if (gen_pp < 1) throw Error(str("--pp ", gen_pp, ": give the number of pipeline stages, at least 1"));
       PromptSpec defaults;
       defaults.max_tokens = max_tokens;
       defaults.sample = so;
-      // The file is checked before the model loads.
-      const std::vector<PromptSpec> prompts = read_prompts(prompts_path, defaults);
-      LoadedModel m(ckpt);
+      // The file and the layout are checked before the model loads.
+      const std::vector<PromptSpec> prompts =
+          prompts_path.empty() ? std::vector<PromptSpec>{} : read_prompts(prompts_path, defaults);
+      const bool split = gen_tp * gen_pp > 1;
+      const GPTConfig split_model = split ? check_generation_layout(ckpt, gen_tp, gen_pp) : GPTConfig{};
       std::ofstream file;
       if (!results_path.empty()) {
         file.open(results_path);
         if (!file) throw Error(str("cannot write the results file '", results_path, "'"));
       }
       std::ostream& out = results_path.empty() ? std::cout : file;
-      Generator engine(*m.model, *m.params, max_batch, &m.tokenizer);
-      std::vector<int64_t> ids;
-      for (const PromptSpec& p : prompts) {
-        GenerationRequest r;
-        r.prompt = m.tokenizer.encode(p.prompt);
-        r.max_tokens = p.max_tokens;
-        r.sample = p.sample;
-        if (const std::optional<int32_t> eos = m.tokenizer.eos_id()) r.stop_tokens.push_back(*eos);
-        ids.push_back(engine.submit(std::move(r)));
-      }
-      // Results go out in input order as soon as each is there.
-      size_t next = 0;
-      auto flush = [&] {
-        for (; next < prompts.size(); ++next) {
-          std::optional<GenerationResult> r = engine.take(ids[next]);
-          if (!r) break;
-          out << result_json_line(static_cast<int64_t>(next), prompts[next].prompt, *r) << '\n' << std::flush;
+      // Every rank generates the same tokens from its part of the model;
+      // rank 0 (`writes`) prints them.
+      auto run = [&](LoadedModel& m, Communicator* pipeline, bool writes) {
+        if (prompts_path.empty()) {
+          if (writes) std::printf("%s", prompt.c_str());
+          generate(
+              *m.model, *m.params, m.tokenizer, prompt, max_tokens, so,
+              [&](const std::string& piece) {
+                if (!writes) return;
+                std::fputs(piece.c_str(), stdout);
+                std::fflush(stdout);
+              },
+              pipeline);
+          if (writes) std::printf("\n");
+          return;
         }
+        Generator engine(*m.model, *m.params, max_batch, &m.tokenizer, pipeline);
+        std::vector<int64_t> ids;
+        for (const PromptSpec& p : prompts) {
+          GenerationRequest r;
+          r.prompt = m.tokenizer.encode(p.prompt);
+          r.max_tokens = p.max_tokens;
+          r.sample = p.sample;
+          if (const std::optional<int32_t> eos = m.tokenizer.eos_id()) r.stop_tokens.push_back(*eos);
+          ids.push_back(engine.submit(std::move(r)));
+        }
+        // Results go out in input order as soon as each is there.
+        size_t next = 0;
+        auto flush = [&] {
+          for (; next < prompts.size(); ++next) {
+            std::optional<GenerationResult> r = engine.take(ids[next]);
+            if (!r) break;
+            if (writes)
+              out << result_json_line(static_cast<int64_t>(next), prompts[next].prompt, *r) << '\n' << std::flush;
+          }
+        };
+        while (engine.step()) flush();
+        flush();
       };
-      while (engine.step()) flush();
-      flush();
-      if (!out) throw Error(str("writing the results to '", results_path.empty() ? "stdout" : results_path, "' failed"));
-    } else if (gen->parsed()) {
-      LoadedModel m(ckpt);
-      std::printf("%s", prompt.c_str());
-      generate(*m.model, *m.params, m.tokenizer, prompt, max_tokens, so, [](const std::string& piece) {
-        std::fputs(piece.c_str(), stdout);
-        std::fflush(stdout);
-      });
-      std::printf("\n");
+      if (!split) {
+        LoadedModel m(ckpt);
+        run(m, nullptr, true);
+      } else {
+        run_local(gen_tp * gen_pp, [&](Communicator& world) {
+          MeshShape shape;
+          shape[MeshAxis::pp] = gen_pp;
+          shape[MeshAxis::tp] = gen_tp;
+          DeviceMesh mesh(world, shape);
+          LoadedModel m(ckpt, generation_parallel(mesh, split_model));
+          run(m, gen_pp > 1 ? &mesh.group(MeshAxis::pp) : nullptr, world.rank() == 0);
+        });
+      }
+      if (!prompts_path.empty() && !out)
+        throw Error(str("writing the results to '", results_path.empty() ? "stdout" : results_path, "' failed"));
     } else if (serve->parsed()) {
       LoadedModel m(ckpt);
       // Responses name the model by its directory unless a request names it.
