@@ -109,6 +109,17 @@ class TempDir {
   std::filesystem::path path_;
 };
 
+// Flips one bit of the byte `offset` bytes from `from` (the start or the end)
+// of the file: a corruption that a checksum must catch.
+inline void flip_bit(const std::filesystem::path& path, std::streamoff offset,
+                     std::ios_base::seekdir from = std::ios_base::beg) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(offset, from);
+  const char c = static_cast<char>(f.get());
+  f.seekp(offset, from);
+  f.put(static_cast<char>(c ^ 0x40));
+}
+
 // Every file under `dir` by its relative path, with its bytes: equal before
 // and after an operation that must leave the directory as it was.
 inline std::map<std::string, std::string> tree_contents(const std::filesystem::path& dir) {

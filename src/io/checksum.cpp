@@ -13,6 +13,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "io/hex.h"
 #include "io/posix_file.h"
 #include "loom/io.h"
 
@@ -25,17 +26,6 @@ struct FileHasher::Algorithm {
 };
 
 namespace {
-
-std::string to_hex(const uint8_t* bytes, size_t n) {
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(2 * n);
-  for (size_t i = 0; i < n; ++i) {
-    out += kHex[bytes[i] >> 4];
-    out += kHex[bytes[i] & 15];
-  }
-  return out;
-}
 
 class Xxh3Algorithm final : public FileHasher::Algorithm {
  public:
@@ -51,7 +41,7 @@ class Xxh3Algorithm final : public FileHasher::Algorithm {
     // The canonical (big-endian) form, as xxhsum prints it.
     XXH128_canonical_t canonical;
     XXH128_canonicalFromHash(&canonical, XXH3_128bits_digest(state_));
-    return to_hex(canonical.digest, sizeof(canonical.digest));
+    return io_detail::lower_hex(canonical.digest, sizeof(canonical.digest));
   }
 
  private:

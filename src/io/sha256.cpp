@@ -1,5 +1,6 @@
 #include <openssl/evp.h>
 
+#include "io/hex.h"
 #include "loom/io.h"
 
 namespace loom {
@@ -35,13 +36,8 @@ std::array<uint8_t, 32> Sha256::finish() {
 }
 
 std::string Sha256::hex_digest() {
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out;
-  for (uint8_t byte : finish()) {
-    out += kHex[byte >> 4];
-    out += kHex[byte & 15];
-  }
-  return out;
+  const std::array<uint8_t, 32> digest = finish();
+  return io_detail::lower_hex(digest.data(), digest.size());
 }
 
 std::string sha256_hex(std::string_view bytes) {

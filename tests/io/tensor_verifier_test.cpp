@@ -1,6 +1,5 @@
 #include <gtest/gtest.h>
 
-#include <fstream>
 #include <numeric>
 
 #include "test_util.h"
@@ -48,14 +47,6 @@ TestFile write_test_file(const TempDir& dir) {
   return f;
 }
 
-void flip_byte(const fs::path& path, uint64_t offset) {
-  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
-  file.seekg(static_cast<std::streamoff>(offset));
-  const char c = static_cast<char>(file.get());
-  file.seekp(static_cast<std::streamoff>(offset));
-  file.put(static_cast<char>(c ^ 0x10));
-}
-
 TEST(TensorVerifier, ReadsInAnyOrderVerifyAndReturnTheBytes) {
   TempDir dir;
   const TestFile f = write_test_file(dir);
@@ -79,7 +70,7 @@ TEST(TensorVerifier, ACorruptTensorIsRefusedByNameEvenWhenReadInPart) {
   TempDir dir;
   const TestFile f = write_test_file(dir);
   const uint64_t b_at = SafetensorsReader(f.path).entry("b").offset;
-  flip_byte(f.path, b_at + 600 * 4);
+  testing::flip_bit(f.path, static_cast<std::streamoff>(b_at + 600 * 4));
   const SafetensorsReader reader(f.path);
   {
     // Read through the corrupt byte: refused once the tensor is hashed whole.

@@ -244,13 +244,7 @@ TEST(ShardedCheckpointFiles, ACorruptFileIsRefusedByName) {
   const Segment first = run_segment(with_heads(testing::layout(2, 3)), 0, 1, {}, dir.path());
   const fs::path file = first.saved / "rank_00001.safetensors";
   ASSERT_TRUE(fs::exists(file));
-  {
-    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(-5, std::ios::end);
-    const char c = static_cast<char>(f.get());
-    f.seekp(-5, std::ios::end);
-    f.put(static_cast<char>(c ^ 0x40));
-  }
+  testing::flip_bit(file, -5, std::ios::end);
   const std::string error =
       error_of([&] { run_segment(with_heads(testing::layout(0, 0)), 1, 1, first.saved, {}); });
   EXPECT_CONTAINS(error, "rank_00001.safetensors");
@@ -273,13 +267,7 @@ TEST(ShardedCheckpointFiles, ACheckpointWithoutTensorDigestsStillLoads) {
 
   // A corrupt byte is then found by the file's checksum.
   const fs::path file = first.saved / "rank_00000.safetensors";
-  {
-    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(-9, std::ios::end);
-    const char c = static_cast<char>(f.get());
-    f.seekp(-9, std::ios::end);
-    f.put(static_cast<char>(c ^ 0x40));
-  }
+  testing::flip_bit(file, -9, std::ios::end);
   const std::string error =
       error_of([&] { run_segment(with_heads(testing::layout(0, 0)), 1, 1, first.saved, {}); });
   EXPECT_CONTAINS(error, "'rank_00000.safetensors' has xxh3_128");
