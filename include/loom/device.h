@@ -189,6 +189,18 @@ void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* wei
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
                       const float* rstd, int64_t N, int64_t C, GradWrite dinp_write = GradWrite::accumulate);
 
+// Norms over a split hidden dimension (kernels.h).
+void norm_row_sums(float* sums, const float* x, int64_t N, int64_t C);
+void norm_row_square_sums(float* sums, const float* x, const float* center, int64_t N, int64_t C);
+void norm_rstd(float* rstd, const float* square_sums, int64_t N, int64_t C_total, float eps);
+void norm_apply(float* out, const float* x, const float* mean, const float* rstd, const float* weight,
+                const float* bias, int64_t N, int64_t C);
+void norm_backward_sums(float* sums, const float* dout, const float* x, const float* weight, const float* mean,
+                        const float* rstd, int64_t N, int64_t C);
+void norm_backward_apply(float* dinp, float* dweight, float* dbias, const float* dout, const float* x,
+                         const float* weight, const float* mean, const float* rstd, const float* sums, int64_t N,
+                         int64_t C, int64_t C_total, GradWrite dinp_write = GradWrite::accumulate);
+
 // inv_freq: cpu::rope_inv_freq's table (host code, once per model), copied to the device.
 void rope_tables(float* cos, float* sin, const float* inv_freq, int64_t T, int64_t half, int64_t pos0);
 void rope_forward(float* out, const float* inp, const float* cos, const float* sin, int64_t B, int64_t T,

@@ -195,6 +195,41 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
                       const float* rstd, int64_t N, int64_t C, GradWrite dinp_write = GradWrite::accumulate);
 
 // ---------------------------------------------------------------------------
+// LayerNorm and RMSNorm over a hidden dimension split across ranks (a 2D or
+// 2.5D tensor-parallel grid): each rank holds C columns of rows C_total wide,
+// and the caller all-reduces each row's partial sums over the ranks between
+// the steps. Forward, LayerNorm:
+//   norm_row_sums(s, x)                  -> all-reduce -> scale(s, 1/C_total): the mean
+//   norm_row_square_sums(q, x, mean)     -> all-reduce -> norm_rstd(rstd, q)
+//   norm_apply(out, x, mean, rstd, w, b)
+// RMSNorm: the same without the mean (null) and the bias. Backward:
+//   norm_backward_sums(s, dout, x, w, mean, rstd) -> all-reduce
+//   norm_backward_apply(dinp, dw, db, dout, x, w, mean, rstd, s)
+// which is layernorm_backward's (rmsnorm_backward's) arithmetic with the row
+// sums over the whole width; dweight and dbias (null: skipped) are summed
+// over row chunks as theirs are.
+// ---------------------------------------------------------------------------
+
+// sums[i] = sum_c x[i, c].
+void norm_row_sums(float* sums, const float* x, int64_t N, int64_t C);
+// sums[i] = sum_c (x[i, c] - center[i])^2 (center null: 0).
+void norm_row_square_sums(float* sums, const float* x, const float* center, int64_t N, int64_t C);
+// rstd[i] = 1 / sqrt(square_sums[i] / C_total + eps); may be in place.
+void norm_rstd(float* rstd, const float* square_sums, int64_t N, int64_t C_total, float eps);
+// out = (x - mean) * rstd * weight + bias (mean and bias null: x * rstd * weight).
+void norm_apply(float* out, const float* x, const float* mean, const float* rstd, const float* weight,
+                const float* bias, int64_t N, int64_t C);
+// sums [N, 2]: sum_c h and sum_c h * xhat, with h = dout * weight and
+// xhat = (x - mean) * rstd.
+void norm_backward_sums(float* sums, const float* dout, const float* x, const float* weight, const float* mean,
+                        const float* rstd, int64_t N, int64_t C);
+// dinp = rstd (h - mean(h) - xhat mean(h xhat)) with the means over C_total
+// (RMSNorm, mean null: no mean(h) term).
+void norm_backward_apply(float* dinp, float* dweight, float* dbias, const float* dout, const float* x,
+                         const float* weight, const float* mean, const float* rstd, const float* sums, int64_t N,
+                         int64_t C, int64_t C_total, GradWrite dinp_write = GradWrite::accumulate);
+
+// ---------------------------------------------------------------------------
 // Rotary position embedding, rotate-half form (Hugging Face LLaMA, GPT-NeoX).
 // With half = head_dim / 2 (head_dim even) and, for i < half,
 // angle = inv_freq[i] * position:

@@ -14,6 +14,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "loom/core.h"
@@ -339,18 +340,88 @@ class RowParallelLinear {
   Linear linear_;
 };
 
+// A linear layer of a 2D/2.5D tensor-parallel grid, by SUMMA in its
+// collective form (Optimus; Tesseract adds the depth). W [out, in] is cut
+// into q x q blocks: rank (row r, column c) holds output rows r and input
+// columns c of W, each of the layer's parts (c_attn's q | k | v, or LLaMA's
+// q, k, v parameters) cut alike so that every rank's output keeps whole
+// heads. x [rows, in / q] holds this rank's token rows and input columns c;
+// the output [rows, out / q] its token rows and output columns c.
+//   forward   the column's W panels are all-gathered (panel k: rank (k, c)'s
+//             block), P_k = x W_k^T is this rank's partial sum of output
+//             columns k, and the partial sums are reduce-scattered along
+//             the row: rank (r, k) gets columns k, summed over the input
+//             columns; the bias (split like the output columns) is added.
+//   backward  dy is all-gathered along the row, dx = sum_k dY_k W_k over
+//             the panels gathered again, and dW_k = dY_k^T x is
+//             reduce-scattered along the column: rank (k, c) gets its block,
+//             summed over the column's tokens (and, over the depth, by the
+//             Trainer: ParamParallel::partial_grad).
+class SummaLinear {
+ public:
+  // A parameter of the layer: `out` global rows, made of `blocks` equal
+  // blocks each cut over the grid's rows (q | k | v in one parameter: 3).
+  struct Part {
+    std::string name;  // the parameters are name.weight and name.bias
+    int64_t out = 0, blocks = 1;
+  };
+  SummaLinear() = default;
+  SummaLinear(ParamLayout& layout, const std::vector<Part>& parts, int64_t in, int group, float init_std,
+              const TensorParallel& tp, bool has_bias);
+  // The layer over a [out, in] matrix already in the layout, cut as this
+  // layer cuts its weights (the output head's token table), without a bias.
+  SummaLinear(int weight, int64_t local_out, int64_t in, const TensorParallel& tp);
+  // How the layer cuts a weight of `out` rows of `blocks` blocks, and its bias.
+  static ParamParallel weight_cut(const TensorGrid& grid, int64_t blocks);
+  static ParamParallel bias_cut(const TensorGrid& grid, int64_t blocks);
+
+  // x: [rows, in / q]. Returns [rows, out / q].
+  Tensor forward(const ParamStore& ps, const Tensor& x, const AdapterDropout& drop = {}) const;
+  // dy: [rows, out / q]; x as given to forward. Returns the gradient of x.
+  Tensor backward(const Grads& g, const Tensor& dy, const Tensor& x, const AdapterDropout& drop = {}) const;
+
+ private:
+  struct Piece {
+    int weight = -1, bias = -1;
+    int64_t rows = 0;  // of this rank's block (padding included)
+  };
+  // This rank's blocks of every part stacked by rows [out / q, in / q], and
+  // the column's stacks gathered [q, out / q, in / q].
+  Tensor gather_panels(const ParamStore& ps) const;
+  const TensorGrid* grid_ = nullptr;
+  int64_t in_ = 0, out_ = 0;  // this rank's: in / q, out / q
+  bool has_bias_ = false;
+  std::vector<Piece> pieces_;
+};
+
+// A module's linear layers: Megatron's column-parallel layer entering the
+// tensor-parallel region and row-parallel layer leaving it (1D), or a
+// grid's SUMMA layer for both.
+using EnteringLinear = std::variant<ColumnParallelLinear, SummaLinear>;
+using LeavingLinear = std::variant<RowParallelLinear, SummaLinear>;
+template <typename Layer>
+Tensor parallel_forward(const Layer& layer, const ParamStore& ps, const Tensor& x, const AdapterDropout& drop) {
+  return std::visit([&](const auto& l) { return l.forward(ps, x, drop); }, layer);
+}
+template <typename Layer>
+Tensor parallel_backward(const Layer& layer, const Grads& g, const Tensor& dy, const Tensor& x,
+                         const AdapterDropout& drop) {
+  return std::visit([&](const auto& l) { return l.backward(g, dy, x, drop); }, layer);
+}
+
 // The block's and the final normalization: LayerNorm (weight and bias, eps
-// 1e-5) or RMSNorm (weight only, the config's eps), as the config says.
+// 1e-5) or RMSNorm (weight only, the config's eps), as the config says. On a
+// 2D/2.5D grid each rank holds its columns of the hidden dimension (and of
+// the weights) and the row statistics are all-reduced over the grid's
+// hidden group.
 class Norm {
  public:
   Norm() = default;
-  // partial_grad: under sequence parallelism each rank normalizes its own
-  // tokens, so its gradients are partial sums (ParamParallel::partial_grad).
-  Norm(ParamLayout& layout, const std::string& name, const GPTConfig& cfg, int group, bool partial_grad = false);
+  Norm(ParamLayout& layout, const std::string& name, const GPTConfig& cfg, int group, const TensorParallel& tp = {});
   struct Saved {
     Tensor out, mean, rstd;  // mean: LayerNorm only
   };
-  // Allocates s.out [N, C] and the statistics.
+  // in: [N, local width]. Allocates s.out [N, local width] and the statistics.
   void forward(const ParamStore& ps, Saved& s, const float* in, int64_t N) const;
   // Adds into din (a residual stream's gradient) when accumulate, else
   // writes it.
@@ -358,9 +429,11 @@ class Norm {
                 bool accumulate) const;
 
  private:
+  void split_forward(const ParamStore& ps, Saved& s, const float* in, int64_t N) const;
   NormKind kind_ = NormKind::layernorm;
   float eps_ = 1e-5f;
-  int64_t C_ = 0;
+  int64_t C_total_ = 0, C_ = 0;  // the whole width and this rank's
+  Communicator* hidden_group_ = nullptr;  // the ranks holding the other columns (a grid)
   int weight_ = -1, bias_ = -1;
 };
 
@@ -400,6 +473,8 @@ class Embedding {
   int wpe_id() const { return wpe_; }
 
  private:
+  Tensor grid_forward(const ParamStore& ps, const int32_t* tokens, const BatchShape& bs, int64_t pos0) const;
+  void grid_backward(const Grads& g, const Tensor& dout, const int32_t* tokens, const BatchShape& bs) const;
   TensorParallel tp_;
   int64_t vocab_ = 0, block_size_ = 0, C_ = 0;
   int wte_ = -1, wpe_ = -1;
@@ -447,9 +522,12 @@ class CausalSelfAttention {
   void rotate(float* qkv, const Tensor& cos, const Tensor& sin, int64_t B, int64_t T, bool inverse) const;
   int64_t n_head_ = 0, hs_ = 0;
   int64_t local_heads_ = 0, local_kv_heads_ = 0;  // this rank's
+  // How many ways the token rows are split (a grid's; attention needs
+  // whole sequences, so each share is whole sequences).
+  int64_t token_parts_ = 1;
   std::vector<float> inv_freq_;  // RoPE's [hs / 2] (host); empty without RoPE
-  ColumnParallelLinear c_attn_;
-  RowParallelLinear c_proj_;
+  EnteringLinear c_attn_;
+  LeavingLinear c_proj_;
 };
 
 // GELU MLP (c_fc, gelu, c_proj) or SwiGLU (gate | up stacked into one GEMM,
@@ -473,8 +551,8 @@ class MLP {
  private:
   MlpKind kind_ = MlpKind::gelu;
   int64_t local_I_ = 0;
-  ColumnParallelLinear c_fc_;
-  RowParallelLinear c_proj_;
+  EnteringLinear c_fc_;
+  LeavingLinear c_proj_;
 };
 
 // Pre-norm transformer block:
@@ -512,10 +590,13 @@ class Block {
   // y null: stops after the MLP's activation, which is all backward reads.
   void forward_into(const ParamStore& ps, Saved& s, float* y, const BatchShape& bs, const ForwardOptions& opts) const;
   AdapterDropout adapter_dropout(const BatchShape& bs, const ForwardOptions& opts) const;
+  // The global index of this rank's first element of the block's [N, C]
+  // activations: where its residual dropout masks start.
+  uint64_t dropout_first(const BatchShape& bs, const ForwardOptions& opts) const;
 
   TensorParallel tp_;
   int index_ = 0, group_ = 0;
-  int64_t C_ = 0;
+  int64_t C_total_ = 0, C_ = 0;  // the hidden width and this rank's columns of it
   float dropout_ = 0.0f;
   Norm ln_1_, ln_2_;
   CausalSelfAttention attn_;
@@ -808,6 +889,15 @@ class GPT {
   // rows): quantized when the store holds it so (inference), else fp32.
   void head_logits(const ParamStore& ps, float* logits, const float* h, int64_t N, int64_t V) const;
   Tensor head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, float dloss) const;
+  // Throw Error for what 1D tensor parallelism, or a 2D/2.5D grid, cannot
+  // split.
+  void check_tensor_parallel() const;
+  void check_grid() const;
+  // The ranks the logits' vocabulary is split over.
+  TensorParallel vocab_parallel() const;
+  // The global index of this rank's first element of the embedding's
+  // output: where its dropout mask starts.
+  uint64_t embedding_dropout_first(const MicroBatchState& s) const;
   // The group whose token table the head multiplies by.
   int head_group() const { return head_group_ >= 0 ? head_group_ : embedding_group_; }
   int head_table() const { return head_table_ >= 0 ? head_table_ : embedding_.wte_id(); }
@@ -822,6 +912,7 @@ class GPT {
   std::vector<Block> blocks_;  // this rank's, in chunk order
   std::vector<int> chunk_first_block_;  // index into blocks_ of each chunk's first block
   Norm ln_f_;
+  SummaLinear grid_head_;  // the output head on a grid (last stage)
   std::unique_ptr<Loss> loss_;
 };
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "loom/comm.h"
+#include "loom/store.h"
 
 namespace loom {
 
@@ -62,14 +63,82 @@ struct MeshShape {
   int rank_of(const MeshCoords& coords) const;
 };
 
+// ---------------------------------------------------------------------------
+// Tensor-parallel grids
+// ---------------------------------------------------------------------------
+
+// How the tensor-parallel ranks split a block's matrices and activations:
+//   1d    Megatron-LM: weights split by rows or columns, activations whole
+//         on every rank (or split by token between the regions, sequence
+//         parallelism), two all-reduces of activations per block;
+//   2d    Optimus (Xu et al. 2021): a q x q grid, tp = q^2; every matrix and
+//         every activation split by a q x q block grid, linear layers by
+//         SUMMA (weight panels gathered along the grid's columns, partial
+//         outputs reduce-scattered along its rows);
+//   2.5d  Tesseract (Wang et al. 2021): `depth` layers of a q x q grid,
+//         tp = q^2 depth; each layer runs 2D on its share of the tokens, the
+//         weights are the layers' copies and their gradients are summed over
+//         the depth;
+//   3d    a q x q x q cube (Bian et al. 2021).
+enum class TensorParallelMode : uint8_t { one_d, two_d, two_and_half_d, three_d };
+const char* tensor_parallel_mode_name(TensorParallelMode mode);  // "1d", "2d", "2.5d", "3d"
+// Throws Error naming an unknown mode and listing the known ones.
+TensorParallelMode parse_tensor_parallel_mode(std::string_view name);
+
+// The size of a 2D/2.5D grid: tp = q * q * depth ranks (2D: depth 1).
+struct TensorGridShape {
+  int q = 1, depth = 1;
+  int ranks() const { return q * q * depth; }
+};
+// The grid `tp` ranks form under `mode` with `depth` layers (2.5d; 2d has
+// one): q 0 when they form none (tp / depth is not the square of a q >= 2);
+// {1, 1} for 1d. 3d is not a grid of this shape (q 0).
+TensorGridShape tensor_grid_shape(TensorParallelMode mode, int64_t tp, int64_t depth);
+
+// A tensor-parallel rank's place in a 2D/2.5D grid and its groups. Tensor-
+// parallel rank t sits at layer t / q^2, row (t / q) % q, column t % q. A
+// block's activations are [token rows, hidden]: the token rows are split
+// over the q * depth (layer, row) pairs, the hidden dimension over the
+// columns. A matrix W [out, in] is cut into q x q blocks, output rows over
+// the grid's rows and input columns over its columns, and each layer holds a
+// copy.
+struct TensorGrid {
+  int q = 1, depth = 1;
+  int row = 0, col = 0, layer = 0;
+  // The ranks of this rank's row (ranked by column): they split the hidden
+  // dimension of the same tokens (and the logits' vocabulary).
+  Communicator* hidden_group = nullptr;
+  // The ranks of its column in its layer (ranked by row): they hold a
+  // matrix's row panels, gathered for every product.
+  Communicator* weight_group = nullptr;
+  // The same row and column in every layer (ranked by layer): the copies of
+  // a weight block.
+  Communicator* depth_group = nullptr;
+  // Its column in every layer (ranked by layer * q + row): the ranks that
+  // split the token rows.
+  Communicator* token_group = nullptr;
+
+  int token_parts() const { return q * depth; }
+  int token_index() const { return layer * q + row; }
+  // This rank's coordinate along one axis (kTpRows, kTpCols or kTpDepth).
+  int coord(TpAxes axis) const;
+  // The group spanning `axes`: kTpCols (hidden_group), kTpRows
+  // (weight_group), kTpDepth (depth_group) or kTpRows | kTpDepth
+  // (token_group).
+  Communicator& group_over(TpAxes axes) const;
+};
+
 // The world as a mesh, with this rank's group along every axis: the ranks
 // that differ from this one only in that coordinate, ranked by it.
 class DeviceMesh {
  public:
   // Validates the shape against the world (Error before any group exists),
   // then creates the groups; collective over `world`, which must outlive the
-  // mesh.
-  DeviceMesh(Communicator& world, const MeshShape& shape);
+  // mesh. A grid of more than one rank arranges the tp axis as a 2D/2.5D
+  // grid (its ranks must be the tp axis's size) and creates its groups.
+  DeviceMesh(Communicator& world, const MeshShape& shape, const TensorGridShape& grid = {});
+  // The tp axis's grid, or null when it is one group (1D).
+  const TensorGrid* tensor_grid() const { return grid_.q > 1 ? &grid_ : nullptr; }
 
   const MeshShape& shape() const { return shape_; }
   int size(MeshAxis axis) const { return shape_[axis]; }
@@ -84,6 +153,8 @@ class DeviceMesh {
   MeshShape shape_;
   MeshCoords coords_;
   std::array<std::unique_ptr<Communicator>, kNumMeshAxes> groups_;
+  TensorGrid grid_;
+  std::unique_ptr<Communicator> hidden_group_, weight_group_, depth_group_, token_group_;
 };
 
 // ---------------------------------------------------------------------------
@@ -96,18 +167,39 @@ class DeviceMesh {
 // parallelism a rank holds rows [rank * N/tp, (rank + 1) * N/tp) of the
 // micro-batch's N = B*T token rows; every op in those regions is per token, so
 // the flattened token dimension is split, which keeps each shard contiguous.
+// On a 2D/2.5D grid the block's activations are split by token rows and by
+// hidden columns everywhere (TensorGrid).
 struct TensorParallel {
   Communicator* group = nullptr;  // nullptr: no tensor parallelism
   bool sequence_parallel = false;
+  const TensorGrid* grid = nullptr;  // nullptr: 1D
 
   int size() const { return group ? group->size() : 1; }
   int rank() const { return group ? group->rank() : 0; }
-  // Whether activations outside the tensor-parallel regions are split by token.
+  // Whether activations outside the tensor-parallel regions are split by
+  // token, sequence parallelism's way.
   bool splits_tokens() const { return sequence_parallel && size() > 1; }
+  // How many ways the token rows of a block's activations are split, and
+  // this rank's share.
+  int64_t token_parts() const { return grid ? grid->token_parts() : splits_tokens() ? size() : 1; }
+  int64_t token_index() const { return grid ? grid->token_index() : splits_tokens() ? rank() : 0; }
   // Token rows this rank holds outside the regions, of `rows` in the micro-batch.
-  int64_t local_rows(int64_t rows) const { return splits_tokens() ? rows / size() : rows; }
+  int64_t local_rows(int64_t rows) const { return rows / token_parts(); }
   // The first of them.
-  int64_t first_row(int64_t rows) const { return splits_tokens() ? rank() * (rows / size()) : 0; }
+  int64_t first_row(int64_t rows) const { return token_index() * (rows / token_parts()); }
+  // How many ways the hidden dimension of a block's activations is split
+  // (a grid's q), and this rank's share of `width` columns.
+  int64_t hidden_parts() const { return grid ? grid->q : 1; }
+  int64_t local_width(int64_t width) const { return width / hidden_parts(); }
+  // How many ways a block's inner features (attention heads, the MLP's
+  // intermediate columns) are split.
+  int64_t feature_parts() const { return grid ? grid->q : size(); }
+  int64_t first_col(int64_t width) const { return grid ? grid->col * (width / grid->q) : 0; }
+  // Whether this rank holds the owning copy of a parameter replicated along
+  // `axes` (coordinate 0 on each of them).
+  bool owns_copy(TpAxes axes) const;
+  // The group spanning `axes` (the whole group in 1D).
+  Communicator& group_over(TpAxes axes) const;
 };
 
 // The two conjugate communication pairs at the edges of a tensor-parallel

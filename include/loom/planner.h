@@ -83,6 +83,8 @@ std::vector<int> pipeline_stage_layers(const GPTConfig& cfg, int64_t seq_len, in
 // varies, each the value of one config key.
 struct Layout {
   int64_t dp = 1, tp = 1, pp = 1;              // parallel.dp, .tp, .pp
+  TensorParallelMode tp_mode = TensorParallelMode::one_d;  // parallel.tp_mode
+  int64_t tp_depth = 1;                        // parallel.tp_depth (2.5d)
   bool sequence_parallel = false;              // parallel.sequence_parallel
   PipelineSchedule schedule = PipelineSchedule::one_f_one_b;  // parallel.schedule
   int64_t virtual_stages = 1;                  // parallel.virtual_stages

@@ -53,13 +53,27 @@ struct TensorSplit {
   int64_t blocks = 1;
 };
 
+// Axes of the tensor-parallel ranks, as a set: the rows, columns and depth
+// layers of a 2D/2.5D grid (TensorGrid, parallel.h). A 1D group is one axis
+// and stands for all of them.
+using TpAxes = uint8_t;
+inline constexpr TpAxes kTpRows = 1, kTpCols = 2, kTpDepth = 4, kTpAll = 7;
+
 // How a parameter relates to its copies on other model-parallel ranks.
 struct ParamParallel {
   TensorSplit split;
-  // Replicated over the tensor-parallel ranks, but each computes a partial
-  // sum of its gradient (its tokens, under sequence parallelism): the
-  // gradients are all-reduced over the tensor-parallel group.
-  bool partial_grad = false;
+  // A second cut, of another dimension: a 2D grid cuts a matrix's rows over
+  // its rows of ranks and the columns over its columns of ranks.
+  TensorSplit col_split;
+  // The tensor-parallel axes the cuts follow. Ranks that differ only along
+  // the other axes hold copies of the same piece; the one at coordinate 0 on
+  // those axes owns it (saves it, counts it in the gradient norm). 0: every
+  // tensor-parallel rank holds the whole parameter.
+  TpAxes split_axes = 0;
+  // The axes along which each copy computes a partial sum of its gradient
+  // (its own tokens: sequence parallelism's norms, a grid's biases): the
+  // gradients are all-reduced over them.
+  TpAxes partial_grad = 0;
   // Held by several pipeline stages (the token table on the first stage and
   // its copy on the last, for the output head): the copies' gradients are
   // all-reduced between those stages.
@@ -67,6 +81,7 @@ struct ParamParallel {
   // The copy a stage holds of a parameter another stage owns: only the
   // owner's copy is saved and counted in the gradient norm.
   bool tied_copy = false;
+  bool is_split() const { return split.parts > 1 || col_split.parts > 1; }
 };
 
 struct ParamSpec {

@@ -118,6 +118,10 @@ ConfigSchema build_loom_schema() {
 
   s.add_int("parallel.dp", 1, "data-parallel ranks", 1, 65536);
   s.add_int("parallel.tp", 1, "tensor-parallel ranks (must divide model.n_head; divide or be a multiple of model.n_kv_head)", 1, 1024);
+  s.add_choice("parallel.tp_mode", "1d", {"1d", "2d", "2.5d", "3d"},
+               "tensor parallelism: 1d (Megatron), 2d (Optimus: parallel.tp = q * q), 2.5d (Tesseract: parallel.tp = "
+               "q * q * parallel.tp_depth)");
+  s.add_int("parallel.tp_depth", 1, "layers of a 2.5d grid (parallel.tp_mode = \"2.5d\")", 1, 1024);
   s.add_int("parallel.pp", 1, "pipeline stages", 1, 1024);
   s.add_bool("parallel.sequence_parallel", false,
              "split the activations between tensor-parallel regions by token (needs parallel.tp > 1)");

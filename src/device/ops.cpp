@@ -133,6 +133,28 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
   LOOM_LAUNCH(rmsnorm_backward, dinp, dweight, dout, inp, weight, rstd, N, C, dinp_write);
 }
 
+void norm_row_sums(float* sums, const float* x, int64_t N, int64_t C) { LOOM_LAUNCH(norm_row_sums, sums, x, N, C); }
+void norm_row_square_sums(float* sums, const float* x, const float* center, int64_t N, int64_t C) {
+  LOOM_LAUNCH(norm_row_square_sums, sums, x, center, N, C);
+}
+void norm_rstd(float* rstd, const float* square_sums, int64_t N, int64_t C_total, float eps) {
+  LOOM_LAUNCH(norm_rstd, rstd, square_sums, N, C_total, eps);
+}
+void norm_apply(float* out, const float* x, const float* mean, const float* rstd, const float* weight,
+                const float* bias, int64_t N, int64_t C) {
+  LOOM_LAUNCH(norm_apply, out, x, mean, rstd, weight, bias, N, C);
+}
+void norm_backward_sums(float* sums, const float* dout, const float* x, const float* weight, const float* mean,
+                        const float* rstd, int64_t N, int64_t C) {
+  LOOM_LAUNCH(norm_backward_sums, sums, dout, x, weight, mean, rstd, N, C);
+}
+void norm_backward_apply(float* dinp, float* dweight, float* dbias, const float* dout, const float* x,
+                         const float* weight, const float* mean, const float* rstd, const float* sums, int64_t N,
+                         int64_t C, int64_t C_total, GradWrite dinp_write) {
+  LOOM_LAUNCH(norm_backward_apply, dinp, dweight, dbias, dout, x, weight, mean, rstd, sums, N, C, C_total,
+              dinp_write);
+}
+
 void rope_tables(float* cos, float* sin, const float* inv_freq, int64_t T, int64_t half, int64_t pos0) {
   LOOM_LAUNCH(rope_tables, cos, sin, inv_freq, T, half, pos0);
 }

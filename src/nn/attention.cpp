@@ -7,12 +7,28 @@ namespace loom {
 
 CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string& prefix, const GPTConfig& cfg,
                                          int group, float proj_std, const TensorParallel& tp)
-    : n_head_(cfg.n_head), hs_(cfg.head_dim()), local_heads_(cfg.n_head / tp.size()),
-      local_kv_heads_(cfg.local_kv_heads(tp.size())) {
-  const int64_t C = cfg.n_embd, q = cfg.q_dim(), nkv = cfg.kv_heads();
-  LOOM_CHECK(n_head_ % tp.size() == 0, n_head_, " heads do not split over ", tp.size(), " tensor-parallel ranks");
-  LOOM_CHECK(nkv % tp.size() == 0 || tp.size() % nkv == 0, nkv, " kv heads over ", tp.size(),
-             " tensor-parallel ranks");
+    : n_head_(cfg.n_head), hs_(cfg.head_dim()), local_heads_(cfg.n_head / tp.feature_parts()),
+      local_kv_heads_(cfg.local_kv_heads(static_cast<int>(tp.feature_parts()))),
+      token_parts_(tp.grid ? tp.token_parts() : 1) {
+  const int64_t C = cfg.n_embd, q = cfg.q_dim(), nkv = cfg.kv_heads(), ways = tp.feature_parts();
+  LOOM_CHECK(n_head_ % ways == 0, n_head_, " heads do not split over ", ways, " tensor-parallel parts");
+  LOOM_CHECK(nkv % ways == 0 || (!tp.grid && ways % nkv == 0), nkv, " kv heads over ", ways,
+             " tensor-parallel parts");
+  if (cfg.positions == PositionKind::rope) {
+    inv_freq_.resize(static_cast<size_t>(hs_ / 2));
+    cpu::rope_inv_freq(inv_freq_.data(), hs_, cfg.rope_theta, cfg.rope_scaling);
+  }
+  if (tp.grid) {
+    // Each of q, k and v is cut over the grid's rows block by block, so
+    // every rank's output columns are whole heads of each.
+    const std::vector<SummaLinear::Part> parts_in =
+        cfg.packed_qkv ? std::vector<SummaLinear::Part>{{prefix + ".c_attn", 3 * q, 3}}
+                       : std::vector<SummaLinear::Part>{
+                             {prefix + ".q", q, 1}, {prefix + ".k", nkv * hs_, 1}, {prefix + ".v", nkv * hs_, 1}};
+    c_attn_ = SummaLinear(layout, parts_in, C, group, 0.02f, tp, cfg.attention_bias);
+    c_proj_ = SummaLinear(layout, {{prefix + ".c_proj", C, 1}}, q, group, proj_std, tp, cfg.attention_bias);
+    return;
+  }
   if (cfg.packed_qkv) {
     // q, k and v are three blocks of c_attn's rows: splitting each block keeps
     // whole heads on every rank, so attention itself needs no communication.
@@ -21,6 +37,7 @@ CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string&
   } else {
     ParamParallel split;
     split.split = TensorSplit{0, tp.size(), tp.rank(), 1};
+    split.split_axes = kTpAll;
     std::vector<LinearPart> parts{{prefix + ".q", q, split, split, 0, 0, cfg.adapter("attn.q")},
                                   {prefix + ".k", nkv * hs_, split, split, 0, 0, cfg.adapter("attn.k")},
                                   {prefix + ".v", nkv * hs_, split, split, 0, 0, cfg.adapter("attn.v")}};
@@ -29,7 +46,7 @@ CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string&
       // rows of the kv head its query heads share; the ranks' gradients of k
       // and v are partial sums.
       ParamParallel replicated;
-      replicated.partial_grad = true;
+      replicated.partial_grad = kTpAll;
       const int64_t head = tp.rank() / (tp.size() / nkv);
       for (size_t i = 1; i < parts.size(); ++i) {
         parts[i].weight = parts[i].bias = replicated;
@@ -41,10 +58,6 @@ CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string&
   }
   c_proj_ = RowParallelLinear(layout, prefix + ".c_proj", q, C, group, proj_std, tp, cfg.attention_bias,
                               cfg.adapter("attn.c_proj"));
-  if (cfg.positions == PositionKind::rope) {
-    inv_freq_.resize(static_cast<size_t>(hs_ / 2));
-    cpu::rope_inv_freq(inv_freq_.data(), hs_, cfg.rope_theta, cfg.rope_scaling);
-  }
 }
 
 void CausalSelfAttention::rotate(float* qkv, int64_t B, int64_t T, int64_t pos0, bool inverse) const {
@@ -85,29 +98,31 @@ void CausalSelfAttention::rotate(float* qkv, const Tensor& cos, const Tensor& si
   }
 }
 
-Tensor CausalSelfAttention::forward(const ParamStore& ps, Saved& s, const Tensor& in, const BatchShape& bs,
+Tensor CausalSelfAttention::forward(const ParamStore& ps, Saved& s, const Tensor& in, const BatchShape& whole,
                                     const AdapterDropout& drop) const {
+  const BatchShape bs{whole.B / token_parts_, whole.T};  // this rank's sequences
   const int64_t local_C = hs_ * local_heads_;
-  s.qkv = c_attn_.forward(ps, in, drop);
+  s.qkv = parallel_forward(c_attn_, ps, in, drop);
   rotate(s.qkv.data<float>(), bs.B, bs.T, 0, /*inverse=*/false);
   s.att = Tensor::empty({bs.N(), local_C});
   s.lse = Tensor::empty({bs.B, local_heads_, bs.T});
   ops::attention_forward(s.att.data<float>(), s.lse.data<float>(), s.qkv.data<float>(), bs.B, bs.T, local_C,
                          local_heads_, local_kv_heads_);
-  return c_proj_.forward(ps, s.att, drop);
+  return parallel_forward(c_proj_, ps, s.att, drop);
 }
 
 Tensor CausalSelfAttention::backward(const Grads& g, const Tensor& dout, const Tensor& in, const Saved& s,
-                                     const BatchShape& bs, const AdapterDropout& drop) const {
+                                     const BatchShape& whole, const AdapterDropout& drop) const {
+  const BatchShape bs{whole.B / token_parts_, whole.T};
   const int64_t local_C = hs_ * local_heads_;
-  Tensor datt = c_proj_.backward(g, dout, s.att, drop);
+  Tensor datt = parallel_backward(c_proj_, g, dout, s.att, drop);
   Tensor dqkv = Tensor::empty(s.qkv.shape());
   ops::attention_backward(dqkv.data<float>(), datt.data<float>(), s.att.data<float>(), s.lse.data<float>(),
                           s.qkv.data<float>(), bs.B, bs.T, local_C, local_heads_, local_kv_heads_,
                           ops::GradWrite::overwrite);
   datt = Tensor();
   rotate(dqkv.data<float>(), bs.B, bs.T, 0, /*inverse=*/true);
-  return c_attn_.backward(g, dqkv, in, drop);
+  return parallel_backward(c_attn_, g, dqkv, in, drop);
 }
 
 }  // namespace loom

@@ -12,14 +12,15 @@ enum DropoutSite : uint64_t { kAttnResidual = 0, kMlpResidual = 1, kAdapterInput
 }  // namespace
 
 Block::Block(ParamLayout& layout, int index, const GPTConfig& cfg, int group, const TensorParallel& tp)
-    : tp_(tp), index_(index), group_(group), C_(cfg.n_embd), dropout_(cfg.dropout) {
+    : tp_(tp), index_(index), group_(group), C_total_(cfg.n_embd), C_(tp.local_width(cfg.n_embd)),
+      dropout_(cfg.dropout) {
   const std::string prefix = "h." + std::to_string(index);
   // GPT-2 scales the init of the projections into the residual stream by
   // 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth.
   const float proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(cfg.n_layer));
-  ln_1_ = Norm(layout, prefix + ".ln_1", cfg, group, tp.splits_tokens());
+  ln_1_ = Norm(layout, prefix + ".ln_1", cfg, group, tp);
   attn_ = CausalSelfAttention(layout, prefix + ".attn", cfg, group, proj_std, tp);
-  ln_2_ = Norm(layout, prefix + ".ln_2", cfg, group, tp.splits_tokens());
+  ln_2_ = Norm(layout, prefix + ".ln_2", cfg, group, tp);
   mlp_ = MLP(layout, prefix + ".mlp", cfg, group, proj_std, tp);
 }
 
@@ -38,6 +39,11 @@ Tensor Block::forward(const ParamStore& ps, Saved& s, const Tensor& x, const Bat
   return y;
 }
 
+uint64_t Block::dropout_first(const BatchShape& bs, const ForwardOptions& opts) const {
+  return static_cast<uint64_t>((opts.first_sequence * bs.T + tp_.first_row(bs.N())) * C_total_ +
+                               tp_.first_col(C_total_));
+}
+
 AdapterDropout Block::adapter_dropout(const BatchShape& bs, const ForwardOptions& opts) const {
   // The linear layers' inputs hold every token row of the micro-batch (a
   // column-parallel layer gathers them under sequence parallelism).
@@ -50,15 +56,15 @@ void Block::forward_into(const ParamStore& ps, Saved& s, float* y, const BatchSh
   const int64_t rows = tp_.local_rows(bs.N());
   const bool drop = opts.training && dropout_ > 0.0f;
   // The masks are indexed by global element, so sequence-parallel shards
-  // draw their slice of the same masks.
-  const uint64_t first = static_cast<uint64_t>((opts.first_sequence * bs.T + tp_.first_row(bs.N())) * C_);
+  // and a grid's blocks draw their slice of the same masks.
+  const uint64_t first = dropout_first(bs, opts);
   const float* x = s.x.data<float>();
 
   ln_1_.forward(ps, s.ln_1, x, rows);
   {
     Tensor a = attn_.forward(ps, s.attn, s.ln_1.out, bs, adapter_dropout(bs, opts));
     if (drop)
-      ops::dropout_forward(a.data<float>(), a.data<float>(), rows, C_, C_, dropout_,
+      ops::dropout_forward(a.data<float>(), a.data<float>(), rows, C_, C_total_, dropout_,
                            stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kAttnResidual), first);
     s.resid = Tensor::empty(s.x.shape());
     ops::add(s.resid.data<float>(), x, a.data<float>(), rows * C_);
@@ -70,7 +76,7 @@ void Block::forward_into(const ParamStore& ps, Saved& s, float* y, const BatchSh
   }
   Tensor m = mlp_.forward(ps, s.mlp, s.ln_2.out, adapter_dropout(bs, opts));
   if (drop)
-    ops::dropout_forward(m.data<float>(), m.data<float>(), rows, C_, C_, dropout_,
+    ops::dropout_forward(m.data<float>(), m.data<float>(), rows, C_, C_total_, dropout_,
                          stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kMlpResidual), first);
   ops::add(y, s.resid.data<float>(), m.data<float>(), rows * C_);
 }
@@ -78,7 +84,7 @@ void Block::forward_into(const ParamStore& ps, Saved& s, float* y, const BatchSh
 void Block::backward(const Grads& g, float* dres, Saved& s, const BatchShape& bs, const ForwardOptions& opts) const {
   const int64_t rows = tp_.local_rows(bs.N());
   const bool drop = opts.training && dropout_ > 0.0f;
-  const uint64_t first = static_cast<uint64_t>((opts.first_sequence * bs.T + tp_.first_row(bs.N())) * C_);
+  const uint64_t first = dropout_first(bs, opts);
   if (s.recompute) {
     // Activation checkpointing: rebuild this block's activations from its
     // input. Same kernels, same inputs, same dropout masks: the same bits.
@@ -90,7 +96,7 @@ void Block::backward(const Grads& g, float* dres, Saved& s, const BatchShape& bs
   Tensor dm = Tensor::borrow(dres, {rows, C_}, DType::f32, Tier::device);
   if (drop) {
     dm = Tensor::empty({rows, C_});
-    ops::dropout_backward(dm.data<float>(), dres, rows, C_, C_, dropout_,
+    ops::dropout_backward(dm.data<float>(), dres, rows, C_, C_total_, dropout_,
                           stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kMlpResidual), first,
                           ops::GradWrite::overwrite);
   }
@@ -101,7 +107,7 @@ void Block::backward(const Grads& g, float* dres, Saved& s, const BatchShape& bs
   dm = Tensor::borrow(dres, {rows, C_}, DType::f32, Tier::device);
   if (drop) {
     dm = Tensor::empty({rows, C_});
-    ops::dropout_backward(dm.data<float>(), dres, rows, C_, C_, dropout_,
+    ops::dropout_backward(dm.data<float>(), dres, rows, C_, C_total_, dropout_,
                           stream_key(opts.dropout_key, static_cast<uint64_t>(index_), kAttnResidual), first,
                           ops::GradWrite::overwrite);
   }

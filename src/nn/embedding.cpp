@@ -8,6 +8,10 @@ int Embedding::add_token_table(ParamLayout& layout, int64_t vocab, int64_t C, in
                                TableCopies copies, const std::string& name) {
   ParamParallel parallel;
   parallel.split = TensorSplit{0, tp.size(), tp.rank(), 1};
+  parallel.split_axes = kTpAll;
+  // On a grid the table is cut as the output head's SUMMA layer cuts its
+  // weight: vocabulary rows over the grid's rows, columns over its columns.
+  if (tp.grid) parallel = SummaLinear::weight_cut(*tp.grid, 1);
   parallel.tied_across_stages = copies != TableCopies::none;
   parallel.tied_copy = copies == TableCopies::copy;
   return layout.add(name, {vocab, C}, ParamInit::normal_(0.02f), true, group, parallel);
@@ -19,7 +23,13 @@ Embedding::Embedding(ParamLayout& layout, const GPTConfig& cfg, int group, const
   wte_ = add_token_table(layout, vocab_, C_, group, tp, copies);
   if (cfg.positions != PositionKind::learned) return;
   ParamParallel positions;
-  positions.partial_grad = tp.splits_tokens();
+  positions.partial_grad = tp.splits_tokens() ? kTpAll : 0;
+  if (tp.grid) {
+    // Columns like the activations'; every token row's copy is a partial sum.
+    positions.split = TensorSplit{1, tp.grid->q, tp.grid->col, 1};
+    positions.split_axes = kTpCols;
+    positions.partial_grad = kTpRows | kTpDepth;
+  }
   wpe_ = layout.add("wpe.weight", {block_size_, C_}, ParamInit::normal_(0.01f), true, group, positions);
 }
 
@@ -49,6 +59,7 @@ Tensor Embedding::forward(const ParamStore& ps, const Tensor& token_ids, const B
     return out;
   }
   const float* wte = ps.param(wte_).data<float>();
+  if (tp_.grid) return grid_forward(ps, tokens, bs, pos0);
   if (tp_.size() == 1 && wpe) {
     Tensor out = Tensor::empty({bs.B, bs.T, C_});
     ops::embedding_forward(out.data<float>(), tokens, wte, wpe, bs.B, bs.T, C_, pos0);
@@ -72,10 +83,50 @@ void Embedding::backward(const Grads& g, const Tensor& dout, const Tensor& token
     return;
   }
   const int64_t N = bs.N();
+  if (tp_.grid) {
+    grid_backward(g, dout, tokens, bs);
+    return;
+  }
   if (dwpe) ops::position_embedding_backward(dwpe, dout.data<float>(), tp_.first_row(N), dout.numel() / C_, bs.T, C_);
   const Tensor full = TensorParallelRegion::leave_backward(tp_, dout);
   const int64_t rows = g.params.layout().param(wte_).shape[0];
   ops::embedding_lookup_range_backward(dwte, full.data<float>(), tokens, tp_.rank() * rows, rows, N, C_);
+}
+
+// On a grid the ranks of one column (in one layer) hold the table's
+// vocabulary rows between them, and their token rows are consecutive: each
+// looks up every one of those tokens in its rows, and the partial rows are
+// reduce-scattered back to their ranks (a vocabulary-parallel embedding over
+// the column, as 1D's over the tp group).
+Tensor Embedding::grid_forward(const ParamStore& ps, const int32_t* tokens, const BatchShape& bs,
+                               int64_t pos0) const {
+  const TensorGrid& grid = *tp_.grid;
+  const int64_t N = bs.N(), rows = tp_.local_rows(N), C = tp_.local_width(C_);
+  const int64_t vocab_rows = ps.layout().param(wte_).shape[0];
+  const int32_t* column_tokens = tokens + grid.layer * grid.q * rows;
+  Tensor partial = Tensor::empty({grid.q * rows, C});
+  ops::embedding_lookup_range(partial.data<float>(), column_tokens, ps.param(wte_).data<float>(),
+                              grid.row * vocab_rows, vocab_rows, grid.q * rows, C);
+  Tensor out = Tensor::empty({rows, C});
+  grid.weight_group->reduce_scatter(partial, out);
+  if (wpe_ >= 0)
+    ops::position_embedding_add(out.data<float>(), ps.param(wpe_).data<float>(), tp_.first_row(N), rows, bs.T, C,
+                                pos0);
+  return out;
+}
+
+void Embedding::grid_backward(const Grads& g, const Tensor& dout, const int32_t* tokens, const BatchShape& bs) const {
+  const TensorGrid& grid = *tp_.grid;
+  const int64_t N = bs.N(), rows = tp_.local_rows(N), C = tp_.local_width(C_);
+  if (wpe_ >= 0)
+    ops::position_embedding_backward(g.grads.grad(wpe_).data<float>(), dout.data<float>(), tp_.first_row(N), rows,
+                                     bs.T, C);
+  Tensor column = Tensor::empty({grid.q * rows, C});
+  grid.weight_group->all_gather(dout, column);
+  const int64_t vocab_rows = g.params.layout().param(wte_).shape[0];
+  ops::embedding_lookup_range_backward(g.grads.grad(wte_).data<float>(), column.data<float>(),
+                                       tokens + grid.layer * grid.q * rows, grid.row * vocab_rows, vocab_rows,
+                                       grid.q * rows, C);
 }
 
 }  // namespace loom

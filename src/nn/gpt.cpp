@@ -20,22 +20,16 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp)
     : cfg_(cfg), mp_(mp), loss_(std::make_unique<CrossEntropyLoss>()) {
   cfg_.validate();
   const TensorParallel& tp = mp_.tp;
-  if (cfg_.n_head % tp.size() != 0)
-    throw Error(str("model.n_head = ", cfg_.n_head, " heads do not split over ", tp.size(),
-                    " tensor-parallel ranks: choose a tensor-parallel size that divides the head count"));
-  const int64_t nkv = cfg_.kv_heads();
-  if (nkv % tp.size() != 0 && tp.size() % nkv != 0)
-    throw Error(str("model.n_kv_head = ", nkv, " kv heads neither split over nor are shared evenly by ", tp.size(),
-                    " tensor-parallel ranks: choose parallel.tp dividing or divisible by n_kv_head"));
-  if (cfg_.intermediate() % tp.size() != 0)
-    throw Error(str("model.intermediate_size = ", cfg_.intermediate(), " does not split over ", tp.size(),
-                    " tensor-parallel ranks: choose a tensor-parallel size that divides it"));
+  if (tp.grid)
+    check_grid();
+  else
+    check_tensor_parallel();
   chunks_ = mp_.chunks.empty() ? std::vector<LayerRange>{{0, static_cast<int>(cfg_.n_layer)}} : mp_.chunks;
   for (size_t c = 0; c < chunks_.size(); ++c)
     LOOM_CHECK(chunks_[c].begin >= (c ? chunks_[c - 1].end : 0) && chunks_[c].begin < chunks_[c].end &&
                    chunks_[c].end <= cfg_.n_layer,
                "bad layer range [", chunks_[c].begin, ", ", chunks_[c].end, ") for chunk ", c);
-  local_vocab_ = (cfg_.vocab_size + tp.size() - 1) / tp.size();
+  local_vocab_ = (cfg_.vocab_size + tp.feature_parts() - 1) / tp.feature_parts();
   // Fine-tuning through adapters freezes the whole base model, as PEFT does.
   layout_.set_added_trainable(!cfg_.lora.enabled());
 
@@ -53,8 +47,8 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp)
   chunk_first_block_.push_back(static_cast<int>(blocks_.size()));
   if (mp_.last_stage) {
     lnf_group_ = layout_.add_group("ln_f");
-    loss_ = std::make_unique<CrossEntropyLoss>(cfg_.vocab_size, local_vocab_, tp);
-    ln_f_ = Norm(layout_, "ln_f", cfg_, lnf_group_, tp.splits_tokens());
+    loss_ = std::make_unique<CrossEntropyLoss>(cfg_.vocab_size, local_vocab_, vocab_parallel());
+    ln_f_ = Norm(layout_, "ln_f", cfg_, lnf_group_, tp);
     // A tied output head multiplies by the token embedding. A last stage
     // without the embedding keeps its own copy, which starts equal (same
     // name, same init) and stays equal because the copies' gradients are
@@ -69,13 +63,55 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp)
                                                Embedding::TableCopies::copy);
     }
     layout_.set_output_table(head_table());
+    if (tp.grid) grid_head_ = SummaLinear(head_table(), local_vocab_, cfg_.n_embd, tp);
   }
   if (mp_.first_stage && mp_.last_stage && tp.size() == 1 && mp_.chunks.empty())
     LOOM_CHECK(layout_.numel() == cfg_.num_params(), "layout has ", layout_.numel(), " parameters, formula says ",
                cfg_.num_params());
 }
 
+void GPT::check_tensor_parallel() const {
+  const TensorParallel& tp = mp_.tp;
+  const int64_t nkv = cfg_.kv_heads();
+  if (cfg_.n_head % tp.size() != 0)
+    throw Error(str("model.n_head = ", cfg_.n_head, " heads do not split over ", tp.size(),
+                    " tensor-parallel ranks: choose a tensor-parallel size that divides the head count"));
+  if (nkv % tp.size() != 0 && tp.size() % nkv != 0)
+    throw Error(str("model.n_kv_head = ", nkv, " kv heads neither split over nor are shared evenly by ", tp.size(),
+                    " tensor-parallel ranks: choose parallel.tp dividing or divisible by n_kv_head"));
+  if (cfg_.intermediate() % tp.size() != 0)
+    throw Error(str("model.intermediate_size = ", cfg_.intermediate(), " does not split over ", tp.size(),
+                    " tensor-parallel ranks: choose a tensor-parallel size that divides it"));
+}
+
+void GPT::check_grid() const {
+  const int64_t q = mp_.tp.grid->q;
+  const auto require = [&](const char* key, int64_t value) {
+    if (value % q != 0)
+      throw Error(str(key, " = ", value, " does not split over the ", q, " x ", q,
+                      " tensor-parallel grid: choose a grid side (parallel.tp = q^2 * parallel.tp_depth) dividing it"));
+  };
+  require("model.n_embd", cfg_.n_embd);
+  require("model.n_head", cfg_.n_head);
+  require("model.n_kv_head", cfg_.kv_heads());
+  require("model.intermediate_size", cfg_.intermediate());
+  if (cfg_.lora.enabled())
+    throw Error(str("lora.r = ", cfg_.lora.r, " with parallel.tp_mode = 2d/2.5d: LoRA adapters run under 1D tensor ",
+                    "parallelism only; use parallel.tp_mode = \"1d\""));
+}
+
+TensorParallel GPT::vocab_parallel() const {
+  // The logits' vocabulary is split over the tp group (1D), or over a grid's
+  // hidden group, the columns that share a token row.
+  if (!mp_.tp.grid) return mp_.tp;
+  TensorParallel tp;
+  tp.group = mp_.tp.grid->hidden_group;
+  return tp;
+}
+
 void GPT::distill(Distillation d) {
+  if (mp_.tp.grid)
+    throw Error("distillation with parallel.tp_mode = 2d/2.5d is not supported: use parallel.tp_mode = \"1d\"");
   loss_ = std::make_unique<DistillationLoss>(cfg_.vocab_size, local_vocab_, mp_.tp, d);
 }
 
@@ -96,6 +132,11 @@ void GPT::begin(MicroBatchState& s, const int32_t* tokens, const int32_t* target
   if (mp_.tp.splits_tokens() && N % mp_.tp.size() != 0)
     throw Error(str("sequence parallelism splits the micro-batch's ", N, " token rows over ", mp_.tp.size(),
                     " ranks: choose micro_batch_size * seq_len divisible by parallel.tp"));
+  if (mp_.tp.grid && bs.B % mp_.tp.token_parts() != 0)
+    throw Error(str("a ", mp_.tp.grid->q, " x ", mp_.tp.grid->q, " x ", mp_.tp.grid->depth,
+                    " tensor-parallel grid splits each micro-batch's sequences over ", mp_.tp.token_parts(),
+                    " row groups, and the micro-batch has ", bs.B,
+                    ": choose train.micro_batch_size divisible by q * parallel.tp_depth"));
   if (mp_.first_stage) embedding_.check_tokens(tokens, N);
   s = MicroBatchState{};
   s.bs = bs;
@@ -103,7 +144,9 @@ void GPT::begin(MicroBatchState& s, const int32_t* tokens, const int32_t* target
   // The kernels read the ids from the device; the host keeps only the count.
   if (mp_.first_stage) s.tokens = Tensor::from_host(tokens, {N}, DType::i32);
   if (mp_.last_stage) {
-    s.targets = Tensor::from_host(targets, {N}, DType::i32);
+    // This rank's token rows' targets (a grid splits the head's rows).
+    s.targets = Tensor::from_host(targets + mp_.tp.first_row(N), {mp_.tp.grid ? mp_.tp.local_rows(N) : N},
+                                  DType::i32);
     s.valid_targets = std::count_if(targets, targets + N, [](int32_t t) { return t != -1; });
     s.loss_sum = loss_sum.defined() ? loss_sum : Tensor::zeros({loss_->terms()}, DType::f64);
   }
@@ -120,11 +163,12 @@ Tensor GPT::forward_chunk(ParamStore& ps, MicroBatchState& s, int chunk, const T
     x = embedding_.forward(ps, s.tokens, s.bs);
     ps.release(embedding_group_);
     if (s.opts.training && cfg_.dropout > 0.0f)
-      ops::dropout_forward(x.data<float>(), x.data<float>(), mp_.tp.local_rows(N), C, C, cfg_.dropout,
-                           stream_key(s.opts.dropout_key, kEmbeddingDropoutLayer, 0),
-                           static_cast<uint64_t>((s.opts.first_sequence * s.bs.T + mp_.tp.first_row(N)) * C));
+      ops::dropout_forward(x.data<float>(), x.data<float>(), mp_.tp.local_rows(N), mp_.tp.local_width(C), C,
+                           cfg_.dropout, stream_key(s.opts.dropout_key, kEmbeddingDropoutLayer, 0),
+                           embedding_dropout_first(s));
   }
-  LOOM_CHECK(x.defined() && x.numel() == mp_.tp.local_rows(N) * C, "chunk ", chunk, " needs its input activations");
+  LOOM_CHECK(x.defined() && x.numel() == mp_.tp.local_rows(N) * mp_.tp.local_width(C), "chunk ", chunk,
+             " needs its input activations");
   for (int b = chunk_first_block_[static_cast<size_t>(chunk)]; b < chunk_first_block_[static_cast<size_t>(chunk) + 1];
        ++b) {
     const Block& block = blocks_[static_cast<size_t>(b)];
@@ -138,6 +182,12 @@ Tensor GPT::forward_chunk(ParamStore& ps, MicroBatchState& s, int chunk, const T
     return Tensor();
   }
   return x;
+}
+
+uint64_t GPT::embedding_dropout_first(const MicroBatchState& s) const {
+  const int64_t C = cfg_.n_embd;
+  return static_cast<uint64_t>((s.opts.first_sequence * s.bs.T + mp_.tp.first_row(s.bs.N())) * C +
+                               mp_.tp.first_col(C));
 }
 
 void GPT::head_logits(const ParamStore& ps, float* logits, const float* h, int64_t N, int64_t V) const {
@@ -156,8 +206,15 @@ void GPT::head_forward(ParamStore& ps, MicroBatchState& s, const Tensor& x) cons
   ln_f_.forward(ps, s.ln_f, x.data<float>(), tp.local_rows(N));
   ps.release(lnf_group_);
 
-  // logits = ln_f(x) wte^T over this rank's vocabulary rows, for every token.
+  // logits = ln_f(x) wte^T over this rank's vocabulary rows, for every token
+  // (on a grid: for its token rows, by SUMMA).
   ps.acquire(head_group());
+  if (tp.grid) {
+    s.logits = grid_head_.forward(ps, s.ln_f.out);
+    ps.release(head_group());
+    loss_->forward(s.loss, s.logits, s.targets, s.opts.teacher_logits, s.loss_sum, s.opts.dloss);
+    return;
+  }
   const Tensor h = TensorParallelRegion::enter_forward(tp, s.ln_f.out);
   if (tp.splits_tokens()) s.head_input = h;
   s.logits = tp.size() == 1 ? Tensor::empty({s.bs.B, s.bs.T, V}) : Tensor::empty({N, Vl});
@@ -183,13 +240,18 @@ Tensor GPT::head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, flo
   ps.acquire(head_group());
   ps.acquire(lnf_group_);
   const Tensor& h = tp.splits_tokens() ? s.head_input : s.ln_f.out;
-  Tensor dh = Tensor::empty({N, C});
-  ops::linear_backward(dh.data<float>(), gs.grad(head_table()).data<float>(), nullptr, dlogits, h.data<float>(),
-                       ps.param(head_table()).data<float>(), N, C, Vl, ops::GradWrite::overwrite);
+  Tensor dh;
+  if (tp.grid) {
+    dh = grid_head_.backward(g, s.logits, s.ln_f.out);
+  } else {
+    dh = Tensor::empty({N, C});
+    ops::linear_backward(dh.data<float>(), gs.grad(head_table()).data<float>(), nullptr, dlogits, h.data<float>(),
+                         ps.param(head_table()).data<float>(), N, C, Vl, ops::GradWrite::overwrite);
+  }
   s.logits = Tensor();
   s.loss = Loss::Saved{};
   s.head_input = Tensor();
-  dh = TensorParallelRegion::enter_backward(tp, dh);
+  if (!tp.grid) dh = TensorParallelRegion::enter_backward(tp, dh);
   Tensor dres = Tensor::empty(s.x_final.shape());
   ln_f_.backward(g, dres.data<float>(), dh.data<float>(), s.x_final.data<float>(), s.ln_f, tp.local_rows(N),
                  /*accumulate=*/false);
@@ -209,7 +271,7 @@ Tensor GPT::backward_chunk(ParamStore& ps, GradStore& gs, MicroBatchState& s, in
   const int64_t N = s.bs.N(), C = cfg_.n_embd;
   const Grads g{ps, gs};
   Tensor dres = chunk + 1 == num_chunks() && mp_.last_stage ? head_backward(ps, gs, s, dloss) : grad_output;
-  LOOM_CHECK(dres.defined() && dres.numel() == mp_.tp.local_rows(N) * C, "chunk ", chunk,
+  LOOM_CHECK(dres.defined() && dres.numel() == mp_.tp.local_rows(N) * mp_.tp.local_width(C), "chunk ", chunk,
              " needs the gradient of its output");
   for (int b = chunk_first_block_[static_cast<size_t>(chunk) + 1]; b-- > chunk_first_block_[static_cast<size_t>(chunk)];) {
     const Block& block = blocks_[static_cast<size_t>(b)];
@@ -228,10 +290,9 @@ Tensor GPT::backward_chunk(ParamStore& ps, GradStore& gs, MicroBatchState& s, in
   Tensor demb = dres;
   if (s.opts.training && cfg_.dropout > 0.0f) {
     demb = Tensor::empty(dres.shape());
-    ops::dropout_backward(demb.data<float>(), dres.data<float>(), mp_.tp.local_rows(N), C, C, cfg_.dropout,
-                          stream_key(s.opts.dropout_key, kEmbeddingDropoutLayer, 0),
-                          static_cast<uint64_t>((s.opts.first_sequence * s.bs.T + mp_.tp.first_row(N)) * C),
-                          ops::GradWrite::overwrite);
+    ops::dropout_backward(demb.data<float>(), dres.data<float>(), mp_.tp.local_rows(N), mp_.tp.local_width(C), C,
+                          cfg_.dropout, stream_key(s.opts.dropout_key, kEmbeddingDropoutLayer, 0),
+                          embedding_dropout_first(s), ops::GradWrite::overwrite);
   }
   embedding_.backward(g, demb, s.tokens, s.bs);
   gs.group_ready(embedding_group_);

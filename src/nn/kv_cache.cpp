@@ -127,14 +127,15 @@ Tensor CausalSelfAttention::forward_decode(const ParamStore& ps, const float* in
                                            int layer) const {
   // This rank's heads: attention needs no communication, c_proj sums them.
   const int64_t local_C = local_heads_ * hs_;
-  Tensor qkv = Tensor::empty({batch.N, c_attn_.local().out_features()});
-  c_attn_.local().forward(ps, qkv.data<float>(), in, batch.N);
+  const Linear& c_attn = std::get<ColumnParallelLinear>(c_attn_).local();
+  Tensor qkv = Tensor::empty({batch.N, c_attn.out_features()});
+  c_attn.forward(ps, qkv.data<float>(), in, batch.N);
   rotate(qkv.data<float>(), batch);
   Tensor att = Tensor::empty({batch.N, local_C});
   ops::attention_decode(att.data<float>(), nullptr, batch.keys(layer), batch.values(layer), qkv.data<float>(),
                         batch.cache_lens.data<int32_t>(), batch.row_offsets.data<int32_t>(), batch.S, batch.N, local_C,
                         local_heads_, local_kv_heads_, batch.max_len);
-  return c_proj_.forward(ps, att);
+  return std::get<RowParallelLinear>(c_proj_).forward(ps, att);
 }
 
 void Block::forward_decode(const ParamStore& ps, float* x, const DecodeBatch& batch) const {
@@ -157,6 +158,8 @@ LayerRange GPT::decode_layers() const {
 Tensor GPT::decode_head_input(ParamStore& ps, KVCachePool& pool, std::span<const DecodeInput> inputs,
                               bool all_positions, Communicator* pipeline) const {
   const TensorParallel& tp = mp_.tp;
+  if (tp.grid)
+    throw Error("generation runs under 1D tensor parallelism only: load the checkpoint with parallel.tp_mode = \"1d\"");
   const LayerRange layers = decode_layers();
   LOOM_CHECK(!tp.splits_tokens(), "generation under sequence parallelism");
   const bool staged = !(mp_.first_stage && mp_.last_stage);

@@ -51,15 +51,17 @@ void Linear::add_adapter(ParamLayout& layout, const LinearPart& p, Part& part, i
   // into its partial output, which the layer already sums, and dB = dy^T h_r
   // is summed likewise. A replicated W whose gradient is a partial sum (k and
   // v over more ranks than kv heads) has both factors replicated and partial.
-  const bool split = p.weight.split.parts > 1;
+  const TpAxes split = p.weight.split.parts > 1 ? p.weight.split_axes : TpAxes{0};
   ParamParallel a, b;
   a.partial_grad = b.partial_grad = p.weight.partial_grad;
   if (p.weight.split.dim == 0) {
     b.split = p.weight.split;
-    a.partial_grad = a.partial_grad || split;
+    b.split_axes = split;
+    a.partial_grad |= split;
   } else {
     a.split = p.weight.split;
-    b.partial_grad = b.partial_grad || split;
+    a.split_axes = split;
+    b.partial_grad |= split;
   }
   layout.set_trainable(part.weight, false);
   if (part.bias >= 0) layout.set_trainable(part.bias, false);
@@ -285,6 +287,7 @@ ColumnParallelLinear::ColumnParallelLinear(ParamLayout& layout, const std::strin
     : tp_(tp) {
   ParamParallel split;
   split.split = TensorSplit{0, tp.size(), tp.rank(), blocks};
+  split.split_axes = kTpAll;
   linear_ = Linear(layout, name, in, out, group, init_std, split, split, true, lora);
 }
 
@@ -317,7 +320,8 @@ RowParallelLinear::RowParallelLinear(ParamLayout& layout, const std::string& nam
     : tp_(tp) {
   ParamParallel weight, bias;
   weight.split = TensorSplit{1, tp.size(), tp.rank(), 1};
-  bias.partial_grad = tp.splits_tokens();
+  weight.split_axes = kTpAll;
+  bias.partial_grad = tp.splits_tokens() ? kTpAll : 0;
   linear_ = Linear(layout, name, in, out, group, init_std, weight, bias, has_bias, lora);
 }
 

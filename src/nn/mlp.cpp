@@ -5,14 +5,23 @@ namespace loom {
 
 MLP::MLP(ParamLayout& layout, const std::string& prefix, const GPTConfig& cfg, int group, float proj_std,
          const TensorParallel& tp)
-    : kind_(cfg.mlp), local_I_(cfg.intermediate() / tp.size()) {
+    : kind_(cfg.mlp), local_I_(cfg.intermediate() / tp.feature_parts()) {
   const int64_t C = cfg.n_embd, I = cfg.intermediate();
-  LOOM_CHECK(I % tp.size() == 0, "intermediate size ", I, " over ", tp.size(), " tensor-parallel ranks");
-  ParamParallel split;
-  split.split = TensorSplit{0, tp.size(), tp.rank(), 1};
+  LOOM_CHECK(I % tp.feature_parts() == 0, "intermediate size ", I, " over ", tp.feature_parts(),
+             " tensor-parallel parts");
   // SwiGLU's gate | up: one GEMM writes the [N, 2I] buffer its kernel reads.
   const std::vector<std::string> names =
       kind_ == MlpKind::gelu ? std::vector<std::string>{"c_fc"} : std::vector<std::string>{"gate", "up"};
+  if (tp.grid) {
+    std::vector<SummaLinear::Part> parts;
+    for (const std::string& name : names) parts.push_back({prefix + "." + name, I, 1});
+    c_fc_ = SummaLinear(layout, parts, C, group, 0.02f, tp, cfg.mlp_bias);
+    c_proj_ = SummaLinear(layout, {{prefix + ".c_proj", C, 1}}, I, group, proj_std, tp, cfg.mlp_bias);
+    return;
+  }
+  ParamParallel split;
+  split.split = TensorSplit{0, tp.size(), tp.rank(), 1};
+  split.split_axes = kTpAll;
   std::vector<LinearPart> parts;
   for (const std::string& name : names)
     parts.push_back({prefix + "." + name, I, split, split, 0, 0, cfg.adapter("mlp." + name)});
@@ -23,11 +32,11 @@ MLP::MLP(ParamLayout& layout, const std::string& prefix, const GPTConfig& cfg, i
 
 Tensor MLP::forward(const ParamStore& ps, Saved& s, const Tensor& in, const AdapterDropout& drop) const {
   forward_activation(ps, s, in, drop);
-  return c_proj_.forward(ps, s.act, drop);
+  return parallel_forward(c_proj_, ps, s.act, drop);
 }
 
 void MLP::forward_activation(const ParamStore& ps, Saved& s, const Tensor& in, const AdapterDropout& drop) const {
-  s.fc = c_fc_.forward(ps, in, drop);
+  s.fc = parallel_forward(c_fc_, ps, in, drop);
   const int64_t N = s.fc.numel() / (kind_ == MlpKind::swiglu ? 2 * local_I_ : local_I_);
   s.act = Tensor::empty({N, local_I_});
   const float* fc = s.fc.data<float>();
@@ -41,7 +50,7 @@ Tensor MLP::backward(const Grads& g, const Tensor& dout, const Tensor& in, const
                      const AdapterDropout& drop) const {
   // dact is freed as soon as the activation's backward has consumed it, so
   // at most two intermediate-sized gradient buffers exist at once.
-  Tensor dact = c_proj_.backward(g, dout, s.act, drop);
+  Tensor dact = parallel_backward(c_proj_, g, dout, s.act, drop);
   Tensor dfc = Tensor::empty(s.fc.shape());
   const float* fc = s.fc.data<float>();
   if (kind_ == MlpKind::swiglu)
@@ -50,7 +59,7 @@ Tensor MLP::backward(const Grads& g, const Tensor& dout, const Tensor& in, const
   else
     ops::gelu_backward(dfc.data<float>(), fc, dact.data<float>(), s.fc.numel(), ops::GradWrite::overwrite);
   dact = Tensor();
-  return c_fc_.backward(g, dfc, in, drop);
+  return parallel_backward(c_fc_, g, dfc, in, drop);
 }
 
 }  // namespace loom

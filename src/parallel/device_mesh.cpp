@@ -70,7 +70,8 @@ int MeshShape::rank_of(const MeshCoords& coords) const {
   return rank;
 }
 
-DeviceMesh::DeviceMesh(Communicator& world, const MeshShape& shape) : world_(world), shape_(shape) {
+DeviceMesh::DeviceMesh(Communicator& world, const MeshShape& shape, const TensorGridShape& grid)
+    : world_(world), shape_(shape) {
   shape_.validate(world.size());
   coords_ = shape_.coords_of(world.rank());
   for (MeshAxis axis : kMeshAxes) {
@@ -80,6 +81,26 @@ DeviceMesh::DeviceMesh(Communicator& world, const MeshShape& shape) : world_(wor
     first[static_cast<size_t>(axis)] = 0;
     groups_[static_cast<size_t>(axis)] = world.split(shape_.rank_of(first), coord(axis));
   }
+  if (grid.ranks() == 1) return;
+  LOOM_CHECK(grid.q > 1 && grid.depth >= 1 && grid.ranks() == shape_[MeshAxis::tp], "a ", grid.q, " x ", grid.q,
+             " x ", grid.depth, " grid over ", shape_[MeshAxis::tp], " tensor-parallel ranks");
+  // Within the tp group: t = (layer * q + row) * q + col. Each split's color
+  // is the coordinates its ranks share, its key the one they differ in.
+  Communicator& tp = group(MeshAxis::tp);
+  const int t = tp.rank(), q = grid.q;
+  grid_.q = q;
+  grid_.depth = grid.depth;
+  grid_.col = t % q;
+  grid_.row = (t / q) % q;
+  grid_.layer = t / (q * q);
+  hidden_group_ = tp.split(grid_.layer * q + grid_.row, grid_.col);
+  weight_group_ = tp.split(grid_.layer * q + grid_.col, grid_.row);
+  depth_group_ = tp.split(grid_.row * q + grid_.col, grid_.layer);
+  token_group_ = tp.split(grid_.col, grid_.token_index());
+  grid_.hidden_group = hidden_group_.get();
+  grid_.weight_group = weight_group_.get();
+  grid_.depth_group = depth_group_.get();
+  grid_.token_group = token_group_.get();
 }
 
 }  // namespace loom

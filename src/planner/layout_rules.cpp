@@ -66,7 +66,7 @@ Found batch_divides(const LayoutProblem& p, const Layout& l) {
 // n_head * head_dim wide); the residual width n_embd is never split.
 Found tp_divides_heads(const LayoutProblem& p, const Layout& l) {
   const GPTConfig& m = p.model;
-  if (m.n_head % l.tp == 0) return std::nullopt;
+  if (l.tp_mode != TensorParallelMode::one_d || m.n_head % l.tp == 0) return std::nullopt;
   return LayoutViolation{
       "parallel.tp",
       str("must divide model.n_head = ", m.n_head, ", since each tensor-parallel rank computes whole attention heads"),
@@ -85,7 +85,7 @@ Found tp_divides_heads(const LayoutProblem& p, const Layout& l) {
 Found tp_fits_kv_heads(const LayoutProblem& p, const Layout& l) {
   const GPTConfig& m = p.model;
   const int64_t nkv = m.kv_heads();
-  if (nkv % l.tp == 0 || l.tp % nkv == 0) return std::nullopt;
+  if (l.tp_mode != TensorParallelMode::one_d || nkv % l.tp == 0 || l.tp % nkv == 0) return std::nullopt;
   return LayoutViolation{"parallel.tp",
                          str("must divide or be a multiple of model.n_kv_head = ", nkv,
                              ", since each tensor-parallel rank computes whole kv heads or shares one"),
@@ -96,7 +96,7 @@ Found tp_fits_kv_heads(const LayoutProblem& p, const Layout& l) {
 
 Found tp_divides_intermediate(const LayoutProblem& p, const Layout& l) {
   const int64_t inter = p.model.intermediate();
-  if (inter % l.tp == 0) return std::nullopt;
+  if (l.tp_mode != TensorParallelMode::one_d || inter % l.tp == 0) return std::nullopt;
   return LayoutViolation{"parallel.tp", str("must divide the MLP's model.intermediate_size = ", inter),
                          p.model_shape_settable ? str("set model.intermediate_size to a multiple of ", l.tp)
                                                 : str("choose parallel.tp dividing ", inter)};
@@ -110,6 +110,92 @@ Found tp_within_vocab(const LayoutProblem& p, const Layout& l) {
                          str("may not exceed model.vocab_size = ", p.model.vocab_size,
                              ", since each tensor-parallel rank holds at least one row of the embedding"),
                          str("set parallel.tp <= ", p.model.vocab_size)};
+}
+
+// The side q of the grid a layout's tensor-parallel ranks form (0: none).
+int64_t grid_side(const Layout& l) { return tensor_grid_shape(l.tp_mode, l.tp, l.tp_depth).q; }
+
+bool on_grid(const Layout& l) {
+  return l.tp_mode == TensorParallelMode::two_d || l.tp_mode == TensorParallelMode::two_and_half_d;
+}
+
+Found tp_mode_implemented(const LayoutProblem&, const Layout& l) {
+  if (l.tp_mode != TensorParallelMode::three_d) return std::nullopt;
+  return LayoutViolation{"parallel.tp_mode", "= \"3d\" is not implemented yet",
+                         "set parallel.tp_mode = \"2d\" or \"2.5d\" (or \"1d\")"};
+}
+
+Found tp_depth_needs_2p5d(const LayoutProblem&, const Layout& l) {
+  if (l.tp_depth == 1 || l.tp_mode == TensorParallelMode::two_and_half_d) return std::nullopt;
+  return LayoutViolation{"parallel.tp_depth",
+                         str("= ", l.tp_depth, " layers a 2.5D grid, and parallel.tp_mode = \"",
+                             tensor_parallel_mode_name(l.tp_mode), "\""),
+                         "set parallel.tp_mode = \"2.5d\", or parallel.tp_depth = 1"};
+}
+
+// 2D needs tp = q^2, 2.5D tp = q^2 * depth, with q >= 2.
+Found tp_forms_grid(const LayoutProblem&, const Layout& l) {
+  if (!on_grid(l) || grid_side(l) > 0) return std::nullopt;
+  const bool two_d = l.tp_mode == TensorParallelMode::two_d;
+  const std::string shape = two_d ? "a square q * q" : str("q * q * parallel.tp_depth = q * q * ", l.tp_depth);
+  std::string fix =
+      assign_one_of("parallel.tp", nearest_valid(l.tp, 1, 1 << 20, [&](int64_t t) {
+        return tensor_grid_shape(l.tp_mode, t, l.tp_depth).q > 0;
+      }));
+  if (!two_d) {
+    const std::string depth =
+        assign_one_of("parallel.tp_depth", nearest_valid(l.tp_depth, 1, l.tp, [&](int64_t d) {
+          return tensor_grid_shape(l.tp_mode, l.tp, d).q > 0;
+        }));
+    fix = set_one_of({fix, depth});
+  } else {
+    fix = "set " + fix;
+  }
+  return LayoutViolation{"parallel.tp",
+                         str("= ", l.tp, " ranks do not form a ", tensor_parallel_mode_name(l.tp_mode), " grid of ",
+                             shape, " ranks with q >= 2"),
+                         fix};
+}
+
+// A grid splits the hidden width, the heads (query and kv) and the MLP's
+// columns over its side q.
+Found grid_divides_model(const LayoutProblem& p, const Layout& l) {
+  const int64_t q = on_grid(l) ? grid_side(l) : 0;
+  if (q == 0) return std::nullopt;
+  const GPTConfig& m = p.model;
+  for (const auto& [key, value] : {std::pair<const char*, int64_t>{"model.n_embd", m.n_embd},
+                                   {"model.n_head", m.n_head},
+                                   {"model.n_kv_head", m.kv_heads()},
+                                   {"model.intermediate_size", m.intermediate()}})
+    if (value % q != 0)
+      return LayoutViolation{"parallel.tp",
+                             str("makes a ", q, " x ", q, " grid, whose side must divide ", key, " = ", value),
+                             str("choose parallel.tp = q * q * parallel.tp_depth with q dividing ", key)};
+  return std::nullopt;
+}
+
+// Attention needs whole sequences, so each of the grid's q * depth token
+// groups gets whole sequences of every micro-batch.
+Found grid_splits_sequences(const LayoutProblem& p, const Layout& l) {
+  const int64_t q = on_grid(l) ? grid_side(l) : 0;
+  if (q == 0 || l.micro_batch % (q * l.tp_depth) == 0) return std::nullopt;
+  const int64_t parts = q * l.tp_depth;
+  return LayoutViolation{
+      "train.micro_batch_size",
+      str("= ", l.micro_batch, " sequences must split evenly over the grid's ", parts,
+          " token groups (q * parallel.tp_depth)"),
+      "set " + assign_one_of("train.micro_batch_size",
+                             nearest_valid(l.micro_batch, 1, p.global_batch / l.dp, [&](int64_t b) {
+                               return b % parts == 0 && p.global_batch % (l.dp * b) == 0;
+                             }))};
+}
+
+Found grid_excludes_sequence_parallel(const LayoutProblem&, const Layout& l) {
+  if (!on_grid(l) || !l.sequence_parallel) return std::nullopt;
+  return LayoutViolation{"parallel.sequence_parallel",
+                         str("splits 1D tensor parallelism's activations by token, and parallel.tp_mode = \"",
+                             tensor_parallel_mode_name(l.tp_mode), "\" splits them already"),
+                         "set parallel.sequence_parallel = false, or parallel.tp_mode = \"1d\""};
 }
 
 Found sequence_parallel_needs_tp(const LayoutProblem&, const Layout& l) {
@@ -274,6 +360,12 @@ Found sharded_gradients_without_tensor_parallel(const LayoutProblem&, const Layo
 // (the pipeline rules count micro-batches only once the batch divides).
 constexpr std::array kRules{
     LayoutRule{"batch_divides", batch_divides},
+    LayoutRule{"tp_mode_implemented", tp_mode_implemented},
+    LayoutRule{"tp_depth_needs_2p5d", tp_depth_needs_2p5d},
+    LayoutRule{"tp_forms_grid", tp_forms_grid},
+    LayoutRule{"grid_excludes_sequence_parallel", grid_excludes_sequence_parallel},
+    LayoutRule{"grid_divides_model", grid_divides_model},
+    LayoutRule{"grid_splits_sequences", grid_splits_sequences},
     LayoutRule{"tp_divides_heads", tp_divides_heads},
     LayoutRule{"tp_fits_kv_heads", tp_fits_kv_heads},
     LayoutRule{"tp_divides_intermediate", tp_divides_intermediate},
@@ -339,8 +431,12 @@ std::vector<Layout> layout_candidates(const LayoutProblem& problem, int64_t worl
 
 std::vector<std::string> layout_settings(const Layout& l) {
   const auto flag = [](bool on) { return on ? "true" : "false"; };
-  return {str("parallel.dp=", l.dp),
-          str("parallel.tp=", l.tp),
+  std::vector<std::string> settings{str("parallel.dp=", l.dp), str("parallel.tp=", l.tp)};
+  if (l.tp_mode != TensorParallelMode::one_d) {
+    settings.push_back(str("parallel.tp_mode=", tensor_parallel_mode_name(l.tp_mode)));
+    settings.push_back(str("parallel.tp_depth=", l.tp_depth));
+  }
+  settings.insert(settings.end(), {
           str("parallel.pp=", l.pp),
           str("parallel.sequence_parallel=", flag(l.sequence_parallel)),
           str("parallel.schedule=", pipeline_schedule_name(l.schedule)),
@@ -348,7 +444,8 @@ std::vector<std::string> layout_settings(const Layout& l) {
           str("train.micro_batch_size=", l.micro_batch),
           str("zero.stage=", l.zero_stage),
           str("train.activation_checkpointing=", flag(l.recompute)),
-          str("memory.policy=", memory_policy_name(l.memory_policy))};
+          str("memory.policy=", memory_policy_name(l.memory_policy))});
+  return settings;
 }
 
 std::optional<LayoutViolation> check_layout(const LayoutProblem& problem, const Layout& layout) {

@@ -17,32 +17,60 @@ namespace {
 // ceil(block / parts).
 int64_t piece_extent(const TensorSplit& s, int64_t global) { return (global / s.blocks + s.parts - 1) / s.parts; }
 
+// Where local coordinate `local` of a split dimension lies in the global one
+// (-1: padding), and how many coordinates from it on continue the same way.
+struct SplitCoord {
+  int64_t global = 0, run = 0;
+};
+SplitCoord map_split(const TensorSplit& s, int64_t global_extent, int64_t local) {
+  if (s.parts == 1) return {local, global_extent - local};
+  const int64_t block = global_extent / s.blocks, piece = piece_extent(s, global_extent);
+  const int64_t b = local / piece, in_piece = local % piece;
+  // Coordinates of this piece inside the block; the rest are padding.
+  const int64_t real = std::clamp<int64_t>(block - s.index * piece, 0, piece);
+  if (in_piece >= real) return {-1, piece - in_piece};
+  return {b * block + s.index * piece + in_piece, real - in_piece};
+}
+
 }  // namespace
 
 int64_t ParamSpec::global_index(int64_t local, int64_t* run) const {
   LOOM_CHECK(local >= 0 && local < numel(), "element ", local, " outside ", name, " ", shape_str(shape));
   const TensorSplit& s = parallel.split;
-  if (s.parts == 1) {
+  if (!parallel.is_split()) {
     if (run) *run = numel() - local;
     return local;
   }
-  const size_t d = static_cast<size_t>(s.dim);
-  int64_t inner = 1;
-  for (size_t i = d + 1; i < shape.size(); ++i) inner *= shape[i];
-  const int64_t global_extent = global_shape[d], block = global_extent / s.blocks;
-  const int64_t piece = piece_extent(s, global_extent), local_extent = shape[d];
-  const int64_t outer = local / (local_extent * inner), rest = local % (local_extent * inner);
-  const int64_t row = rest / inner, col = rest % inner;
-  const int64_t b = row / piece, row_in_piece = row % piece;
-  // Rows of this piece inside the block; the rest are padding.
-  const int64_t real_rows = std::clamp<int64_t>(block - s.index * piece, 0, piece);
-  if (row_in_piece >= real_rows) {
-    if (run) *run = (piece - row_in_piece) * inner - col;
-    return -1;
+  if (parallel.col_split.parts == 1) {
+    // One cut: the elements inside a dimension's run are consecutive in
+    // both spaces, with every dimension inside it whole.
+    const size_t d = static_cast<size_t>(s.dim);
+    int64_t inner = 1;
+    for (size_t i = d + 1; i < shape.size(); ++i) inner *= shape[i];
+    const int64_t outer = local / (shape[d] * inner), rest = local % (shape[d] * inner);
+    const int64_t row = rest / inner, col = rest % inner;
+    const SplitCoord c = map_split(s, global_shape[d], row);
+    if (run) *run = c.run * inner - col;
+    if (c.global < 0) return -1;
+    return (outer * global_shape[d] + c.global) * inner + col;
   }
-  if (run) *run = (real_rows - row_in_piece) * inner - col;
-  const int64_t global_row = b * block + s.index * piece + row_in_piece;
-  return (outer * global_extent + global_row) * inner + col;
+  // Two cuts: map every coordinate; a run ends with the last dimension's.
+  int64_t rest = local, global = 0, stride = 1, last_run = 0;
+  bool padding = false;
+  for (size_t i = shape.size(); i-- > 0;) {
+    const int64_t coord = rest % shape[i];
+    rest /= shape[i];
+    SplitCoord c{coord, global_shape[i] - coord};
+    if (s.parts > 1 && static_cast<size_t>(s.dim) == i) c = map_split(s, global_shape[i], coord);
+    if (parallel.col_split.parts > 1 && static_cast<size_t>(parallel.col_split.dim) == i)
+      c = map_split(parallel.col_split, global_shape[i], coord);
+    if (i + 1 == shape.size()) last_run = c.run;
+    padding = padding || c.global < 0;
+    global += c.global * stride;
+    stride *= global_shape[i];
+  }
+  if (run) *run = padding && shape.size() > 1 ? shape.back() - local % shape.back() : last_run;
+  return padding ? -1 : global;
 }
 
 int ParamLayout::add(std::string name, Shape shape, ParamInit init, bool weight_decay, int group,
@@ -52,14 +80,16 @@ int ParamLayout::add(std::string name, Shape shape, ParamInit init, bool weight_
   LOOM_CHECK(group == num_groups() - 1, "parameter ", name, " declared for group ", group,
              " while group ", num_groups() - 1, " is open");
   LOOM_CHECK(find(name) < 0, "duplicate parameter name ", name);
-  const TensorSplit& s = parallel.split;
   Shape local = shape;
-  if (s.parts > 1) {
+  for (const TensorSplit& s : {parallel.split, parallel.col_split}) {
+    if (s.parts == 1) continue;
     LOOM_CHECK(s.dim >= 0 && static_cast<size_t>(s.dim) < shape.size() && s.index >= 0 && s.index < s.parts &&
                    s.blocks >= 1 && shape[static_cast<size_t>(s.dim)] % s.blocks == 0,
                "bad split of ", name, " ", shape_str(shape));
     local[static_cast<size_t>(s.dim)] = s.blocks * piece_extent(s, shape[static_cast<size_t>(s.dim)]);
   }
+  LOOM_CHECK(parallel.split.parts == 1 || parallel.col_split.parts == 1 || parallel.split.dim != parallel.col_split.dim,
+             "two cuts of one dimension of ", name);
   ParamSpec spec{std::move(name), std::move(local), std::move(shape), init, weight_decay, group, numel_, parallel,
                  added_trainable_};
   numel_ += spec.numel();

@@ -285,6 +285,8 @@ Layout layout_of(const Config& cfg) {
   return Layout{.dp = cfg.get<int64_t>("parallel.dp"),
                 .tp = cfg.get<int64_t>("parallel.tp"),
                 .pp = cfg.get<int64_t>("parallel.pp"),
+                .tp_mode = parse_tensor_parallel_mode(cfg.get<std::string>("parallel.tp_mode")),
+                .tp_depth = cfg.get<int64_t>("parallel.tp_depth"),
                 .sequence_parallel = cfg.get<bool>("parallel.sequence_parallel"),
                 .schedule = parse_pipeline_schedule(cfg.get<std::string>("parallel.schedule")),
                 .virtual_stages = cfg.get<int64_t>("parallel.virtual_stages"),
@@ -406,7 +408,7 @@ std::unique_ptr<DeviceMesh> plan_mesh(const TrainPlan& plan, Communicator& world
   shape[MeshAxis::dp] = static_cast<int>(plan.dp);
   shape[MeshAxis::tp] = static_cast<int>(plan.tp);
   shape[MeshAxis::pp] = static_cast<int>(plan.pp);
-  return std::make_unique<DeviceMesh>(world, shape);
+  return std::make_unique<DeviceMesh>(world, shape, plan.tensor_grid);
 }
 
 TrainPlan plan_training(const Config& cfg) {
@@ -461,6 +463,7 @@ TrainPlan plan_training(const Config& cfg) {
   if (const std::optional<LayoutViolation> broken = check_layout(layout_problem_of(cfg, p.model), layout))
     throw ConfigError(cfg, broken->key, broken->problem, broken->fix);
   p.accumulation = p.global_batch / (dp * p.micro_batch);
+  p.tensor_grid = tensor_grid_shape(layout.tp_mode, layout.tp, layout.tp_depth);
   // A tokenizer beside an imported checkpoint replaces data.vocab_size's (the
   // run checks it against the model once the data is prepared).
   if (p.init_tokenizer.empty() && cfg.get<int64_t>("data.vocab_size") > p.model.vocab_size)

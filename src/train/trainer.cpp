@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <vector>
 
 #include "loom/device.h"
@@ -33,9 +34,13 @@ ModelParallel model_parallel_for(const GPTConfig& model, const TrainOptions& opt
     throw Error(str("parallel.virtual_stages = ", o.virtual_stages, " with schedule ",
                     pipeline_schedule_name(o.schedule),
                     ": interleaved_1f1b needs 2 or more virtual stages, the other schedules exactly 1"));
+  if (o.sequence_parallel && mesh.tensor_grid())
+    throw Error("sequence parallelism splits 1D tensor parallelism's activations by token; a 2D/2.5D grid splits "
+                "them already: use parallel.sequence_parallel = false, or parallel.tp_mode = \"1d\"");
   ModelParallel mp;
   mp.tp.group = &mesh.group(MeshAxis::tp);
   mp.tp.sequence_parallel = o.sequence_parallel;
+  mp.tp.grid = mesh.tensor_grid();
   const int stage = mesh.coord(MeshAxis::pp);
   mp.first_stage = stage == 0;
   mp.last_stage = stage == pp - 1;
@@ -63,9 +68,10 @@ ModelParallel model_parallel_for(const GPTConfig& model, const TrainOptions& opt
 
 // Whether this rank's values of p are the ones its replica saves and counts
 // in the gradient norm: not the tied copy and, for a parameter replicated over
-// the tensor-parallel ranks, tp rank 0's.
-bool owns_values(const ParamSpec& p, int tp_rank) {
-  return !p.parallel.tied_copy && (p.parallel.split.parts > 1 || tp_rank == 0);
+// the tensor-parallel ranks (or some axes of a grid), the copy at coordinate 0
+// on those axes.
+bool owns_values(const ParamSpec& p, const TensorParallel& tp) {
+  return !p.parallel.tied_copy && tp.owns_copy(kTpAll & ~p.parallel.split_axes);
 }
 
 // Whether `name` is `entry` or a parameter under the module `entry`.
@@ -98,7 +104,8 @@ class MicroBatchWork final : public PipelineStageWork {
 
   Shape activation_shape(int, int micro_batch) const override {
     const MicroBatch& mb = micro_batches_[static_cast<size_t>(micro_batch)];
-    return {model_.parallel().tp.local_rows(mb.shape.N()), model_.config().n_embd};
+    const TensorParallel& tp = model_.parallel().tp;
+    return {tp.local_rows(mb.shape.N()), tp.local_width(model_.config().n_embd)};
   }
   Tensor forward(int chunk, int micro_batch, const Tensor& input) override {
     if (step_ >= 0) report_progress("forward", step_, "micro-batch", micro_batch);
@@ -119,9 +126,12 @@ class MicroBatchWork final : public PipelineStageWork {
   }
   // The micro-batches' sums of the loss's terms on every rank of
   // `pipeline`: only the last stage computes losses (its tensor-parallel
-  // ranks all the same ones). One read of the device accumulator.
+  // ranks all the same ones, or on a grid each row of ranks its tokens').
+  // One read of the device accumulator.
   std::vector<double> loss_sums(Communicator& pipeline) const {
     std::vector<double> sums = host_sums(loss_sum_);
+    if (const TensorGrid* grid = model_.parallel().tp.grid)
+      grid->token_group->all_reduce(sums.data(), static_cast<int64_t>(sums.size()), DType::f64, ReduceOp::sum);
     if (pipeline.size() > 1)
       pipeline.all_reduce(sums.data(), static_cast<int64_t>(sums.size()), DType::f64, ReduceOp::sum);
     return sums;
@@ -203,12 +213,12 @@ Trainer::Trainer(const GPTConfig& model, const TrainOptions& opts, DeviceMesh& m
   // reduction.
   const auto& params = model_.layout().params();
   defer_reduction_ = pp > 1 || std::any_of(params.begin(), params.end(), [&](const ParamSpec& p) {
-                       return p.parallel.partial_grad && tpl.size() > 1;
+                       return p.parallel.partial_grad != 0 && tpl.size() > 1;
                      });
   ZeroOptimizer& zero = build_zero_stores();
   std::vector<FlatRange> duplicates;
   for (const ParamSpec& p : store_layout().params())
-    if (!owns_values(p, tpl.rank()))
+    if (!owns_values(p, tpl))
       duplicates.push_back({p.offset, p.offset + p.numel()});
   zero.count_norm_over(*model_parallel_group_, std::move(duplicates));
 }
@@ -453,13 +463,16 @@ void Trainer::reduce_model_parallel_gradients() {
   const TensorParallel& tp = model_.parallel().tp;
   // What each parameter's gradient is summed over is a property of the
   // parameter (ParamParallel), not of its name; frozen ones have none.
-  std::vector<int> over_tp, over_stages;
+  // Partial sums are reduced over the group their axes span, one fused
+  // all-reduce per distinct set of axes, in a fixed order.
+  std::map<TpAxes, std::vector<int>> over_tp;
+  std::vector<int> over_stages;
   for (int id = 0; id < static_cast<int>(store_layout().params().size()); ++id) {
     const ParamParallel& p = store_layout().param(id).parallel;
-    if (p.partial_grad && tp.size() > 1) over_tp.push_back(id);
+    if (p.partial_grad != 0 && tp.size() > 1) over_tp[p.partial_grad].push_back(id);
     if (p.tied_across_stages) over_stages.push_back(id);
   }
-  all_reduce_fused(*tp.group, grads, over_tp);
+  for (const auto& [axes, ids] : over_tp) all_reduce_fused(tp.group_over(axes), grads, ids);
   if (!over_stages.empty()) {
     LOOM_CHECK(embedding_group_, "a parameter tied across pipeline stages without the stages' group");
     all_reduce_fused(*embedding_group_, grads, over_stages);
@@ -583,10 +596,10 @@ Tensor Trainer::to_whole(const Tensor& local) {
   if (!whole_) return local;
   // Each element of the whole model comes from exactly one rank of the
   // replica (zeros elsewhere), so a sum assembles it.
-  const int tp_rank = model_.parallel().tp.rank();
+  const TensorParallel& tp = model_.parallel().tp;
   Tensor whole = Tensor::zeros({state_layout().numel()}, DType::f32, Tier::host);
   for_each_whole_run(model_.layout(), state_layout(), [&](const ParamSpec& p, int64_t at, int64_t global, int64_t n) {
-    if (global < 0 || !owns_values(p, tp_rank)) return;
+    if (global < 0 || !owns_values(p, tp)) return;
     std::copy_n(local.data<float>() + at, n, whole.data<float>() + global);
   });
   model_parallel_group_->all_reduce(whole);
@@ -642,10 +655,10 @@ std::optional<std::vector<std::vector<Trainer::StateRun>>> Trainer::own_state_ru
   // Every data-parallel replica of a store that is not sharded holds the same.
   const bool replicated = !chunk_memory_ && opts_.zero.stage == 0;
   if (replicated && dp_ && dp_->rank() != 0) return runs;
-  const int tp_rank = model_.parallel().tp.rank();
+  const TensorParallel& tp = model_.parallel().tp;
   size_t first = 0;
   for_each_whole_run(model_.layout(), state_layout(), [&](const ParamSpec& p, int64_t at, int64_t global, int64_t n) {
-    if (global < 0 || !owns_values(p, tp_rank)) return;
+    if (global < 0 || !owns_values(p, tp)) return;
     // Both the runs and the ranges come in increasing local order.
     while (first < ranges->size() && (*ranges)[first].end <= at) ++first;
     for (size_t k = first; k < ranges->size() && (*ranges)[k].begin < at + n; ++k) {

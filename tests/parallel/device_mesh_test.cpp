@@ -84,3 +84,50 @@ TEST(DeviceMesh, GroupsAreTheAxisSlices) {
 
 }  // namespace
 }  // namespace loom
+
+namespace loom {
+namespace {
+
+// A 2 x 2 x 2 grid (2.5D) on the tp axis of a dp=2 mesh: every rank's
+// coordinates, and each group holds exactly the ranks that share the other
+// coordinates, ranked by the one they differ in.
+TEST(TensorGrid, GroupsHoldTheRanksOfARowAColumnADepthAndTheTokens) {
+  run_local(16, [](Communicator& world) {
+    MeshShape shape;
+    shape[MeshAxis::dp] = 2;
+    shape[MeshAxis::tp] = 8;
+    DeviceMesh mesh(world, shape, {2, 2});
+    const TensorGrid* grid = mesh.tensor_grid();
+    ASSERT_NE(grid, nullptr);
+    const int t = mesh.coord(MeshAxis::tp);
+    EXPECT_EQ(grid->col, t % 2);
+    EXPECT_EQ(grid->row, (t / 2) % 2);
+    EXPECT_EQ(grid->layer, t / 4);
+    const int base = world.rank() - t;  // the replica's first world rank
+    const auto members = [&](const Communicator& g) { return g.world_ranks(); };
+    EXPECT_EQ(members(*grid->hidden_group), (std::vector<int>{base + t / 2 * 2, base + t / 2 * 2 + 1}));
+    EXPECT_EQ(members(*grid->weight_group),
+              (std::vector<int>{base + grid->layer * 4 + grid->col, base + grid->layer * 4 + 2 + grid->col}));
+    EXPECT_EQ(members(*grid->depth_group), (std::vector<int>{base + t % 4, base + 4 + t % 4}));
+    EXPECT_EQ(members(*grid->token_group),
+              (std::vector<int>{base + grid->col, base + 2 + grid->col, base + 4 + grid->col, base + 6 + grid->col}));
+    EXPECT_EQ(grid->token_group->rank(), grid->token_index());
+    EXPECT_EQ(&grid->group_over(kTpRows | kTpDepth), grid->token_group);
+  });
+  MeshShape one;
+  run_local(1, [&](Communicator& world) { EXPECT_EQ(DeviceMesh(world, one).tensor_grid(), nullptr); });
+}
+
+TEST(TensorGrid, ShapesOfModes) {
+  EXPECT_EQ(tensor_grid_shape(TensorParallelMode::two_d, 9, 1).q, 3);
+  EXPECT_EQ(tensor_grid_shape(TensorParallelMode::two_d, 8, 2).q, 0);  // 2D has one layer
+  EXPECT_EQ(tensor_grid_shape(TensorParallelMode::two_and_half_d, 8, 2).q, 2);
+  EXPECT_EQ(tensor_grid_shape(TensorParallelMode::two_and_half_d, 12, 3).q, 2);
+  EXPECT_EQ(tensor_grid_shape(TensorParallelMode::two_and_half_d, 12, 2).q, 0);
+  EXPECT_EQ(tensor_grid_shape(TensorParallelMode::one_d, 8, 1).ranks(), 1);
+  EXPECT_EQ(parse_tensor_parallel_mode("2.5d"), TensorParallelMode::two_and_half_d);
+  EXPECT_NE(message_of([] { parse_tensor_parallel_mode("4d"); }).find("use 1d, 2d, 2.5d or 3d"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace loom

@@ -433,6 +433,49 @@ TEST(PlanTraining, TensorParallelPadsTheVocabularyButNeedsARowPerRank) {
   EXPECT_CONTAINS(e, "set parallel.tp <= 2");
 }
 
+TEST(PlanTraining, GridPlans) {
+  const TrainPlan p = plan_training(tiny({"parallel.tp=4", "parallel.tp_mode=2d"}));
+  EXPECT_EQ(p.tp, 4);
+  EXPECT_EQ(p.tensor_grid.q, 2);
+  EXPECT_EQ(p.tensor_grid.depth, 1);
+  const TrainPlan t = plan_training(
+      tiny({"parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2", "train.micro_batch_size=4"}));
+  EXPECT_EQ(t.tensor_grid.q, 2);
+  EXPECT_EQ(t.tensor_grid.depth, 2);
+  EXPECT_EQ(plan_training(tiny({"parallel.tp=2"})).tensor_grid.ranks(), 1);
+}
+
+// Invalid grids are config errors naming the key and the nearest valid values.
+TEST(PlanTraining, InvalidGridsNameTheFix) {
+  std::string e = error_of([] { plan_training(tiny({"parallel.tp=6", "parallel.tp_mode=2d"})); });
+  EXPECT_CONTAINS(e, "parallel.tp = 6");
+  EXPECT_CONTAINS(e, "do not form a 2d grid");
+  EXPECT_CONTAINS(e, "set parallel.tp = 4 or 9");
+  e = error_of([] {
+    plan_training(tiny({"parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=3"}));
+  });
+  EXPECT_CONTAINS(e, "parallel.tp = 8");
+  EXPECT_CONTAINS(e, "q * q * parallel.tp_depth = q * q * 3");
+  EXPECT_CONTAINS(e, "parallel.tp_depth = 2");
+  e = error_of([] { plan_training(tiny({"parallel.tp=4", "parallel.tp_depth=2"})); });
+  EXPECT_CONTAINS(e, "parallel.tp_depth = 2");
+  EXPECT_CONTAINS(e, "set parallel.tp_mode = \"2.5d\", or parallel.tp_depth = 1");
+  e = error_of([] {
+    plan_training(tiny({"parallel.tp=4", "parallel.tp_mode=2d", "parallel.sequence_parallel=true"}));
+  });
+  EXPECT_CONTAINS(e, "parallel.sequence_parallel = true");
+  EXPECT_CONTAINS(e, "set parallel.sequence_parallel = false, or parallel.tp_mode = \"1d\"");
+  e = error_of([] { plan_training(tiny({"parallel.tp=4", "parallel.tp_mode=2d", "train.micro_batch_size=1"})); });
+  EXPECT_CONTAINS(e, "train.micro_batch_size = 1");
+  EXPECT_CONTAINS(e, "set train.micro_batch_size = 2");
+  e = error_of([] { plan_training(tiny({"parallel.tp=9", "parallel.tp_mode=2d", "train.micro_batch_size=3",
+                                        "train.batch_size=3"})); });
+  EXPECT_CONTAINS(e, "whose side must divide model.n_embd = 32");
+  e = error_of([] { plan_training(tiny({"parallel.tp=8", "parallel.tp_mode=3d"})); });
+  EXPECT_CONTAINS(e, "parallel.tp_mode = \"3d\"");
+  EXPECT_CONTAINS(e, "not implemented");
+}
+
 TEST(PlanTraining, SequenceParallelNeedsTensorParallelism) {
   const std::string e = error_of([] { plan_training(tiny({"parallel.sequence_parallel=true"})); });
   EXPECT_CONTAINS(e, "parallel.sequence_parallel = true");

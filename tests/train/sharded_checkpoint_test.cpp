@@ -30,6 +30,14 @@ DataParallelRun with_heads(DataParallelRun r) {
   return r;
 }
 
+// A q x q x depth tensor-parallel grid (2D, or 2.5D with depth > 1).
+DataParallelRun on_grid(int q, int depth) {
+  DataParallelRun r = with_heads(testing::layout(1, 0));
+  r.tp = q * q * depth;
+  r.grid = {q, depth};
+  return r;
+}
+
 // What one rank of a save measured.
 struct SavePeak {
   size_t host_extra = 0;  // the host tier's peak during the save over what it held before
@@ -199,7 +207,9 @@ TEST_P(ShardedCheckpoint, SavesOwnStateAndResumesUnderAnyLayout) {
   const std::vector<std::pair<std::string, DataParallelRun>> loaders{
       {"single rank", with_heads(testing::layout(0, 0))},
       {"dp4 ZeRO-3", with_heads(testing::layout(4, 3))},
-      {"tp4", tp4}};
+      {"tp4", tp4},
+      {"2d tp4", on_grid(2, 1)},
+      {"2.5d tp8", on_grid(2, 2)}};
   RunResult tail = whole.result;
   tail.stats.erase(tail.stats.begin(), tail.stats.begin() + kSaveAt);
   for (const auto& [name, loader] : loaders) {
@@ -229,7 +239,12 @@ std::vector<SavedLayout> saved_layouts() {
   offload.memory.offload_param_frac = 0.5;
   offload.memory.offload_optim_frac = 0.5;
   offload.memory.chunk_bytes = 32 << 10;  // several chunks
+  DataParallelRun grid_mesh = on_grid(2, 1);
+  grid_mesh.dp = 2;
+  grid_mesh.stage = 1;
   return {{"tp2_pp2_dp2_zero1", mesh},
+          {"2d_tp4_dp2_zero1", grid_mesh},
+          {"2p5d_tp8", on_grid(2, 2)},
           {"tp2_pp2_dp2_zero0", replicated_mesh},
           {"dp2_zero0", with_heads(testing::layout(2, 0))},
           {"dp2_zero3", with_heads(testing::layout(2, 3))},

@@ -27,6 +27,7 @@ struct DataParallelRun {
   // Model parallelism: with tp or pp > 1 (or mesh) the Trainer runs on a
   // dp x pp x tp mesh.
   int tp = 1, pp = 1;
+  TensorGridShape grid;  // the tp ranks' 2D/2.5D grid ({1, 1}: 1D)
   bool mesh = false;
   bool checkpoint_activations = false;
   ModelParallelOptions model_parallel;
@@ -194,7 +195,7 @@ inline std::unique_ptr<DeviceMesh> mesh_of(Communicator* world, const DataParall
   shape[MeshAxis::dp] = r.dp;
   shape[MeshAxis::tp] = r.tp;
   shape[MeshAxis::pp] = r.pp;
-  return std::make_unique<DeviceMesh>(*world, shape);
+  return std::make_unique<DeviceMesh>(*world, shape, r.grid);
 }
 
 // Trains on `comm` (nullptr: the reference); rank 0's figures land in `result`.
@@ -223,10 +224,15 @@ inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& re
   };
   const std::unique_ptr<DeviceMesh> mesh = mesh_of(comm, r);
   if (r.doubled_sums) {
-    Communicator& group = mesh ? mesh->group(*r.doubled_sums) : *comm;
-    CommOptions faulty = group.options();
-    faulty.test_double_sums = true;
-    group.set_options(faulty);
+    std::vector<Communicator*> groups{mesh ? &mesh->group(*r.doubled_sums) : comm};
+    // A grid's tensor-parallel communication runs over its own groups.
+    if (const TensorGrid* grid = mesh ? mesh->tensor_grid() : nullptr; grid && *r.doubled_sums == MeshAxis::tp)
+      groups.insert(groups.end(), {grid->hidden_group, grid->weight_group, grid->depth_group, grid->token_group});
+    for (Communicator* group : groups) {
+      CommOptions faulty = group->options();
+      faulty.test_double_sums = true;
+      group->set_options(faulty);
+    }
   }
   std::unique_ptr<Trainer> trainer =
       mesh ? std::make_unique<Trainer>(cfg, opts, *mesh) : std::make_unique<Trainer>(cfg, opts, comm);

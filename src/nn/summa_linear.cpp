@@ -1,0 +1,127 @@
+// SUMMA linear layers of a 2D/2.5D tensor-parallel grid (nn.h).
+#include "loom/device.h"
+#include "loom/nn.h"
+
+namespace loom {
+
+ParamParallel SummaLinear::weight_cut(const TensorGrid& grid, int64_t blocks) {
+  ParamParallel p;
+  p.split = TensorSplit{0, grid.q, grid.row, blocks};
+  p.col_split = TensorSplit{1, grid.q, grid.col, 1};
+  p.split_axes = kTpRows | kTpCols;
+  // Every layer of the depth holds a copy and sees its own tokens.
+  p.partial_grad = grid.depth > 1 ? kTpDepth : 0;
+  return p;
+}
+
+ParamParallel SummaLinear::bias_cut(const TensorGrid& grid, int64_t blocks) {
+  ParamParallel p;
+  p.split = TensorSplit{0, grid.q, grid.col, blocks};
+  p.split_axes = kTpCols;
+  p.partial_grad = kTpRows | kTpDepth;
+  return p;
+}
+
+SummaLinear::SummaLinear(ParamLayout& layout, const std::vector<Part>& parts, int64_t in, int group, float init_std,
+                         const TensorParallel& tp, bool has_bias)
+    : grid_(tp.grid), has_bias_(has_bias) {
+  LOOM_CHECK(grid_ && in % grid_->q == 0, "a SUMMA layer of ", in, " inputs needs a grid that splits them");
+  in_ = in / grid_->q;
+  for (const Part& part : parts) {
+    Piece piece;
+    piece.weight = layout.add(part.name + ".weight", {part.out, in}, ParamInit::normal_(init_std), true, group,
+                              weight_cut(*grid_, part.blocks));
+    layout.set_linear_weight(piece.weight);
+    if (has_bias)
+      piece.bias = layout.add(part.name + ".bias", {part.out}, ParamInit::constant(0.0f), false, group,
+                              bias_cut(*grid_, part.blocks));
+    piece.rows = layout.param(piece.weight).shape[0];
+    out_ += piece.rows;
+    pieces_.push_back(piece);
+  }
+}
+
+SummaLinear::SummaLinear(int weight, int64_t local_out, int64_t in, const TensorParallel& tp)
+    : grid_(tp.grid), out_(local_out), pieces_{{weight, -1, local_out}} {
+  LOOM_CHECK(grid_ && in % grid_->q == 0, "a SUMMA layer of ", in, " inputs needs a grid that splits them");
+  in_ = in / grid_->q;
+}
+
+Tensor SummaLinear::gather_panels(const ParamStore& ps) const {
+  Tensor stack = ps.param(pieces_[0].weight);
+  if (pieces_.size() > 1) {
+    stack = Tensor::empty({out_, in_});
+    int64_t row = 0;
+    for (const Piece& p : pieces_) {
+      const Tensor w = ps.param(p.weight);
+      ops::copy(stack.data<float>() + row * in_, w.data<float>(), w.nbytes());
+      row += p.rows;
+    }
+  }
+  Tensor panels = Tensor::empty({grid_->q, out_, in_});
+  grid_->weight_group->all_gather(stack, panels);
+  return panels;
+}
+
+Tensor SummaLinear::forward(const ParamStore& ps, const Tensor& x, const AdapterDropout&) const {
+  const int64_t q = grid_->q, rows = x.numel() / in_;
+  const Tensor panels = gather_panels(ps);
+  // partial[k] = x W_k^T: this rank's share of output columns k.
+  Tensor partial = Tensor::empty({q, rows, out_});
+  for (int64_t k = 0; k < q; ++k)
+    ops::linear_forward(partial.data<float>() + k * rows * out_, x.data<float>(),
+                        panels.data<float>() + k * out_ * in_, nullptr, rows, in_, out_);
+  Tensor y = Tensor::empty({rows, out_});
+  grid_->hidden_group->reduce_scatter(partial, y);
+  if (!has_bias_) return y;
+  int64_t col = 0;
+  Tensor bias = pieces_.size() == 1 ? ps.param(pieces_[0].bias) : Tensor::empty({out_});
+  if (pieces_.size() > 1)
+    for (const Piece& p : pieces_) {
+      ops::copy(bias.data<float>() + col, ps.param(p.bias).data<float>(), static_cast<size_t>(p.rows) * 4);
+      col += p.rows;
+    }
+  ops::add_bias(y.data<float>(), bias.data<float>(), rows, out_);
+  return y;
+}
+
+Tensor SummaLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x, const AdapterDropout&) const {
+  const int64_t q = grid_->q, rows = x.numel() / in_;
+  if (has_bias_) {
+    // The bias's gradient: dy's column sums, into each part's columns.
+    Tensor db = Tensor::zeros({out_});
+    ops::linear_backward(nullptr, nullptr, db.data<float>(), dy.data<float>(), nullptr, nullptr, rows, in_, out_);
+    int64_t col = 0;
+    for (const Piece& p : pieces_) {
+      ops::accumulate(g.grads.grad(p.bias).data<float>(), db.data<float>() + col, p.rows);
+      col += p.rows;
+    }
+  }
+  Tensor dys = Tensor::empty({q, rows, out_});
+  grid_->hidden_group->all_gather(dy, dys);
+  Tensor dx = Tensor::zeros({rows, in_});
+  {
+    // The panels are gathered again rather than kept from forward, as
+    // SUMMA broadcasts them again: weights-sized memory only while in use.
+    const Tensor panels = gather_panels(g.params);
+    for (int64_t k = 0; k < q; ++k)
+      ops::gemm(false, false, rows, in_, out_, 1.0f, dys.data<float>() + k * rows * out_, out_,
+                panels.data<float>() + k * out_ * in_, in_, 1.0f, dx.data<float>(), in_);
+  }
+  Tensor dws = Tensor::empty({q, out_, in_});
+  for (int64_t k = 0; k < q; ++k)
+    ops::gemm(true, false, out_, in_, rows, 1.0f, dys.data<float>() + k * rows * out_, out_, x.data<float>(), in_,
+              0.0f, dws.data<float>() + k * out_ * in_, in_);
+  dys = Tensor();
+  Tensor dw = Tensor::empty({out_, in_});
+  grid_->weight_group->reduce_scatter(dws, dw);
+  dws = Tensor();
+  int64_t row = 0;
+  for (const Piece& p : pieces_) {
+    ops::accumulate(g.grads.grad(p.weight).data<float>(), dw.data<float>() + row * in_, p.rows * in_);
+    row += p.rows;
+  }
+  return dx;
+}
+
+}  // namespace loom

@@ -1,0 +1,99 @@
+// 2D (Optimus) and 2.5D (Tesseract) tensor parallelism, alone and composed
+// with data parallelism, ZeRO-1, pipeline parallelism and activation
+// checkpointing, for GPT-2 and a LLaMA-shaped model: each reproduces the
+// single-rank fp32 reference and is bit-identical run to run.
+#include <gtest/gtest.h>
+
+#include "zero/zero_test_util.h"
+
+namespace loom {
+namespace {
+
+using testing::DataParallelRun;
+using testing::RunResult;
+
+// 4 heads (2 kv heads for LLaMA) and 64 columns split over a grid side of 2;
+// vocabulary 61 pads to 62.
+constexpr int kLayers = 4, kHeads = 4;
+
+struct GridLayout {
+  std::string name;
+  int q = 2, depth = 1;
+  int dp = 1, pp = 1;
+  int stage = 0;
+  bool checkpoint = false;
+  int accumulation = 1;
+  bool llama = false;
+};
+
+DataParallelRun run_of(const GridLayout& l) {
+  DataParallelRun r = testing::layout(l.dp, l.stage, DType::f32, l.accumulation);
+  r.tp = l.q * l.q * l.depth;
+  r.grid = {l.q, l.depth};
+  r.pp = l.pp;
+  r.mesh = true;
+  r.n_layer = kLayers;
+  r.n_head = kHeads;
+  r.checkpoint_activations = l.checkpoint;
+  if (l.llama) r.model_variant = testing::llama_variant(2);
+  return r;
+}
+
+// The single-rank reference of the GPT-2 or the LLaMA-shaped model.
+RunResult reference_run(bool llama) {
+  DataParallelRun r = testing::layout(0, 0);
+  r.n_layer = kLayers;
+  r.n_head = kHeads;
+  if (llama) r.model_variant = testing::llama_variant(2);
+  return testing::run_layout(r);
+}
+
+const RunResult& reference(bool llama) {
+  static const RunResult gpt2 = reference_run(false), llama_ref = reference_run(true);
+  return llama ? llama_ref : gpt2;
+}
+
+class GridParallelFp32 : public ::testing::TestWithParam<GridLayout> {};
+
+TEST_P(GridParallelFp32, MatchesTheReferenceAndIsBitIdenticalRunToRun) {
+  const GridLayout l = GetParam();
+  const RunResult a = testing::run_layout(run_of(l));
+  ASSERT_EQ(a.stats.size(), 20u);
+  const RunResult& ref = reference(l.llama);
+  std::printf("%s: max loss rel diff %.3g, params rel diff %.3g\n", l.name.c_str(), testing::max_loss_rel_diff(a, ref),
+              testing::param_rel_diff(a, ref));
+  EXPECT_TRUE(testing::matches_reference(a, ref, 1e-5));
+  const RunResult b = testing::run_layout(run_of(l));
+  for (size_t s = 0; s < a.stats.size(); ++s) EXPECT_EQ(a.stats[s].loss, b.stats[s].loss) << "step " << s;
+  EXPECT_TRUE(testing::bit_equal(a.params, b.params));
+  EXPECT_TRUE(testing::bit_equal(a.exp_avg_sq, b.exp_avg_sq));
+}
+
+std::vector<GridLayout> layouts() {
+  std::vector<GridLayout> v;
+  for (bool llama : {false, true}) {
+    const std::string model = llama ? "llama_" : "gpt2_";
+    for (const auto& [mode, depth] : {std::pair{"2d", 1}, std::pair{"2p5d", 2}}) {
+      const std::string p = model + mode;
+      v.push_back({.name = p, .depth = depth, .llama = llama});
+      v.push_back({.name = p + "_dp2_zero1", .depth = depth, .dp = 2, .stage = 1, .llama = llama});
+      v.push_back({.name = p + "_pp2_1f1b", .depth = depth, .pp = 2, .accumulation = 2, .llama = llama});
+      v.push_back({.name = p + "_checkpointing", .depth = depth, .checkpoint = true, .llama = llama});
+    }
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, GridParallelFp32, ::testing::ValuesIn(layouts()),
+                         [](const ::testing::TestParamInfo<GridLayout>& i) { return i.param.name; });
+
+// The comparison can fail: with the grid's floating-point sums doubled.
+TEST(GridParallel, ADoubledReductionFailsTheComparison) {
+  DataParallelRun r = run_of({.name = "2d"});
+  r.doubled_sums = MeshAxis::tp;
+  const ::testing::AssertionResult match = testing::matches_reference(testing::run_layout(r), reference(false), 1e-5);
+  EXPECT_FALSE(match);
+}
+
+}  // namespace
+}  // namespace loom
