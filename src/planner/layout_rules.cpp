@@ -121,14 +121,14 @@ bool on_grid(const Layout& l) {
 
 Found tp_mode_implemented(const LayoutProblem&, const Layout& l) {
   if (l.tp_mode != TensorParallelMode::three_d) return std::nullopt;
-  return LayoutViolation{"parallel.tp_mode", "= \"3d\" is not implemented yet",
+  return LayoutViolation{"parallel.tp_mode", "is not implemented yet",
                          "set parallel.tp_mode = \"2d\" or \"2.5d\" (or \"1d\")"};
 }
 
 Found tp_depth_needs_2p5d(const LayoutProblem&, const Layout& l) {
   if (l.tp_depth == 1 || l.tp_mode == TensorParallelMode::two_and_half_d) return std::nullopt;
   return LayoutViolation{"parallel.tp_depth",
-                         str("= ", l.tp_depth, " layers a 2.5D grid, and parallel.tp_mode = \"",
+                         str("layers a 2.5D grid, and parallel.tp_mode = \"",
                              tensor_parallel_mode_name(l.tp_mode), "\""),
                          "set parallel.tp_mode = \"2.5d\", or parallel.tp_depth = 1"};
 }
@@ -152,7 +152,7 @@ Found tp_forms_grid(const LayoutProblem&, const Layout& l) {
     fix = "set " + fix;
   }
   return LayoutViolation{"parallel.tp",
-                         str("= ", l.tp, " ranks do not form a ", tensor_parallel_mode_name(l.tp_mode), " grid of ",
+                         str("does not form a ", tensor_parallel_mode_name(l.tp_mode), " grid of ",
                              shape, " ranks with q >= 2"),
                          fix};
 }
@@ -182,7 +182,7 @@ Found grid_splits_sequences(const LayoutProblem& p, const Layout& l) {
   const int64_t parts = q * l.tp_depth;
   return LayoutViolation{
       "train.micro_batch_size",
-      str("= ", l.micro_batch, " sequences must split evenly over the grid's ", parts,
+      str("must split its sequences evenly over the grid's ", parts,
           " token groups (q * parallel.tp_depth)"),
       "set " + assign_one_of("train.micro_batch_size",
                              nearest_valid(l.micro_batch, 1, p.global_batch / l.dp, [&](int64_t b) {

@@ -449,7 +449,7 @@ TEST(PlanTraining, GridPlans) {
 TEST(PlanTraining, InvalidGridsNameTheFix) {
   std::string e = error_of([] { plan_training(tiny({"parallel.tp=6", "parallel.tp_mode=2d"})); });
   EXPECT_CONTAINS(e, "parallel.tp = 6");
-  EXPECT_CONTAINS(e, "do not form a 2d grid");
+  EXPECT_CONTAINS(e, "does not form a 2d grid");
   EXPECT_CONTAINS(e, "set parallel.tp = 4 or 9");
   e = error_of([] {
     plan_training(tiny({"parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=3"}));
@@ -473,7 +473,7 @@ TEST(PlanTraining, InvalidGridsNameTheFix) {
   EXPECT_CONTAINS(e, "whose side must divide model.n_embd = 32");
   e = error_of([] { plan_training(tiny({"parallel.tp=8", "parallel.tp_mode=3d"})); });
   EXPECT_CONTAINS(e, "parallel.tp_mode = \"3d\"");
-  EXPECT_CONTAINS(e, "not implemented");
+  EXPECT_CONTAINS(e, "is not implemented yet");
 }
 
 TEST(PlanTraining, SequenceParallelNeedsTensorParallelism) {
