@@ -145,8 +145,9 @@ void GPT::begin(MicroBatchState& s, const int32_t* tokens, const int32_t* target
   if (mp_.first_stage) s.tokens = Tensor::from_host(tokens, {N}, DType::i32);
   if (mp_.last_stage) {
     // This rank's token rows' targets (a grid splits the head's rows).
-    s.targets = Tensor::from_host(targets + mp_.tp.first_row(N), {mp_.tp.grid ? mp_.tp.local_rows(N) : N},
-                                  DType::i32);
+    const bool split_rows = mp_.tp.grid != nullptr;
+    s.targets = Tensor::from_host(targets + (split_rows ? mp_.tp.first_row(N) : 0),
+                                  {split_rows ? mp_.tp.local_rows(N) : N}, DType::i32);
     s.valid_targets = std::count_if(targets, targets + N, [](int32_t t) { return t != -1; });
     s.loss_sum = loss_sum.defined() ? loss_sum : Tensor::zeros({loss_->terms()}, DType::f64);
   }
