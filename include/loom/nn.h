@@ -370,10 +370,8 @@ class SummaLinear {
               const TensorParallel& tp, bool has_bias);
   // The layer over a [out, in] matrix already in the layout, cut as this
   // layer cuts its weights (the output head's token table), without a bias.
+  // Its weight must be cut by TensorGrid::matrix_cut, as the layer's own are.
   SummaLinear(int weight, int64_t local_out, int64_t in, const TensorParallel& tp);
-  // How the layer cuts a weight of `out` rows of `blocks` blocks, and its bias.
-  static ParamParallel weight_cut(const TensorGrid& grid, int64_t blocks);
-  static ParamParallel bias_cut(const TensorGrid& grid, int64_t blocks);
 
   // x: [rows, in / q]. Returns [rows, out / q].
   Tensor forward(const ParamStore& ps, const Tensor& x, const AdapterDropout& drop = {}) const;
@@ -385,6 +383,8 @@ class SummaLinear {
     int weight = -1, bias = -1;
     int64_t rows = 0;  // of this rank's block (padding included)
   };
+  // Every piece's weight (or bias) of this rank.
+  std::vector<Tensor> params(const ParamStore& ps, bool bias) const;
   // This rank's blocks of every part stacked by rows [out / q, in / q], and
   // the column's stacks gathered [q, out / q, in / q].
   Tensor gather_panels(const ParamStore& ps) const;
@@ -590,9 +590,6 @@ class Block {
   // y null: stops after the MLP's activation, which is all backward reads.
   void forward_into(const ParamStore& ps, Saved& s, float* y, const BatchShape& bs, const ForwardOptions& opts) const;
   AdapterDropout adapter_dropout(const BatchShape& bs, const ForwardOptions& opts) const;
-  // The global index of this rank's first element of the block's [N, C]
-  // activations: where its residual dropout masks start.
-  uint64_t dropout_first(const BatchShape& bs, const ForwardOptions& opts) const;
 
   TensorParallel tp_;
   int index_ = 0, group_ = 0;
@@ -895,9 +892,6 @@ class GPT {
   void check_grid() const;
   // The ranks the logits' vocabulary is split over.
   TensorParallel vocab_parallel() const;
-  // The global index of this rank's first element of the embedding's
-  // output: where its dropout mask starts.
-  uint64_t embedding_dropout_first(const MicroBatchState& s) const;
   // The group whose token table the head multiplies by.
   int head_group() const { return head_group_ >= 0 ? head_group_ : embedding_group_; }
   int head_table() const { return head_table_ >= 0 ? head_table_ : embedding_.wte_id(); }

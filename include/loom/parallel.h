@@ -126,6 +126,17 @@ struct TensorGrid {
   // (weight_group), kTpDepth (depth_group) or kTpRows | kTpDepth
   // (token_group).
   Communicator& group_over(TpAxes axes) const;
+
+  // How a grid cuts this rank's pieces of the parameters:
+  // a matrix [out, in] of `blocks` stacked blocks (q | k | v): output rows
+  // over the grid's rows block by block, input columns over its columns,
+  // a copy in every layer whose gradient is a partial sum over the depth;
+  ParamParallel matrix_cut(int64_t blocks = 1) const;
+  // a parameter whose dimension `dim` runs along the activations' hidden
+  // columns (biases, norms, positions): cut over the grid's columns, a copy
+  // on every token row whose gradient is a partial sum over the rows and
+  // the depth.
+  ParamParallel column_cut(int dim, int64_t blocks = 1) const;
 };
 
 // The world as a mesh, with this rank's group along every axis: the ranks
@@ -191,10 +202,19 @@ struct TensorParallel {
   // (a grid's q), and this rank's share of `width` columns.
   int64_t hidden_parts() const { return grid ? grid->q : 1; }
   int64_t local_width(int64_t width) const { return width / hidden_parts(); }
+  int64_t first_col(int64_t width) const { return grid ? grid->col * (width / grid->q) : 0; }
+  // The index, in the global [.., width] activations, of this rank's first
+  // element of a micro-batch of `rows` token rows whose first is global row
+  // `row0`: where its dropout masks start.
+  uint64_t first_element(int64_t row0, int64_t rows, int64_t width) const {
+    return static_cast<uint64_t>((row0 + first_row(rows)) * width + first_col(width));
+  }
   // How many ways a block's inner features (attention heads, the MLP's
   // intermediate columns) are split.
   int64_t feature_parts() const { return grid ? grid->q : size(); }
-  int64_t first_col(int64_t width) const { return grid ? grid->col * (width / grid->q) : 0; }
+  // Megatron's cut of a parameter's dimension `dim` (of `blocks` stacked
+  // blocks) over the whole group (1D).
+  ParamParallel cut(int dim, int64_t blocks = 1) const;
   // Whether this rank holds the owning copy of a parameter replicated along
   // `axes` (coordinate 0 on each of them).
   bool owns_copy(TpAxes axes) const;

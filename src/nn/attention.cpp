@@ -35,9 +35,7 @@ CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string&
     c_attn_ = ColumnParallelLinear(layout, prefix + ".c_attn", C, 3 * q, group, 0.02f, tp, 3,
                                    cfg.adapter("attn.c_attn"));
   } else {
-    ParamParallel split;
-    split.split = TensorSplit{0, tp.size(), tp.rank(), 1};
-    split.split_axes = kTpAll;
+    const ParamParallel split = tp.cut(0);
     std::vector<LinearPart> parts{{prefix + ".q", q, split, split, 0, 0, cfg.adapter("attn.q")},
                                   {prefix + ".k", nkv * hs_, split, split, 0, 0, cfg.adapter("attn.k")},
                                   {prefix + ".v", nkv * hs_, split, split, 0, 0, cfg.adapter("attn.v")}};

@@ -39,11 +39,6 @@ Tensor Block::forward(const ParamStore& ps, Saved& s, const Tensor& x, const Bat
   return y;
 }
 
-uint64_t Block::dropout_first(const BatchShape& bs, const ForwardOptions& opts) const {
-  return static_cast<uint64_t>((opts.first_sequence * bs.T + tp_.first_row(bs.N())) * C_total_ +
-                               tp_.first_col(C_total_));
-}
-
 AdapterDropout Block::adapter_dropout(const BatchShape& bs, const ForwardOptions& opts) const {
   // The linear layers' inputs hold every token row of the micro-batch (a
   // column-parallel layer gathers them under sequence parallelism).
@@ -57,7 +52,7 @@ void Block::forward_into(const ParamStore& ps, Saved& s, float* y, const BatchSh
   const bool drop = opts.training && dropout_ > 0.0f;
   // The masks are indexed by global element, so sequence-parallel shards
   // and a grid's blocks draw their slice of the same masks.
-  const uint64_t first = dropout_first(bs, opts);
+  const uint64_t first = tp_.first_element(opts.first_sequence * bs.T, bs.N(), C_total_);
   const float* x = s.x.data<float>();
 
   ln_1_.forward(ps, s.ln_1, x, rows);
@@ -84,7 +79,7 @@ void Block::forward_into(const ParamStore& ps, Saved& s, float* y, const BatchSh
 void Block::backward(const Grads& g, float* dres, Saved& s, const BatchShape& bs, const ForwardOptions& opts) const {
   const int64_t rows = tp_.local_rows(bs.N());
   const bool drop = opts.training && dropout_ > 0.0f;
-  const uint64_t first = dropout_first(bs, opts);
+  const uint64_t first = tp_.first_element(opts.first_sequence * bs.T, bs.N(), C_total_);
   if (s.recompute) {
     // Activation checkpointing: rebuild this block's activations from its
     // input. Same kernels, same inputs, same dropout masks: the same bits.

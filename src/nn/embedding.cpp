@@ -6,12 +6,9 @@ namespace loom {
 
 int Embedding::add_token_table(ParamLayout& layout, int64_t vocab, int64_t C, int group, const TensorParallel& tp,
                                TableCopies copies, const std::string& name) {
-  ParamParallel parallel;
-  parallel.split = TensorSplit{0, tp.size(), tp.rank(), 1};
-  parallel.split_axes = kTpAll;
   // On a grid the table is cut as the output head's SUMMA layer cuts its
   // weight: vocabulary rows over the grid's rows, columns over its columns.
-  if (tp.grid) parallel = SummaLinear::weight_cut(*tp.grid, 1);
+  ParamParallel parallel = tp.grid ? tp.grid->matrix_cut() : tp.cut(0);
   parallel.tied_across_stages = copies != TableCopies::none;
   parallel.tied_copy = copies == TableCopies::copy;
   return layout.add(name, {vocab, C}, ParamInit::normal_(0.02f), true, group, parallel);
@@ -24,12 +21,7 @@ Embedding::Embedding(ParamLayout& layout, const GPTConfig& cfg, int group, const
   if (cfg.positions != PositionKind::learned) return;
   ParamParallel positions;
   positions.partial_grad = tp.splits_tokens() ? kTpAll : 0;
-  if (tp.grid) {
-    // Columns like the activations'; every token row's copy is a partial sum.
-    positions.split = TensorSplit{1, tp.grid->q, tp.grid->col, 1};
-    positions.split_axes = kTpCols;
-    positions.partial_grad = kTpRows | kTpDepth;
-  }
+  if (tp.grid) positions = tp.grid->column_cut(1);
   wpe_ = layout.add("wpe.weight", {block_size_, C_}, ParamInit::normal_(0.01f), true, group, positions);
 }
 

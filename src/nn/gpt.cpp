@@ -166,7 +166,7 @@ Tensor GPT::forward_chunk(ParamStore& ps, MicroBatchState& s, int chunk, const T
     if (s.opts.training && cfg_.dropout > 0.0f)
       ops::dropout_forward(x.data<float>(), x.data<float>(), mp_.tp.local_rows(N), mp_.tp.local_width(C), C,
                            cfg_.dropout, stream_key(s.opts.dropout_key, kEmbeddingDropoutLayer, 0),
-                           embedding_dropout_first(s));
+                           mp_.tp.first_element(s.opts.first_sequence * s.bs.T, N, C));
   }
   LOOM_CHECK(x.defined() && x.numel() == mp_.tp.local_rows(N) * mp_.tp.local_width(C), "chunk ", chunk,
              " needs its input activations");
@@ -183,12 +183,6 @@ Tensor GPT::forward_chunk(ParamStore& ps, MicroBatchState& s, int chunk, const T
     return Tensor();
   }
   return x;
-}
-
-uint64_t GPT::embedding_dropout_first(const MicroBatchState& s) const {
-  const int64_t C = cfg_.n_embd;
-  return static_cast<uint64_t>((s.opts.first_sequence * s.bs.T + mp_.tp.first_row(s.bs.N())) * C +
-                               mp_.tp.first_col(C));
 }
 
 void GPT::head_logits(const ParamStore& ps, float* logits, const float* h, int64_t N, int64_t V) const {
@@ -240,11 +234,11 @@ Tensor GPT::head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, flo
 
   ps.acquire(head_group());
   ps.acquire(lnf_group_);
-  const Tensor& h = tp.splits_tokens() ? s.head_input : s.ln_f.out;
   Tensor dh;
   if (tp.grid) {
     dh = grid_head_.backward(g, s.logits, s.ln_f.out);
   } else {
+    const Tensor& h = tp.splits_tokens() ? s.head_input : s.ln_f.out;
     dh = Tensor::empty({N, C});
     ops::linear_backward(dh.data<float>(), gs.grad(head_table()).data<float>(), nullptr, dlogits, h.data<float>(),
                          ps.param(head_table()).data<float>(), N, C, Vl, ops::GradWrite::overwrite);
@@ -293,7 +287,7 @@ Tensor GPT::backward_chunk(ParamStore& ps, GradStore& gs, MicroBatchState& s, in
     demb = Tensor::empty(dres.shape());
     ops::dropout_backward(demb.data<float>(), dres.data<float>(), mp_.tp.local_rows(N), mp_.tp.local_width(C), C,
                           cfg_.dropout, stream_key(s.opts.dropout_key, kEmbeddingDropoutLayer, 0),
-                          embedding_dropout_first(s), ops::GradWrite::overwrite);
+                          mp_.tp.first_element(s.opts.first_sequence * s.bs.T, N, C), ops::GradWrite::overwrite);
   }
   embedding_.backward(g, demb, s.tokens, s.bs);
   gs.group_ready(embedding_group_);

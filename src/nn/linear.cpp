@@ -3,8 +3,12 @@
 #include "loom/device.h"
 #include "loom/nn.h"
 #include "loom/quant.h"
+#include "nn/stacked_rows.h"
 
 namespace loom {
+
+using nn_detail::stack_rows;
+using nn_detail::unstack_rows;
 
 namespace {
 thread_local const LinearInputHook* t_linear_input_hook = nullptr;
@@ -114,27 +118,6 @@ Tensor row_slice(const Tensor& t, int64_t first, int64_t rows, int64_t cols) {
   return Tensor::borrow(t.data<float>() + first * cols, {rows, cols}, DType::f32, Tier::device);
 }
 
-// Pieces stacked by rows into one [rows, cols] tensor, and back.
-Tensor stack(const std::vector<Tensor>& pieces, int64_t rows, int64_t cols) {
-  if (pieces.size() == 1) return pieces[0];
-  Tensor out = Tensor::empty({rows, cols});
-  size_t at = 0;
-  for (const Tensor& p : pieces) {
-    ops::copy(static_cast<char*>(out.raw()) + at, p.raw(), p.nbytes());
-    at += p.nbytes();
-  }
-  return out;
-}
-
-void unstack(const Tensor& stacked, const std::vector<Tensor>& pieces) {
-  if (pieces.size() == 1) return;
-  size_t at = 0;
-  for (const Tensor& p : pieces) {
-    ops::copy(p.raw(), static_cast<const char*>(stacked.raw()) + at, p.nbytes());
-    at += p.nbytes();
-  }
-}
-
 }  // namespace
 
 std::vector<Tensor> Linear::pieces(const ParamStore& ps, bool bias) const {
@@ -181,8 +164,8 @@ void Linear::forward(const ParamStore& ps, float* out, const float* in, int64_t 
       first_out += p.rows;
     }
   } else {
-    const Tensor w = stack(pieces(ps, false), out_, in_);
-    const Tensor b = with_bias ? stack(pieces(ps, true), out_, 1) : Tensor();
+    const Tensor w = stack_rows(pieces(ps, false), out_, in_);
+    const Tensor b = with_bias ? stack_rows(pieces(ps, true), out_, 1) : Tensor();
     ops::linear_forward(out, in, w.data<float>(), b.defined() ? b.data<float>() : nullptr, N, in_, out_);
   }
   lora_forward(ps, out, in, N, drop);
@@ -190,18 +173,18 @@ void Linear::forward(const ParamStore& ps, float* out, const float* in, int64_t 
 
 void Linear::backward(const Grads& g, float* din, const float* dout, const float* in, int64_t N, bool bias,
                       const AdapterDropout& drop) const {
-  const Tensor w = stack(pieces(g.params, false), out_, in_);
+  const Tensor w = stack_rows(pieces(g.params, false), out_, in_);
   const bool with_bias = bias && has_bias_;
   // Several parts' gradients are stacked, accumulated into by one GEMM and
   // copied back: the same sums as accumulating into each part in place.
   const std::vector<Tensor> dws = grad_pieces(g.grads, false);
   const std::vector<Tensor> dbs = with_bias ? grad_pieces(g.grads, true) : std::vector<Tensor>{};
-  Tensor dw = dws.empty() ? Tensor() : stack(dws, out_, in_);
-  Tensor db = dbs.empty() ? Tensor() : stack(dbs, out_, 1);
+  Tensor dw = dws.empty() ? Tensor() : stack_rows(dws, out_, in_);
+  Tensor db = dbs.empty() ? Tensor() : stack_rows(dbs, out_, 1);
   ops::linear_backward(din, dw.defined() ? dw.data<float>() : nullptr, db.defined() ? db.data<float>() : nullptr,
                        dout, in, w.data<float>(), N, in_, out_, ops::GradWrite::overwrite);
-  if (dw.defined()) unstack(dw, dws);
-  if (db.defined()) unstack(db, dbs);
+  if (dw.defined()) unstack_rows(dw, dws);
+  if (db.defined()) unstack_rows(db, dbs);
   lora_backward(g, din, dout, in, N, drop);
 }
 
@@ -285,9 +268,7 @@ ColumnParallelLinear::ColumnParallelLinear(ParamLayout& layout, const std::strin
                                            int group, float init_std, const TensorParallel& tp, int64_t blocks,
                                            const LoRAConfig& lora)
     : tp_(tp) {
-  ParamParallel split;
-  split.split = TensorSplit{0, tp.size(), tp.rank(), blocks};
-  split.split_axes = kTpAll;
+  const ParamParallel split = tp.cut(0, blocks);
   linear_ = Linear(layout, name, in, out, group, init_std, split, split, true, lora);
 }
 
@@ -318,9 +299,8 @@ RowParallelLinear::RowParallelLinear(ParamLayout& layout, const std::string& nam
                                      int group, float init_std, const TensorParallel& tp, bool has_bias,
                                      const LoRAConfig& lora)
     : tp_(tp) {
-  ParamParallel weight, bias;
-  weight.split = TensorSplit{1, tp.size(), tp.rank(), 1};
-  weight.split_axes = kTpAll;
+  const ParamParallel weight = tp.cut(1);
+  ParamParallel bias;
   bias.partial_grad = tp.splits_tokens() ? kTpAll : 0;
   linear_ = Linear(layout, name, in, out, group, init_std, weight, bias, has_bias, lora);
 }

@@ -19,9 +19,7 @@ MLP::MLP(ParamLayout& layout, const std::string& prefix, const GPTConfig& cfg, i
     c_proj_ = SummaLinear(layout, {{prefix + ".c_proj", C, 1}}, I, group, proj_std, tp, cfg.mlp_bias);
     return;
   }
-  ParamParallel split;
-  split.split = TensorSplit{0, tp.size(), tp.rank(), 1};
-  split.split_axes = kTpAll;
+  const ParamParallel split = tp.cut(0);
   std::vector<LinearPart> parts;
   for (const std::string& name : names)
     parts.push_back({prefix + "." + name, I, split, split, 0, 0, cfg.adapter("mlp." + name)});

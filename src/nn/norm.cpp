@@ -12,9 +12,7 @@ Norm::Norm(ParamLayout& layout, const std::string& name, const GPTConfig& cfg, i
   // along the token axes holds a partial sum.
   if (tp.splits_tokens()) parallel.partial_grad = kTpAll;
   if (tp.grid) {
-    parallel.split = TensorSplit{0, tp.grid->q, tp.grid->col, 1};
-    parallel.split_axes = kTpCols;
-    parallel.partial_grad = kTpRows | kTpDepth;
+    parallel = tp.grid->column_cut(0);
     hidden_group_ = tp.grid->hidden_group;
   }
   weight_ = layout.add(name + ".weight", {C_total_}, ParamInit::constant(1.0f), false, group, parallel);

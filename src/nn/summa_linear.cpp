@@ -1,26 +1,9 @@
 // SUMMA linear layers of a 2D/2.5D tensor-parallel grid (nn.h).
 #include "loom/device.h"
 #include "loom/nn.h"
+#include "nn/stacked_rows.h"
 
 namespace loom {
-
-ParamParallel SummaLinear::weight_cut(const TensorGrid& grid, int64_t blocks) {
-  ParamParallel p;
-  p.split = TensorSplit{0, grid.q, grid.row, blocks};
-  p.col_split = TensorSplit{1, grid.q, grid.col, 1};
-  p.split_axes = kTpRows | kTpCols;
-  // Every layer of the depth holds a copy and sees its own tokens.
-  p.partial_grad = grid.depth > 1 ? kTpDepth : 0;
-  return p;
-}
-
-ParamParallel SummaLinear::bias_cut(const TensorGrid& grid, int64_t blocks) {
-  ParamParallel p;
-  p.split = TensorSplit{0, grid.q, grid.col, blocks};
-  p.split_axes = kTpCols;
-  p.partial_grad = kTpRows | kTpDepth;
-  return p;
-}
 
 SummaLinear::SummaLinear(ParamLayout& layout, const std::vector<Part>& parts, int64_t in, int group, float init_std,
                          const TensorParallel& tp, bool has_bias)
@@ -30,11 +13,11 @@ SummaLinear::SummaLinear(ParamLayout& layout, const std::vector<Part>& parts, in
   for (const Part& part : parts) {
     Piece piece;
     piece.weight = layout.add(part.name + ".weight", {part.out, in}, ParamInit::normal_(init_std), true, group,
-                              weight_cut(*grid_, part.blocks));
+                              grid_->matrix_cut(part.blocks));
     layout.set_linear_weight(piece.weight);
     if (has_bias)
       piece.bias = layout.add(part.name + ".bias", {part.out}, ParamInit::constant(0.0f), false, group,
-                              bias_cut(*grid_, part.blocks));
+                              grid_->column_cut(0, part.blocks));
     piece.rows = layout.param(piece.weight).shape[0];
     out_ += piece.rows;
     pieces_.push_back(piece);
@@ -47,17 +30,14 @@ SummaLinear::SummaLinear(int weight, int64_t local_out, int64_t in, const Tensor
   in_ = in / grid_->q;
 }
 
+std::vector<Tensor> SummaLinear::params(const ParamStore& ps, bool bias) const {
+  std::vector<Tensor> out;
+  for (const Piece& p : pieces_) out.push_back(ps.param(bias ? p.bias : p.weight));
+  return out;
+}
+
 Tensor SummaLinear::gather_panels(const ParamStore& ps) const {
-  Tensor stack = ps.param(pieces_[0].weight);
-  if (pieces_.size() > 1) {
-    stack = Tensor::empty({out_, in_});
-    int64_t row = 0;
-    for (const Piece& p : pieces_) {
-      const Tensor w = ps.param(p.weight);
-      ops::copy(stack.data<float>() + row * in_, w.data<float>(), w.nbytes());
-      row += p.rows;
-    }
-  }
+  const Tensor stack = nn_detail::stack_rows(params(ps, false), out_, in_);
   Tensor panels = Tensor::empty({grid_->q, out_, in_});
   grid_->weight_group->all_gather(stack, panels);
   return panels;
@@ -74,13 +54,7 @@ Tensor SummaLinear::forward(const ParamStore& ps, const Tensor& x, const Adapter
   Tensor y = Tensor::empty({rows, out_});
   grid_->hidden_group->reduce_scatter(partial, y);
   if (!has_bias_) return y;
-  int64_t col = 0;
-  Tensor bias = pieces_.size() == 1 ? ps.param(pieces_[0].bias) : Tensor::empty({out_});
-  if (pieces_.size() > 1)
-    for (const Piece& p : pieces_) {
-      ops::copy(bias.data<float>() + col, ps.param(p.bias).data<float>(), static_cast<size_t>(p.rows) * 4);
-      col += p.rows;
-    }
+  const Tensor bias = nn_detail::stack_rows(params(ps, true), out_, 1);
   ops::add_bias(y.data<float>(), bias.data<float>(), rows, out_);
   return y;
 }

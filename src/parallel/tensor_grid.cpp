@@ -54,6 +54,30 @@ Communicator& TensorGrid::group_over(TpAxes axes) const {
   return *group;
 }
 
+ParamParallel TensorGrid::matrix_cut(int64_t blocks) const {
+  ParamParallel p;
+  p.split = TensorSplit{0, q, row, blocks};
+  p.col_split = TensorSplit{1, q, col, 1};
+  p.split_axes = kTpRows | kTpCols;
+  p.partial_grad = depth > 1 ? kTpDepth : 0;
+  return p;
+}
+
+ParamParallel TensorGrid::column_cut(int dim, int64_t blocks) const {
+  ParamParallel p;
+  p.split = TensorSplit{dim, q, col, blocks};
+  p.split_axes = kTpCols;
+  p.partial_grad = kTpRows | kTpDepth;
+  return p;
+}
+
+ParamParallel TensorParallel::cut(int dim, int64_t blocks) const {
+  ParamParallel p;
+  p.split = TensorSplit{dim, size(), rank(), blocks};
+  p.split_axes = kTpAll;
+  return p;
+}
+
 bool TensorParallel::owns_copy(TpAxes axes) const {
   if (!grid) return axes == 0 || rank() == 0;
   for (TpAxes axis : {kTpRows, kTpCols, kTpDepth})
