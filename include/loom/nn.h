@@ -340,13 +340,21 @@ class RowParallelLinear {
   Linear linear_;
 };
 
+// A parameter of a grid's linear layer: `out` global rows, made of `blocks`
+// equal blocks each cut over the grid (q | k | v in one parameter: 3), so
+// that every rank's output features are whole heads of each block.
+struct GridLinearPart {
+  std::string name;  // the parameters are name.weight and name.bias
+  int64_t out = 0, blocks = 1;
+};
+
 // A linear layer of a 2D/2.5D tensor-parallel grid, by SUMMA in its
 // collective form (Optimus; Tesseract adds the depth). W [out, in] is cut
 // into q x q blocks: rank (row r, column c) holds output rows r and input
 // columns c of W, each of the layer's parts (c_attn's q | k | v, or LLaMA's
-// q, k, v parameters) cut alike so that every rank's output keeps whole
-// heads. x [rows, in / q] holds this rank's token rows and input columns c;
-// the output [rows, out / q] its token rows and output columns c.
+// q, k, v parameters) cut alike. x [rows, in / q] holds this rank's token
+// rows and input columns c; the output [rows, out / q] its token rows and
+// output columns c.
 //   forward   the column's W panels are all-gathered (panel k: rank (k, c)'s
 //             block), P_k = x W_k^T is this rank's partial sum of output
 //             columns k, and the partial sums are reduce-scattered along
@@ -359,24 +367,18 @@ class RowParallelLinear {
 //             Trainer: ParamParallel::partial_grad).
 class SummaLinear {
  public:
-  // A parameter of the layer: `out` global rows, made of `blocks` equal
-  // blocks each cut over the grid's rows (q | k | v in one parameter: 3).
-  struct Part {
-    std::string name;  // the parameters are name.weight and name.bias
-    int64_t out = 0, blocks = 1;
-  };
   SummaLinear() = default;
-  SummaLinear(ParamLayout& layout, const std::vector<Part>& parts, int64_t in, int group, float init_std,
+  SummaLinear(ParamLayout& layout, const std::vector<GridLinearPart>& parts, int64_t in, int group, float init_std,
               const TensorParallel& tp, bool has_bias);
-  // The layer over a [out, in] matrix already in the layout, cut as this
-  // layer cuts its weights (the output head's token table), without a bias.
-  // Its weight must be cut by TensorGrid::matrix_cut, as the layer's own are.
-  SummaLinear(int weight, int64_t local_out, int64_t in, const TensorParallel& tp);
+  // The layer over a [out, in] matrix already in the layout (the output
+  // head's token table), without a bias. Its weight must be cut by
+  // TensorGrid::linear_cut, as the layer's own are.
+  SummaLinear(int weight, const ParamLayout& layout, int64_t in, const TensorParallel& tp);
 
   // x: [rows, in / q]. Returns [rows, out / q].
-  Tensor forward(const ParamStore& ps, const Tensor& x, const AdapterDropout& drop = {}) const;
+  Tensor forward(const ParamStore& ps, const Tensor& x) const;
   // dy: [rows, out / q]; x as given to forward. Returns the gradient of x.
-  Tensor backward(const Grads& g, const Tensor& dy, const Tensor& x, const AdapterDropout& drop = {}) const;
+  Tensor backward(const Grads& g, const Tensor& dy, const Tensor& x) const;
 
  private:
   struct Piece {
@@ -394,11 +396,87 @@ class SummaLinear {
   std::vector<Piece> pieces_;
 };
 
+// A linear layer of a 3D tensor-parallel cube (Bian et al. 2021), whose q^3
+// ranks each hold one piece of W and of every activation. Three axes of the
+// cube play three parts: the input axis splits x's token rows, the output
+// axis splits x's features (the input columns) and, after the layer, the
+// token rows, and the layers (depth) split W's output rows within a rank's
+// share. An entering layer's input axis is the rows and its output axis the
+// columns; a leaving layer's are swapped, which restores the split between
+// blocks (TensorGrid). For an entering layer, rank (row r, column c, layer
+// l) holds x [token block l q + r, input columns c] and W's rows r q + l
+// (of q^2 parts, block by block) of input columns c:
+//   forward   x is all-gathered along the input axis (the row: token blocks
+//             l q + 0 .. q - 1), W along the depth (the rows of output
+//             features r), P = x W^T is this rank's partial sum over input
+//             columns c, and P is reduce-scattered by token rows along the
+//             output axis (the row of ranks): rank (r, k, l) gets token
+//             block l q + k of output features r, summed over the input
+//             columns; the bias (split like the output features) is added.
+//   backward  dy is all-gathered along the output axis, dx = dY W is reduce-
+//             scattered along the input axis, and dW = dY^T x (x gathered
+//             again) is reduce-scattered over the depth: each rank gets its
+//             piece summed over every token, so a cube's weight gradients
+//             are whole. The bias's are partial sums over the token axes.
+class CubeLinear {
+ public:
+  CubeLinear() = default;
+  CubeLinear(ParamLayout& layout, const std::vector<GridLinearPart>& parts, int64_t in, int group, float init_std,
+             const TensorParallel& tp, bool has_bias, GridSide side);
+  // The entering layer over a [out, in] matrix already in the layout (the
+  // output head's token table), cut by TensorGrid::linear_cut, without a bias.
+  CubeLinear(int weight, const ParamLayout& layout, int64_t in, const TensorParallel& tp);
+
+  // x: [rows, in / q]. Returns [rows, out / q].
+  Tensor forward(const ParamStore& ps, const Tensor& x) const;
+  // dy: [rows, out / q]; x as given to forward. Returns the gradient of x.
+  Tensor backward(const Grads& g, const Tensor& dy, const Tensor& x) const;
+
+ private:
+  struct Piece {
+    int weight = -1, bias = -1;
+    int64_t rows = 0, blocks = 1;  // this rank's rows (padding included), in `blocks` blocks
+  };
+  // Calls f(layer, stacked_row, feature_row, rows) for every run of rows
+  // that one layer's piece contributes to this rank's output features:
+  // stacked_row counts in the layer's pieces stacked [out / q^2, in / q],
+  // feature_row in the rank's output features [out / q, in / q].
+  template <typename F>
+  void for_each_run(F&& f) const;
+  // W's rows of this rank's output features [out / q, in / q], gathered
+  // over the depth.
+  Tensor gather_weight(const ParamStore& ps) const;
+  const TensorGrid* grid_ = nullptr;
+  Communicator *input_group_ = nullptr, *output_group_ = nullptr;
+  int64_t in_ = 0, out_ = 0;  // this rank's: in / q, out / q
+  bool has_bias_ = false;
+  std::vector<Piece> pieces_;
+};
+
+// A grid's linear layer: SUMMA on a 2D/2.5D grid, the cube's on a 3D one.
+class GridLinear {
+ public:
+  GridLinear() = default;
+  GridLinear(ParamLayout& layout, const std::vector<GridLinearPart>& parts, int64_t in, int group, float init_std,
+             const TensorParallel& tp, bool has_bias, GridSide side);
+  // The output head over the token table `weight` (an entering layer).
+  GridLinear(int weight, const ParamLayout& layout, int64_t in, const TensorParallel& tp);
+  // How many output features a rank holds of `out` (its logits' vocabulary
+  // of the head's table): padded to the grid's cut.
+  static int64_t local_features(int64_t out, const TensorGrid& grid);
+
+  Tensor forward(const ParamStore& ps, const Tensor& x, const AdapterDropout& = {}) const;
+  Tensor backward(const Grads& g, const Tensor& dy, const Tensor& x, const AdapterDropout& = {}) const;
+
+ private:
+  std::variant<SummaLinear, CubeLinear> layer_;
+};
+
 // A module's linear layers: Megatron's column-parallel layer entering the
 // tensor-parallel region and row-parallel layer leaving it (1D), or a
-// grid's SUMMA layer for both.
-using EnteringLinear = std::variant<ColumnParallelLinear, SummaLinear>;
-using LeavingLinear = std::variant<RowParallelLinear, SummaLinear>;
+// grid's layer for both.
+using EnteringLinear = std::variant<ColumnParallelLinear, GridLinear>;
+using LeavingLinear = std::variant<RowParallelLinear, GridLinear>;
 template <typename Layer>
 Tensor parallel_forward(const Layer& layer, const ParamStore& ps, const Tensor& x, const AdapterDropout& drop) {
   return std::visit([&](const auto& l) { return l.forward(ps, x, drop); }, layer);
@@ -411,9 +489,9 @@ Tensor parallel_backward(const Layer& layer, const Grads& g, const Tensor& dy, c
 
 // The block's and the final normalization: LayerNorm (weight and bias, eps
 // 1e-5) or RMSNorm (weight only, the config's eps), as the config says. On a
-// 2D/2.5D grid each rank holds its columns of the hidden dimension (and of
-// the weights) and the row statistics are all-reduced over the grid's
-// hidden group.
+// grid each rank holds its columns of the hidden dimension (and of the
+// weights) and the row statistics are all-reduced over the grid's hidden
+// group.
 class Norm {
  public:
   Norm() = default;
@@ -886,7 +964,7 @@ class GPT {
   // rows): quantized when the store holds it so (inference), else fp32.
   void head_logits(const ParamStore& ps, float* logits, const float* h, int64_t N, int64_t V) const;
   Tensor head_backward(ParamStore& ps, GradStore& gs, MicroBatchState& s, float dloss) const;
-  // Throw Error for what 1D tensor parallelism, or a 2D/2.5D grid, cannot
+  // Throw Error for what 1D tensor parallelism, or a grid, cannot
   // split.
   void check_tensor_parallel() const;
   void check_grid() const;
@@ -906,7 +984,7 @@ class GPT {
   std::vector<Block> blocks_;  // this rank's, in chunk order
   std::vector<int> chunk_first_block_;  // index into blocks_ of each chunk's first block
   Norm ln_f_;
-  SummaLinear grid_head_;  // the output head on a grid (last stage)
+  GridLinear grid_head_;  // the output head on a grid (last stage)
   std::unique_ptr<Loss> loss_;
 };
 

@@ -79,63 +79,103 @@ struct MeshShape {
 //         tp = q^2 depth; each layer runs 2D on its share of the tokens, the
 //         weights are the layers' copies and their gradients are summed over
 //         the depth;
-//   3d    a q x q x q cube (Bian et al. 2021).
+//   3d    Bian et al. 2021: a q x q x q cube, tp = q^3; every matrix split
+//         over all q^3 ranks, activations over q^3 too, linear layers by the
+//         cube's algorithm (input gathered along one axis, weight along
+//         another, partial outputs reduce-scattered along the third), which
+//         leaves a layer's output split differently from its input.
 enum class TensorParallelMode : uint8_t { one_d, two_d, two_and_half_d, three_d };
 const char* tensor_parallel_mode_name(TensorParallelMode mode);  // "1d", "2d", "2.5d", "3d"
 // Throws Error naming an unknown mode and listing the known ones.
 TensorParallelMode parse_tensor_parallel_mode(std::string_view name);
 
-// The size of a 2D/2.5D grid: tp = q * q * depth ranks (2D: depth 1).
+// The size of a grid: tp = q * q * depth ranks (2D: depth 1; 3D: a cube,
+// depth q).
 struct TensorGridShape {
   int q = 1, depth = 1;
+  bool cube = false;
   int ranks() const { return q * q * depth; }
 };
-// The grid `tp` ranks form under `mode` with `depth` layers (2.5d; 2d has
-// one): q 0 when they form none (tp / depth is not the square of a q >= 2);
-// {1, 1} for 1d. 3d is not a grid of this shape (q 0).
+// The grid `tp` ranks form under `mode` with `depth` layers (2.5d; 2d and
+// 3d ignore it): q 0 when they form none (tp / depth is not the square of a
+// q >= 2, or for 3d tp not the cube of one); {1, 1} for 1d.
 TensorGridShape tensor_grid_shape(TensorParallelMode mode, int64_t tp, int64_t depth);
 
-// A tensor-parallel rank's place in a 2D/2.5D grid and its groups. Tensor-
-// parallel rank t sits at layer t / q^2, row (t / q) % q, column t % q. A
-// block's activations are [token rows, hidden]: the token rows are split
-// over the q * depth (layer, row) pairs, the hidden dimension over the
-// columns. A matrix W [out, in] is cut into q x q blocks, output rows over
-// the grid's rows and input columns over its columns, and each layer holds a
-// copy.
+// Which way a grid's linear layer maps the activations' split: a layer
+// entering a block's inner region (q | k | v, the MLP's first matrix, the
+// output head) or leaving it (the projections back to the residual width).
+// SUMMA keeps the split; the cube's algorithm swaps two of its axes, and the
+// leaving layer swaps them back.
+enum class GridSide : uint8_t { entering, leaving };
+
+// A tensor-parallel rank's place in a grid and its groups. Tensor-parallel
+// rank t sits at layer t / q^2, row (t / q) % q, column t % q.
+//
+// Between blocks (the residual stream, norms, embeddings) the activations
+// [token rows, hidden] are split alike in every mode: the token rows over the
+// q * depth (layer, row) pairs, token block layer * q + row, and the hidden
+// dimension over the columns. Inside a block (after an entering layer) 2D and
+// 2.5D keep that split; a cube splits the token rows over the (layer, column)
+// pairs, token block layer * q + column, and the features over the rows.
+//
+// 2D/2.5D cut a matrix W [out, in] into q x q blocks, output rows over the
+// grid's rows and input columns over its columns, with a copy in each layer.
+// A cube cuts W over all q^3 ranks (linear_cut).
 struct TensorGrid {
   int q = 1, depth = 1;
+  bool cube = false;
   int row = 0, col = 0, layer = 0;
   // The ranks of this rank's row (ranked by column): they split the hidden
-  // dimension of the same tokens (and the logits' vocabulary).
+  // dimension of the same tokens between blocks (and, on 2D/2.5D, the
+  // logits' vocabulary).
   Communicator* hidden_group = nullptr;
-  // The ranks of its column in its layer (ranked by row): they hold a
-  // matrix's row panels, gathered for every product.
+  // The ranks of its column in its layer (ranked by row): on 2D/2.5D they
+  // hold a matrix's row panels, gathered for every product.
   Communicator* weight_group = nullptr;
   // The same row and column in every layer (ranked by layer): the copies of
-  // a weight block.
+  // a weight block (2.5D), the pieces of one (3D).
   Communicator* depth_group = nullptr;
   // Its column in every layer (ranked by layer * q + row): the ranks that
-  // split the token rows.
+  // split the token rows between blocks.
   Communicator* token_group = nullptr;
+  // The ranks that split the token rows inside a block: the token group on
+  // 2D/2.5D; on a cube its row in every layer (ranked by layer * q + column).
+  Communicator* inner_token_group = nullptr;
+  // The ranks holding the token table's vocabulary blocks of this rank's
+  // columns, ranked so their token rows are consecutive: the weight group on
+  // 2D/2.5D, the token group on a cube.
+  Communicator* table_group = nullptr;
 
   int token_parts() const { return q * depth; }
   int token_index() const { return layer * q + row; }
+  // This rank's token block inside a block.
+  int inner_token_index() const { return cube ? layer * q + col : token_index(); }
+  // The axis splitting the features inside a block (and the logits'
+  // vocabulary): the columns on 2D/2.5D, the rows on a cube.
+  TpAxes inner_feature_axis() const { return cube ? kTpRows : kTpCols; }
+  // The first token block of the table group's ranks.
+  int table_first_block() const { return cube ? 0 : layer * q; }
   // This rank's coordinate along one axis (kTpRows, kTpCols or kTpDepth).
   int coord(TpAxes axis) const;
   // The group spanning `axes`: kTpCols (hidden_group), kTpRows
-  // (weight_group), kTpDepth (depth_group) or kTpRows | kTpDepth
-  // (token_group).
+  // (weight_group), kTpDepth (depth_group), kTpRows | kTpDepth
+  // (token_group) or, on a cube, kTpCols | kTpDepth (inner_token_group).
   Communicator& group_over(TpAxes axes) const;
 
   // How a grid cuts this rank's pieces of the parameters:
-  // a matrix [out, in] of `blocks` stacked blocks (q | k | v): output rows
-  // over the grid's rows block by block, input columns over its columns,
-  // a copy in every layer whose gradient is a partial sum over the depth;
-  ParamParallel matrix_cut(int64_t blocks = 1) const;
-  // a parameter whose dimension `dim` runs along the activations' hidden
-  // columns (biases, norms, positions): cut over the grid's columns, a copy
-  // on every token row whose gradient is a partial sum over the rows and
-  // the depth.
+  // a linear layer's weight [out, in] of `blocks` stacked blocks (q | k | v),
+  // block by block. 2D/2.5D: output rows over the grid's rows, input columns
+  // over its columns, a copy in every layer whose gradient is a partial sum
+  // over the depth. A cube: input columns over the axis splitting the
+  // layer's input features, output rows over the axis splitting its output
+  // features and, within that, over the layers: no copies, whole gradients;
+  ParamParallel linear_cut(GridSide side, int64_t blocks = 1) const;
+  // a linear layer's bias: cut as the features of the layer's output, a
+  // copy on every token row whose gradient is a partial sum over them;
+  ParamParallel linear_bias_cut(GridSide side, int64_t blocks = 1) const;
+  // a parameter whose dimension `dim` runs along the hidden columns between
+  // blocks (norms, positions): cut over the grid's columns, a copy on every
+  // token row whose gradient is a partial sum over the rows and the depth.
   ParamParallel column_cut(int dim, int64_t blocks = 1) const;
 };
 
@@ -145,7 +185,7 @@ class DeviceMesh {
  public:
   // Validates the shape against the world (Error before any group exists),
   // then creates the groups; collective over `world`, which must outlive the
-  // mesh. A grid of more than one rank arranges the tp axis as a 2D/2.5D
+  // mesh. A grid of more than one rank arranges the tp axis as a 2D/2.5D/3D
   // grid (its ranks must be the tp axis's size) and creates its groups.
   DeviceMesh(Communicator& world, const MeshShape& shape, const TensorGridShape& grid = {});
   // The tp axis's grid, or null when it is one group (1D).
@@ -165,7 +205,7 @@ class DeviceMesh {
   MeshCoords coords_;
   std::array<std::unique_ptr<Communicator>, kNumMeshAxes> groups_;
   TensorGrid grid_;
-  std::unique_ptr<Communicator> hidden_group_, weight_group_, depth_group_, token_group_;
+  std::unique_ptr<Communicator> hidden_group_, weight_group_, depth_group_, token_group_, inner_token_group_;
 };
 
 // ---------------------------------------------------------------------------

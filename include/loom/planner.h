@@ -49,6 +49,30 @@ double layer_matmul_weights(const GPTConfig& cfg);
 // out and the log-sum-exp inside.) Dropout masks are regenerated, not kept.
 double activation_bytes_per_layer(const GPTConfig& cfg, int64_t B, int64_t T, int tp, bool sequence_parallel,
                                   bool checkpoint_activations);
+// The same on a 2D/2.5D/3D grid (TensorGrid): every tensor a block keeps is
+// split, its n = N / (q depth) token rows (N / q^2 on a cube) by q of its
+// columns, and the norms' statistics are per row, held by each of the q
+// ranks that split a row:
+//   4 n ((16 h + a) / q + 4)   (GPT-2; LLaMA's widths as the 1D formula's)
+//   full recompute:            4 n h / q
+double grid_activation_bytes_per_layer(const GPTConfig& cfg, int64_t B, int64_t T, const TensorGridShape& grid,
+                                       bool checkpoint_activations);
+
+// Elements each rank of a grid sends for one linear layer of `out` x `in`
+// over N token rows, forward and backward (CommStats' ring model: an
+// all-gather or reduce-scatter over g ranks sends (g - 1) pieces). With
+// n = N / (q depth) rows per rank:
+//   2D/2.5D (SUMMA)   3 (q-1) out in / q^2 + 2 (q-1) n out / q
+//                     (2.5D sums the weight gradient over the depth once per
+//                     step besides: grid_weight_gradient_elements_sent);
+//   3D (the cube)     3 (q-1) out in / q^3 + (q-1) n (3 in + 2 out) / q.
+// 1D's pair of column- and row-parallel layers all-reduces the [N, h]
+// activation once forward and once backward: 4 (tp-1) / tp N h.
+double grid_linear_elements_sent(int64_t out, int64_t in, int64_t N, const TensorGridShape& grid);
+// Elements each rank sends per step to sum a 2.5D grid's weight gradient of
+// `out` x `in` over the depth (an all-reduce of its out in / q^2 block); 0 on
+// 2D and 3D, whose weight gradients are whole.
+double grid_weight_gradient_elements_sent(int64_t out, int64_t in, const TensorGridShape& grid);
 
 // Model-state bytes per rank for `params` parameters on `ranks` data-parallel
 // ranks under ZeRO `stage` (Rajbhandari et al. 2020). fp32 training keeps

@@ -54,7 +54,7 @@ struct TensorSplit {
 };
 
 // Axes of the tensor-parallel ranks, as a set: the rows, columns and depth
-// layers of a 2D/2.5D grid (TensorGrid, parallel.h). A 1D group is one axis
+// layers of a 2D/2.5D/3D grid (TensorGrid, parallel.h). A 1D group is one axis
 // and stands for all of them.
 using TpAxes = uint8_t;
 inline constexpr TpAxes kTpRows = 1, kTpCols = 2, kTpDepth = 4, kTpAll = 7;

@@ -371,7 +371,7 @@ struct TrainPlan {
   std::string distill_teacher;
   int64_t dp = 1;                 // data-parallel ranks
   int64_t tp = 1;                 // tensor-parallel ranks
-  TensorGridShape tensor_grid;    // their 2D/2.5D grid ({1, 1}: 1D)
+  TensorGridShape tensor_grid;    // their 2D/2.5D/3D grid ({1, 1}: 1D)
   int64_t pp = 1;                 // pipeline stages
   std::string backend = "local";  // parallel.backend
   int nproc = 1;                  // ranks to launch: dp * tp * pp

@@ -19,14 +19,15 @@ CausalSelfAttention::CausalSelfAttention(ParamLayout& layout, const std::string&
     cpu::rope_inv_freq(inv_freq_.data(), hs_, cfg.rope_theta, cfg.rope_scaling);
   }
   if (tp.grid) {
-    // Each of q, k and v is cut over the grid's rows block by block, so
-    // every rank's output columns are whole heads of each.
-    const std::vector<SummaLinear::Part> parts_in =
-        cfg.packed_qkv ? std::vector<SummaLinear::Part>{{prefix + ".c_attn", 3 * q, 3}}
-                       : std::vector<SummaLinear::Part>{
+    // Each of q, k and v is cut over the grid block by block, so every
+    // rank's output columns are whole heads of each.
+    const std::vector<GridLinearPart> parts_in =
+        cfg.packed_qkv ? std::vector<GridLinearPart>{{prefix + ".c_attn", 3 * q, 3}}
+                       : std::vector<GridLinearPart>{
                              {prefix + ".q", q, 1}, {prefix + ".k", nkv * hs_, 1}, {prefix + ".v", nkv * hs_, 1}};
-    c_attn_ = SummaLinear(layout, parts_in, C, group, 0.02f, tp, cfg.attention_bias);
-    c_proj_ = SummaLinear(layout, {{prefix + ".c_proj", C, 1}}, q, group, proj_std, tp, cfg.attention_bias);
+    c_attn_ = GridLinear(layout, parts_in, C, group, 0.02f, tp, cfg.attention_bias, GridSide::entering);
+    c_proj_ = GridLinear(layout, {{prefix + ".c_proj", C, 1}}, q, group, proj_std, tp, cfg.attention_bias,
+                         GridSide::leaving);
     return;
   }
   if (cfg.packed_qkv) {

@@ -6,9 +6,9 @@ namespace loom {
 
 int Embedding::add_token_table(ParamLayout& layout, int64_t vocab, int64_t C, int group, const TensorParallel& tp,
                                TableCopies copies, const std::string& name) {
-  // On a grid the table is cut as the output head's SUMMA layer cuts its
-  // weight: vocabulary rows over the grid's rows, columns over its columns.
-  ParamParallel parallel = tp.grid ? tp.grid->matrix_cut() : tp.cut(0);
+  // On a grid the table is cut as the output head's layer (an entering one)
+  // cuts its weight.
+  ParamParallel parallel = tp.grid ? tp.grid->linear_cut(GridSide::entering) : tp.cut(0);
   parallel.tied_across_stages = copies != TableCopies::none;
   parallel.tied_copy = copies == TableCopies::copy;
   return layout.add(name, {vocab, C}, ParamInit::normal_(0.02f), true, group, parallel);
@@ -85,22 +85,24 @@ void Embedding::backward(const Grads& g, const Tensor& dout, const Tensor& token
   ops::embedding_lookup_range_backward(dwte, full.data<float>(), tokens, tp_.rank() * rows, rows, N, C_);
 }
 
-// On a grid the ranks of one column (in one layer) hold the table's
-// vocabulary rows between them, and their token rows are consecutive: each
-// looks up every one of those tokens in its rows, and the partial rows are
-// reduce-scattered back to their ranks (a vocabulary-parallel embedding over
-// the column, as 1D's over the tp group).
+// On a grid the table group's ranks hold the table's vocabulary rows of
+// this rank's columns between them, and their token rows are consecutive:
+// each looks up every one of those tokens in its rows, and the partial rows
+// are reduce-scattered back to their ranks (a vocabulary-parallel embedding
+// over the group, as 1D's over the tp group).
 Tensor Embedding::grid_forward(const ParamStore& ps, const int32_t* tokens, const BatchShape& bs,
                                int64_t pos0) const {
   const TensorGrid& grid = *tp_.grid;
-  const int64_t N = bs.N(), rows = tp_.local_rows(N), C = tp_.local_width(C_);
-  const int64_t vocab_rows = ps.layout().param(wte_).shape[0];
-  const int32_t* column_tokens = tokens + grid.layer * grid.q * rows;
-  Tensor partial = Tensor::empty({grid.q * rows, C});
-  ops::embedding_lookup_range(partial.data<float>(), column_tokens, ps.param(wte_).data<float>(),
-                              grid.row * vocab_rows, vocab_rows, grid.q * rows, C);
+  Communicator& group = *grid.table_group;
+  const int64_t N = bs.N(), rows = tp_.local_rows(N), C = tp_.local_width(C_), group_rows = group.size() * rows;
+  const ParamSpec& table = ps.layout().param(wte_);
+  const int64_t vocab_rows = table.shape[0];
+  Tensor partial = Tensor::empty({group_rows, C});
+  ops::embedding_lookup_range(partial.data<float>(), tokens + grid.table_first_block() * rows,
+                              ps.param(wte_).data<float>(), table.parallel.split.index * vocab_rows, vocab_rows,
+                              group_rows, C);
   Tensor out = Tensor::empty({rows, C});
-  grid.weight_group->reduce_scatter(partial, out);
+  group.reduce_scatter(partial, out);
   if (wpe_ >= 0)
     ops::position_embedding_add(out.data<float>(), ps.param(wpe_).data<float>(), tp_.first_row(N), rows, bs.T, C,
                                 pos0);
@@ -109,16 +111,18 @@ Tensor Embedding::grid_forward(const ParamStore& ps, const int32_t* tokens, cons
 
 void Embedding::grid_backward(const Grads& g, const Tensor& dout, const int32_t* tokens, const BatchShape& bs) const {
   const TensorGrid& grid = *tp_.grid;
-  const int64_t N = bs.N(), rows = tp_.local_rows(N), C = tp_.local_width(C_);
+  Communicator& group = *grid.table_group;
+  const int64_t N = bs.N(), rows = tp_.local_rows(N), C = tp_.local_width(C_), group_rows = group.size() * rows;
   if (wpe_ >= 0)
     ops::position_embedding_backward(g.grads.grad(wpe_).data<float>(), dout.data<float>(), tp_.first_row(N), rows,
                                      bs.T, C);
-  Tensor column = Tensor::empty({grid.q * rows, C});
-  grid.weight_group->all_gather(dout, column);
-  const int64_t vocab_rows = g.params.layout().param(wte_).shape[0];
-  ops::embedding_lookup_range_backward(g.grads.grad(wte_).data<float>(), column.data<float>(),
-                                       tokens + grid.layer * grid.q * rows, grid.row * vocab_rows, vocab_rows,
-                                       grid.q * rows, C);
+  Tensor gathered = Tensor::empty({group_rows, C});
+  group.all_gather(dout, gathered);
+  const ParamSpec& table = g.params.layout().param(wte_);
+  const int64_t vocab_rows = table.shape[0];
+  ops::embedding_lookup_range_backward(g.grads.grad(wte_).data<float>(), gathered.data<float>(),
+                                       tokens + grid.table_first_block() * rows,
+                                       table.parallel.split.index * vocab_rows, vocab_rows, group_rows, C);
 }
 
 }  // namespace loom

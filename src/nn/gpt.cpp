@@ -29,7 +29,8 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp)
     LOOM_CHECK(chunks_[c].begin >= (c ? chunks_[c - 1].end : 0) && chunks_[c].begin < chunks_[c].end &&
                    chunks_[c].end <= cfg_.n_layer,
                "bad layer range [", chunks_[c].begin, ", ", chunks_[c].end, ") for chunk ", c);
-  local_vocab_ = (cfg_.vocab_size + tp.feature_parts() - 1) / tp.feature_parts();
+  local_vocab_ = tp.grid ? GridLinear::local_features(cfg_.vocab_size, *tp.grid)
+                         : (cfg_.vocab_size + tp.feature_parts() - 1) / tp.feature_parts();
   // Fine-tuning through adapters freezes the whole base model, as PEFT does.
   layout_.set_added_trainable(!cfg_.lora.enabled());
 
@@ -63,7 +64,7 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp)
                                                Embedding::TableCopies::copy);
     }
     layout_.set_output_table(head_table());
-    if (tp.grid) grid_head_ = SummaLinear(head_table(), local_vocab_, cfg_.n_embd, tp);
+    if (tp.grid) grid_head_ = GridLinear(head_table(), layout_, cfg_.n_embd, tp);
   }
   if (mp_.first_stage && mp_.last_stage && tp.size() == 1 && mp_.chunks.empty())
     LOOM_CHECK(layout_.numel() == cfg_.num_params(), "layout has ", layout_.numel(), " parameters, formula says ",
@@ -85,33 +86,45 @@ void GPT::check_tensor_parallel() const {
 }
 
 void GPT::check_grid() const {
-  const int64_t q = mp_.tp.grid->q;
-  const auto require = [&](const char* key, int64_t value) {
-    if (value % q != 0)
-      throw Error(str(key, " = ", value, " does not split over the ", q, " x ", q,
-                      " tensor-parallel grid: choose a grid side (parallel.tp = q^2 * parallel.tp_depth) dividing it"));
+  const TensorGrid& grid = *mp_.tp.grid;
+  const int64_t q = grid.q;
+  const auto require = [&](const char* key, int64_t value, int64_t parts) {
+    if (value % parts != 0)
+      throw Error(str(key, " = ", value, " does not split into the ", parts, " parts a ", q, "-sided ",
+                      grid.cube ? "cube" : "grid", " cuts it in: choose a grid side q (parallel.tp = ",
+                      grid.cube ? "q^3" : "q^2 * parallel.tp_depth", ") with ", parts == q ? "q" : "q^2",
+                      " dividing it"));
   };
-  require("model.n_embd", cfg_.n_embd);
-  require("model.n_head", cfg_.n_head);
-  require("model.n_kv_head", cfg_.kv_heads());
-  require("model.intermediate_size", cfg_.intermediate());
+  require("model.n_embd", cfg_.n_embd, q);
+  require("model.n_head", cfg_.n_head, q);
+  require("model.n_kv_head", cfg_.kv_heads(), q);
+  require("model.intermediate_size", cfg_.intermediate(), q);
+  if (grid.cube) {
+    // A cube cuts a layer's output rows into q^2 parts, and the heads' rows
+    // must not fall into padding.
+    require("model.n_embd", cfg_.n_embd, q * q);
+    require("model.n_head * head_dim", cfg_.q_dim(), q * q);
+    require("model.n_kv_head * head_dim", cfg_.kv_heads() * cfg_.head_dim(), q * q);
+    require("model.intermediate_size", cfg_.intermediate(), q * q);
+  }
   if (cfg_.lora.enabled())
-    throw Error(str("lora.r = ", cfg_.lora.r, " with parallel.tp_mode = 2d/2.5d: LoRA adapters run under 1D tensor ",
+    throw Error(str("lora.r = ", cfg_.lora.r, " with parallel.tp_mode = 2d/2.5d/3d: LoRA adapters run under 1D tensor ",
                     "parallelism only; use parallel.tp_mode = \"1d\""));
 }
 
 TensorParallel GPT::vocab_parallel() const {
-  // The logits' vocabulary is split over the tp group (1D), or over a grid's
-  // hidden group, the columns that share a token row.
+  // The logits' vocabulary is split over the tp group (1D), or over the
+  // grid's axis that splits the features inside a block, among the ranks
+  // that share a token row there.
   if (!mp_.tp.grid) return mp_.tp;
   TensorParallel tp;
-  tp.group = mp_.tp.grid->hidden_group;
+  tp.group = &mp_.tp.grid->group_over(mp_.tp.grid->inner_feature_axis());
   return tp;
 }
 
 void GPT::distill(Distillation d) {
   if (mp_.tp.grid)
-    throw Error("distillation with parallel.tp_mode = 2d/2.5d is not supported: use parallel.tp_mode = \"1d\"");
+    throw Error("distillation with parallel.tp_mode = 2d/2.5d/3d is not supported: use parallel.tp_mode = \"1d\"");
   loss_ = std::make_unique<DistillationLoss>(cfg_.vocab_size, local_vocab_, mp_.tp, d);
 }
 
@@ -144,10 +157,11 @@ void GPT::begin(MicroBatchState& s, const int32_t* tokens, const int32_t* target
   // The kernels read the ids from the device; the host keeps only the count.
   if (mp_.first_stage) s.tokens = Tensor::from_host(tokens, {N}, DType::i32);
   if (mp_.last_stage) {
-    // This rank's token rows' targets (a grid splits the head's rows).
-    const bool split_rows = mp_.tp.grid != nullptr;
-    s.targets = Tensor::from_host(targets + (split_rows ? mp_.tp.first_row(N) : 0),
-                                  {split_rows ? mp_.tp.local_rows(N) : N}, DType::i32);
+    // This rank's token rows' targets (a grid splits the head's rows as the
+    // insides of a block).
+    const TensorGrid* grid = mp_.tp.grid;
+    const int64_t rows = grid ? mp_.tp.local_rows(N) : N;
+    s.targets = Tensor::from_host(targets + (grid ? grid->inner_token_index() * rows : 0), {rows}, DType::i32);
     s.valid_targets = std::count_if(targets, targets + N, [](int32_t t) { return t != -1; });
     s.loss_sum = loss_sum.defined() ? loss_sum : Tensor::zeros({loss_->terms()}, DType::f64);
   }

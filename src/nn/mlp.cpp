@@ -13,10 +13,11 @@ MLP::MLP(ParamLayout& layout, const std::string& prefix, const GPTConfig& cfg, i
   const std::vector<std::string> names =
       kind_ == MlpKind::gelu ? std::vector<std::string>{"c_fc"} : std::vector<std::string>{"gate", "up"};
   if (tp.grid) {
-    std::vector<SummaLinear::Part> parts;
+    std::vector<GridLinearPart> parts;
     for (const std::string& name : names) parts.push_back({prefix + "." + name, I, 1});
-    c_fc_ = SummaLinear(layout, parts, C, group, 0.02f, tp, cfg.mlp_bias);
-    c_proj_ = SummaLinear(layout, {{prefix + ".c_proj", C, 1}}, I, group, proj_std, tp, cfg.mlp_bias);
+    c_fc_ = GridLinear(layout, parts, C, group, 0.02f, tp, cfg.mlp_bias, GridSide::entering);
+    c_proj_ = GridLinear(layout, {{prefix + ".c_proj", C, 1}}, I, group, proj_std, tp, cfg.mlp_bias,
+                         GridSide::leaving);
     return;
   }
   const ParamParallel split = tp.cut(0);

@@ -5,27 +5,27 @@
 
 namespace loom {
 
-SummaLinear::SummaLinear(ParamLayout& layout, const std::vector<Part>& parts, int64_t in, int group, float init_std,
-                         const TensorParallel& tp, bool has_bias)
+SummaLinear::SummaLinear(ParamLayout& layout, const std::vector<GridLinearPart>& parts, int64_t in, int group,
+                         float init_std, const TensorParallel& tp, bool has_bias)
     : grid_(tp.grid), has_bias_(has_bias) {
   LOOM_CHECK(grid_ && in % grid_->q == 0, "a SUMMA layer of ", in, " inputs needs a grid that splits them");
   in_ = in / grid_->q;
-  for (const Part& part : parts) {
+  for (const GridLinearPart& part : parts) {
     Piece piece;
     piece.weight = layout.add(part.name + ".weight", {part.out, in}, ParamInit::normal_(init_std), true, group,
-                              grid_->matrix_cut(part.blocks));
+                              grid_->linear_cut(GridSide::entering, part.blocks));
     layout.set_linear_weight(piece.weight);
     if (has_bias)
       piece.bias = layout.add(part.name + ".bias", {part.out}, ParamInit::constant(0.0f), false, group,
-                              grid_->column_cut(0, part.blocks));
+                              grid_->linear_bias_cut(GridSide::entering, part.blocks));
     piece.rows = layout.param(piece.weight).shape[0];
     out_ += piece.rows;
     pieces_.push_back(piece);
   }
 }
 
-SummaLinear::SummaLinear(int weight, int64_t local_out, int64_t in, const TensorParallel& tp)
-    : grid_(tp.grid), out_(local_out), pieces_{{weight, -1, local_out}} {
+SummaLinear::SummaLinear(int weight, const ParamLayout& layout, int64_t in, const TensorParallel& tp)
+    : grid_(tp.grid), out_(layout.param(weight).shape[0]), pieces_{{weight, -1, out_}} {
   LOOM_CHECK(grid_ && in % grid_->q == 0, "a SUMMA layer of ", in, " inputs needs a grid that splits them");
   in_ = in / grid_->q;
 }
@@ -43,7 +43,7 @@ Tensor SummaLinear::gather_panels(const ParamStore& ps) const {
   return panels;
 }
 
-Tensor SummaLinear::forward(const ParamStore& ps, const Tensor& x, const AdapterDropout&) const {
+Tensor SummaLinear::forward(const ParamStore& ps, const Tensor& x) const {
   const int64_t q = grid_->q, rows = x.numel() / in_;
   const Tensor panels = gather_panels(ps);
   // partial[k] = x W_k^T: this rank's share of output columns k.
@@ -59,7 +59,7 @@ Tensor SummaLinear::forward(const ParamStore& ps, const Tensor& x, const Adapter
   return y;
 }
 
-Tensor SummaLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x, const AdapterDropout&) const {
+Tensor SummaLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x) const {
   const int64_t q = grid_->q, rows = x.numel() / in_;
   if (has_bias_) {
     // The bias's gradient: dy's column sums, into each part's columns.

@@ -90,6 +90,7 @@ DeviceMesh::DeviceMesh(Communicator& world, const MeshShape& shape, const Tensor
   const int t = tp.rank(), q = grid.q;
   grid_.q = q;
   grid_.depth = grid.depth;
+  grid_.cube = grid.cube;
   grid_.col = t % q;
   grid_.row = (t / q) % q;
   grid_.layer = t / (q * q);
@@ -101,6 +102,14 @@ DeviceMesh::DeviceMesh(Communicator& world, const MeshShape& shape, const Tensor
   grid_.weight_group = weight_group_.get();
   grid_.depth_group = depth_group_.get();
   grid_.token_group = token_group_.get();
+  grid_.inner_token_group = grid_.token_group;
+  grid_.table_group = grid_.weight_group;
+  if (grid.cube) {
+    LOOM_CHECK(grid.depth == q, "a cube of side ", q, " with ", grid.depth, " layers");
+    inner_token_group_ = tp.split(grid_.row, grid_.inner_token_index());
+    grid_.inner_token_group = inner_token_group_.get();
+    grid_.table_group = grid_.token_group;
+  }
 }
 
 }  // namespace loom

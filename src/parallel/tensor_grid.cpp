@@ -1,4 +1,4 @@
-// Tensor-parallel modes, the 2D/2.5D grid's axes and groups, and what a
+// Tensor-parallel modes, a grid's axes and groups, and what a
 // TensorParallel answers about them.
 #include "loom/parallel.h"
 
@@ -23,8 +23,14 @@ TensorParallelMode parse_tensor_parallel_mode(std::string_view name) {
 
 TensorGridShape tensor_grid_shape(TensorParallelMode mode, int64_t tp, int64_t depth) {
   if (mode == TensorParallelMode::one_d) return {};
+  if (mode == TensorParallelMode::three_d) {
+    int64_t q = 1;
+    while ((q + 1) * (q + 1) * (q + 1) <= tp) ++q;
+    if (q < 2 || q * q * q != tp) return {0, 1};
+    return {static_cast<int>(q), static_cast<int>(q), true};
+  }
   if (mode == TensorParallelMode::two_d) depth = 1;
-  if (mode == TensorParallelMode::three_d || depth < 1 || tp % depth != 0) return {0, 1};
+  if (depth < 1 || tp % depth != 0) return {0, 1};
   int64_t q = 1;
   while ((q + 1) * (q + 1) <= tp / depth) ++q;
   if (q < 2 || q * q != tp / depth) return {0, 1};
@@ -48,18 +54,38 @@ Communicator& TensorGrid::group_over(TpAxes axes) const {
     case kTpRows: group = weight_group; break;
     case kTpDepth: group = depth_group; break;
     case kTpRows | kTpDepth: group = token_group; break;
+    case kTpCols | kTpDepth: group = cube ? inner_token_group : nullptr; break;
     default: break;
   }
   LOOM_CHECK(group, "no group of the grid spans axes ", int(axes));
   return *group;
 }
 
-ParamParallel TensorGrid::matrix_cut(int64_t blocks) const {
+ParamParallel TensorGrid::linear_cut(GridSide side, int64_t blocks) const {
+  ParamParallel p;
+  if (!cube) {
+    p.split = TensorSplit{0, q, row, blocks};
+    p.col_split = TensorSplit{1, q, col, 1};
+    p.split_axes = kTpRows | kTpCols;
+    p.partial_grad = depth > 1 ? kTpDepth : 0;
+    return p;
+  }
+  // The layer gathers its weight over the layers, so each layer's piece is
+  // a q-th of the rows the layer's output features need.
+  const int in_coord = side == GridSide::entering ? col : row;
+  const int out_coord = side == GridSide::entering ? row : col;
+  p.split = TensorSplit{0, int64_t{q} * q, out_coord * q + layer, blocks};
+  p.col_split = TensorSplit{1, q, in_coord, 1};
+  p.split_axes = kTpAll;
+  return p;
+}
+
+ParamParallel TensorGrid::linear_bias_cut(GridSide side, int64_t blocks) const {
+  if (!cube || side == GridSide::leaving) return column_cut(0, blocks);
   ParamParallel p;
   p.split = TensorSplit{0, q, row, blocks};
-  p.col_split = TensorSplit{1, q, col, 1};
-  p.split_axes = kTpRows | kTpCols;
-  p.partial_grad = depth > 1 ? kTpDepth : 0;
+  p.split_axes = kTpRows;
+  p.partial_grad = kTpCols | kTpDepth;
   return p;
 }
 

@@ -112,18 +112,10 @@ Found tp_within_vocab(const LayoutProblem& p, const Layout& l) {
                          str("set parallel.tp <= ", p.model.vocab_size)};
 }
 
-// The side q of the grid a layout's tensor-parallel ranks form (0: none).
-int64_t grid_side(const Layout& l) { return tensor_grid_shape(l.tp_mode, l.tp, l.tp_depth).q; }
+// The grid a layout's tensor-parallel ranks form (q 0: none).
+TensorGridShape grid_of(const Layout& l) { return tensor_grid_shape(l.tp_mode, l.tp, l.tp_depth); }
 
-bool on_grid(const Layout& l) {
-  return l.tp_mode == TensorParallelMode::two_d || l.tp_mode == TensorParallelMode::two_and_half_d;
-}
-
-Found tp_mode_implemented(const LayoutProblem&, const Layout& l) {
-  if (l.tp_mode != TensorParallelMode::three_d) return std::nullopt;
-  return LayoutViolation{"parallel.tp_mode", "is not implemented yet",
-                         "set parallel.tp_mode = \"2d\" or \"2.5d\" (or \"1d\")"};
-}
+bool on_grid(const Layout& l) { return l.tp_mode != TensorParallelMode::one_d; }
 
 Found tp_depth_needs_2p5d(const LayoutProblem&, const Layout& l) {
   if (l.tp_depth == 1 || l.tp_mode == TensorParallelMode::two_and_half_d) return std::nullopt;
@@ -133,16 +125,18 @@ Found tp_depth_needs_2p5d(const LayoutProblem&, const Layout& l) {
                          "set parallel.tp_mode = \"2.5d\", or parallel.tp_depth = 1"};
 }
 
-// 2D needs tp = q^2, 2.5D tp = q^2 * depth, with q >= 2.
+// 2D needs tp = q^2, 2.5D tp = q^2 * depth, 3D tp = q^3, with q >= 2.
 Found tp_forms_grid(const LayoutProblem&, const Layout& l) {
-  if (!on_grid(l) || grid_side(l) > 0) return std::nullopt;
-  const bool two_d = l.tp_mode == TensorParallelMode::two_d;
-  const std::string shape = two_d ? "a square q * q" : str("q * q * parallel.tp_depth = q * q * ", l.tp_depth);
+  if (!on_grid(l) || grid_of(l).q > 0) return std::nullopt;
+  const bool layered = l.tp_mode == TensorParallelMode::two_and_half_d;
+  const std::string shape = l.tp_mode == TensorParallelMode::three_d ? "a cube q * q * q"
+                            : layered ? str("q * q * parallel.tp_depth = q * q * ", l.tp_depth)
+                                      : "a square q * q";
   std::string fix =
       assign_one_of("parallel.tp", nearest_valid(l.tp, 1, 1 << 20, [&](int64_t t) {
         return tensor_grid_shape(l.tp_mode, t, l.tp_depth).q > 0;
       }));
-  if (!two_d) {
+  if (layered) {
     const std::string depth =
         assign_one_of("parallel.tp_depth", nearest_valid(l.tp_depth, 1, l.tp, [&](int64_t d) {
           return tensor_grid_shape(l.tp_mode, l.tp, d).q > 0;
@@ -158,32 +152,44 @@ Found tp_forms_grid(const LayoutProblem&, const Layout& l) {
 }
 
 // A grid splits the hidden width, the heads (query and kv) and the MLP's
-// columns over its side q.
+// columns over its side q; a cube cuts a layer's output rows (the hidden
+// width, the heads' rows, the MLP's columns) into q^2 parts besides.
 Found grid_divides_model(const LayoutProblem& p, const Layout& l) {
-  const int64_t q = on_grid(l) ? grid_side(l) : 0;
+  const TensorGridShape grid = on_grid(l) ? grid_of(l) : TensorGridShape{0, 1};
+  const int64_t q = grid.q;
   if (q == 0) return std::nullopt;
   const GPTConfig& m = p.model;
+  const std::string side = grid.cube ? "parallel.tp = q * q * q" : "parallel.tp = q * q * parallel.tp_depth";
   for (const auto& [key, value] : {std::pair<const char*, int64_t>{"model.n_embd", m.n_embd},
                                    {"model.n_head", m.n_head},
                                    {"model.n_kv_head", m.kv_heads()},
                                    {"model.intermediate_size", m.intermediate()}})
     if (value % q != 0)
+      return LayoutViolation{"parallel.tp", str("makes a grid of side ", q, ", which must divide ", key, " = ", value),
+                             str("choose ", side, " with q dividing ", key)};
+  if (!grid.cube) return std::nullopt;
+  for (const auto& [key, value] : {std::pair<const char*, int64_t>{"model.n_embd", m.n_embd},
+                                   {"model.n_head * head_dim", m.q_dim()},
+                                   {"model.n_kv_head * head_dim", m.kv_heads() * m.head_dim()},
+                                   {"model.intermediate_size", m.intermediate()}})
+    if (value % (q * q) != 0)
       return LayoutViolation{"parallel.tp",
-                             str("makes a ", q, " x ", q, " grid, whose side must divide ", key, " = ", value),
-                             str("choose parallel.tp = q * q * parallel.tp_depth with q dividing ", key)};
+                             str("makes a cube of side ", q, ", whose q^2 = ", q * q, " must divide ", key, " = ",
+                                 value),
+                             str("choose ", side, " with q^2 dividing ", key)};
   return std::nullopt;
 }
 
 // Attention needs whole sequences, so each of the grid's q * depth token
 // groups gets whole sequences of every micro-batch.
 Found grid_splits_sequences(const LayoutProblem& p, const Layout& l) {
-  const int64_t q = on_grid(l) ? grid_side(l) : 0;
-  if (q == 0 || l.micro_batch % (q * l.tp_depth) == 0) return std::nullopt;
-  const int64_t parts = q * l.tp_depth;
+  const TensorGridShape grid = on_grid(l) ? grid_of(l) : TensorGridShape{0, 1};
+  const int64_t parts = int64_t{grid.q} * grid.depth;
+  if (grid.q == 0 || l.micro_batch % parts == 0) return std::nullopt;
   return LayoutViolation{
       "train.micro_batch_size",
       str("must split its sequences evenly over the grid's ", parts,
-          " token groups (q * parallel.tp_depth)"),
+          grid.cube ? " token groups (q * q)" : " token groups (q * parallel.tp_depth)"),
       "set " + assign_one_of("train.micro_batch_size",
                              nearest_valid(l.micro_batch, 1, p.global_batch / l.dp, [&](int64_t b) {
                                return b % parts == 0 && p.global_batch % (l.dp * b) == 0;
@@ -360,7 +366,6 @@ Found sharded_gradients_without_tensor_parallel(const LayoutProblem&, const Layo
 // (the pipeline rules count micro-batches only once the batch divides).
 constexpr std::array kRules{
     LayoutRule{"batch_divides", batch_divides},
-    LayoutRule{"tp_mode_implemented", tp_mode_implemented},
     LayoutRule{"tp_depth_needs_2p5d", tp_depth_needs_2p5d},
     LayoutRule{"tp_forms_grid", tp_forms_grid},
     LayoutRule{"grid_excludes_sequence_parallel", grid_excludes_sequence_parallel},

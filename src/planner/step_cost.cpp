@@ -53,6 +53,42 @@ double activation_bytes_per_layer(const GPTConfig& cfg, int64_t B, int64_t T, in
   return 4.0 * (rows * (4.0 * h + stats) + N * ((2.0 * q + fc + I + a) / t + 2.0 * kv));
 }
 
+double grid_activation_bytes_per_layer(const GPTConfig& cfg, int64_t B, int64_t T, const TensorGridShape& grid,
+                                       bool checkpoint_activations) {
+  LOOM_CHECK(grid.q >= 2, "a grid of side ", grid.q);
+  const double q = grid.q, rows = static_cast<double>(B * T) / (q * grid.depth);
+  const double h = static_cast<double>(cfg.n_embd), a = static_cast<double>(cfg.n_head);
+  if (checkpoint_activations) return 4.0 * rows * h / q;
+  // As activation_bytes_per_layer's, every width a q-th: x, ln_1 out, r,
+  // ln_2 out; q | k | v, attention out, the MLP's input projection and
+  // activation, the log-sum-exp of the rank's heads; and each norm's
+  // statistics of the rank's rows, whole.
+  const double I = static_cast<double>(cfg.intermediate()), qd = static_cast<double>(cfg.q_dim());
+  const double kv = static_cast<double>(cfg.kv_heads() * cfg.head_dim());
+  const double stats = cfg.norm == NormKind::layernorm ? 4.0 : 2.0;
+  const double fc = cfg.mlp == MlpKind::swiglu ? 2.0 * I : I;
+  return 4.0 * rows * ((4.0 * h + 2.0 * qd + 2.0 * kv + fc + I + a) / q + stats);
+}
+
+double grid_linear_elements_sent(int64_t out, int64_t in, int64_t N, const TensorGridShape& grid) {
+  LOOM_CHECK(grid.q >= 2, "a grid of side ", grid.q);
+  const double q = grid.q, o = static_cast<double>(out), i = static_cast<double>(in);
+  const double n = static_cast<double>(N) / (q * grid.depth);
+  if (grid.cube)
+    // Forward: x and W gathered, the partial output scattered; backward: dy,
+    // W and x gathered, dx and dW scattered.
+    return 3.0 * (q - 1.0) * o * i / (q * q * q) + (q - 1.0) * n * (3.0 * i + 2.0 * o) / q;
+  // Forward: the panels gathered, the partial outputs scattered; backward:
+  // dy and the panels gathered, dW scattered.
+  return 3.0 * (q - 1.0) * o * i / (q * q) + 2.0 * (q - 1.0) * n * o / q;
+}
+
+double grid_weight_gradient_elements_sent(int64_t out, int64_t in, const TensorGridShape& grid) {
+  if (grid.cube || grid.depth == 1) return 0.0;
+  const double q = grid.q, d = grid.depth;
+  return 2.0 * (d - 1.0) / d * static_cast<double>(out) * static_cast<double>(in) / (q * q);
+}
+
 double zero_model_state_bytes(int stage, DType precision, double params, int ranks) {
   LOOM_CHECK(stage >= 0 && stage <= 3 && ranks >= 1, "ZeRO stage ", stage, " on ", ranks, " ranks");
   const double psi = params, n = ranks;

@@ -285,7 +285,7 @@ RunResult train_rank(const Config& cfg, const TrainPlan& plan, const RunOptions&
     const TensorGrid* grid = mesh->tensor_grid();
     say(str("parallel: ", mesh->shape().describe(), " mesh (", world->backend(), " backend)",
             grid ? str(", tp as a ", grid->q, " x ", grid->q, grid->depth > 1 ? str(" x ", grid->depth) : "",
-                       grid->depth > 1 ? " (2.5d)" : " (2d)", " grid")
+                       grid->cube ? " (3d)" : grid->depth > 1 ? " (2.5d)" : " (2d)", " grid")
                  : "",
             mp.sequence_parallel ? ", sequence parallel" : "", plan.pp > 1 ? ", schedule " : "",
             plan.pp > 1 ? pipeline_schedule_name(mp.schedule) : "",

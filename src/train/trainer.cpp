@@ -35,8 +35,8 @@ ModelParallel model_parallel_for(const GPTConfig& model, const TrainOptions& opt
                     pipeline_schedule_name(o.schedule),
                     ": interleaved_1f1b needs 2 or more virtual stages, the other schedules exactly 1"));
   if (o.sequence_parallel && mesh.tensor_grid())
-    throw Error("sequence parallelism splits 1D tensor parallelism's activations by token; a 2D/2.5D grid splits "
-                "them already: use parallel.sequence_parallel = false, or parallel.tp_mode = \"1d\"");
+    throw Error("sequence parallelism splits 1D tensor parallelism's activations by token; a 2D, 2.5D or 3D grid "
+                "splits them already: use parallel.sequence_parallel = false, or parallel.tp_mode = \"1d\"");
   ModelParallel mp;
   mp.tp.group = &mesh.group(MeshAxis::tp);
   mp.tp.sequence_parallel = o.sequence_parallel;
@@ -126,12 +126,14 @@ class MicroBatchWork final : public PipelineStageWork {
   }
   // The micro-batches' sums of the loss's terms on every rank of
   // `pipeline`: only the last stage computes losses (its tensor-parallel
-  // ranks all the same ones, or on a grid each row of ranks its tokens').
+  // ranks all the same ones, or on a grid each group of ranks that splits
+  // the head's vocabulary its tokens').
   // One read of the device accumulator.
   std::vector<double> loss_sums(Communicator& pipeline) const {
     std::vector<double> sums = host_sums(loss_sum_);
     if (const TensorGrid* grid = model_.parallel().tp.grid)
-      grid->token_group->all_reduce(sums.data(), static_cast<int64_t>(sums.size()), DType::f64, ReduceOp::sum);
+      grid->inner_token_group->all_reduce(sums.data(), static_cast<int64_t>(sums.size()), DType::f64,
+                                          ReduceOp::sum);
     if (pipeline.size() > 1)
       pipeline.all_reduce(sums.data(), static_cast<int64_t>(sums.size()), DType::f64, ReduceOp::sum);
     return sums;

@@ -1,7 +1,8 @@
 // The activations a rank's blocks keep from forward to backward, read from
 // the device tier's allocator, held to the adapted Korthikanti et al. formula
 // (activation_bytes_per_layer in planner.h) for plain, tensor-parallel,
-// sequence-parallel and fully recomputed blocks.
+// sequence-parallel and fully recomputed blocks, and on 2D, 2.5D and 3D
+// grids (grid_activation_bytes_per_layer).
 #include <gtest/gtest.h>
 
 #include "loom/comm.h"
@@ -25,6 +26,7 @@ GPTConfig model_config() {
 struct Case {
   int tp;
   bool sequence_parallel, recompute;
+  TensorGridShape grid = {};
 };
 
 // Bytes the device tier holds after the blocks' forward beyond what it held
@@ -33,11 +35,15 @@ struct Case {
 // the same size, stands in for it in `after`, and the difference is exactly
 // the layers' saved activations.
 std::vector<double> measure(const GPTConfig& cfg, const Case& c) {
-  const BatchShape bs{2, 64};
+  // A grid's token groups each take whole sequences: 4 of them on these.
+  const BatchShape bs{c.grid.ranks() > 1 ? 4 : 2, 64};
   std::vector<double> measured(static_cast<size_t>(c.tp), 0.0);
   run_local(c.tp, [&](Communicator& world) {
+    MeshShape shape;
+    shape[MeshAxis::tp] = c.tp;
+    const DeviceMesh mesh(world, shape, c.grid);
     ModelParallel mp;
-    mp.tp = {&world, c.sequence_parallel};
+    mp.tp = {&world, c.sequence_parallel, mesh.tensor_grid()};
     mp.chunks = {{0, static_cast<int>(cfg.n_layer)}};
     mp.first_stage = mp.last_stage = false;
     GPT model(cfg, mp);
@@ -47,7 +53,7 @@ std::vector<double> measure(const GPTConfig& cfg, const Case& c) {
     ForwardOptions fo;
     fo.checkpoint_activations = c.recompute;
     model.begin(state, tokens.data(), tokens.data(), bs, fo);
-    Tensor x = Tensor::empty({mp.tp.local_rows(bs.N()), cfg.n_embd});
+    Tensor x = Tensor::empty({mp.tp.local_rows(bs.N()), mp.tp.local_width(cfg.n_embd)});
     fill_normal(x.data<float>(), x.numel(), 11, 0, 0.0f, 1.0f);
     Allocator& device = MemoryContext::current().tier(Tier::device);
     const double before = static_cast<double>(device.used());
@@ -94,6 +100,29 @@ TEST(ActivationMemory, MatchesTheAdaptedKorthikantiFormula) {
       }
     }
   }
+}
+
+// 2D (tp 4), 2.5D (tp 8, depth 2) and 3D (tp 8): every rank holds its
+// share, within 1% of the grid formula, and the cube's split of every term
+// by tp is below 0.6 of 1D's activations at tp 8.
+TEST(ActivationMemory, GridsMatchTheGridFormula) {
+  for (const GPTConfig& cfg : {model_config(), llama_config()}) {
+    for (const Case& c : {Case{4, false, false, {2, 1}}, Case{8, false, false, {2, 2}},
+                          Case{8, false, false, {2, 2, true}}, Case{8, false, true, {2, 2, true}}}) {
+      const double expected =
+          static_cast<double>(cfg.n_layer) * grid_activation_bytes_per_layer(cfg, 4, 64, c.grid, c.recompute);
+      for (double bytes : measure(cfg, c)) {
+        std::printf("%s tp=%d %s recompute=%d: %.0f bytes per rank, formula %.0f (ratio %.4f)\n",
+                    cfg.mlp == MlpKind::swiglu ? "llama" : "gpt2", c.tp,
+                    c.grid.cube ? "3d" : c.grid.depth > 1 ? "2.5d" : "2d", c.recompute, bytes, expected,
+                    bytes / expected);
+        EXPECT_NEAR(bytes / expected, 1.0, 0.01) << "tp " << c.tp << " depth " << c.grid.depth;
+      }
+    }
+  }
+  const GPTConfig cfg = model_config();
+  EXPECT_LT(grid_activation_bytes_per_layer(cfg, 4, 64, {2, 2, true}, false),
+            0.6 * activation_bytes_per_layer(cfg, 4, 64, 8, false, false));
 }
 
 TEST(ActivationMemory, SequenceParallelismDividesEveryTermByTp) {

@@ -118,7 +118,35 @@ TEST(TensorGrid, GroupsHoldTheRanksOfARowAColumnADepthAndTheTokens) {
   run_local(1, [&](Communicator& world) { EXPECT_EQ(DeviceMesh(world, one).tensor_grid(), nullptr); });
 }
 
+// A 2 x 2 x 2 cube (3D): the groups inside a block split the token rows over
+// the (layer, column) pairs, and the token table's group is the token group.
+TEST(TensorGrid, ACubeSplitsTheTokensInsideABlockOverLayersAndColumns) {
+  run_local(8, [](Communicator& world) {
+    MeshShape shape;
+    shape[MeshAxis::tp] = 8;
+    DeviceMesh mesh(world, shape, tensor_grid_shape(TensorParallelMode::three_d, 8, 1));
+    const TensorGrid* grid = mesh.tensor_grid();
+    ASSERT_NE(grid, nullptr);
+    EXPECT_TRUE(grid->cube);
+    const int t = world.rank();
+    EXPECT_EQ(grid->inner_token_index(), t / 4 * 2 + t % 2);
+    const int r = grid->row * 2;
+    EXPECT_EQ(grid->inner_token_group->world_ranks(), (std::vector<int>{r, r + 1, r + 4, r + 5}));
+    EXPECT_EQ(grid->inner_token_group->rank(), grid->inner_token_index());
+    EXPECT_EQ(&grid->group_over(kTpCols | kTpDepth), grid->inner_token_group);
+    EXPECT_EQ(grid->table_group, grid->token_group);
+    EXPECT_EQ(grid->table_first_block(), 0);
+    EXPECT_EQ(grid->inner_feature_axis(), kTpRows);
+  });
+}
+
 TEST(TensorGrid, ShapesOfModes) {
+  const TensorGridShape cube = tensor_grid_shape(TensorParallelMode::three_d, 27, 1);
+  EXPECT_EQ(cube.q, 3);
+  EXPECT_EQ(cube.depth, 3);
+  EXPECT_TRUE(cube.cube);
+  EXPECT_EQ(tensor_grid_shape(TensorParallelMode::three_d, 16, 1).q, 0);
+  EXPECT_EQ(tensor_grid_shape(TensorParallelMode::three_d, 64, 1).ranks(), 64);
   EXPECT_EQ(tensor_grid_shape(TensorParallelMode::two_d, 9, 1).q, 3);
   EXPECT_EQ(tensor_grid_shape(TensorParallelMode::two_d, 8, 2).q, 0);  // 2D has one layer
   EXPECT_EQ(tensor_grid_shape(TensorParallelMode::two_and_half_d, 8, 2).q, 2);

@@ -1,8 +1,10 @@
-// 2D (Optimus) and 2.5D (Tesseract) tensor parallelism, alone and composed
+// 2D (Optimus), 2.5D (Tesseract) and 3D tensor parallelism, alone and composed
 // with data parallelism, ZeRO-1, pipeline parallelism and activation
 // checkpointing, for GPT-2 and a LLaMA-shaped model: each reproduces the
 // single-rank fp32 reference and is bit-identical run to run.
 #include <gtest/gtest.h>
+
+#include <tuple>
 
 #include "zero/zero_test_util.h"
 
@@ -19,6 +21,7 @@ constexpr int kLayers = 4, kHeads = 4;
 struct GridLayout {
   std::string name;
   int q = 2, depth = 1;
+  bool cube = false;  // 3D: depth q
   int dp = 1, pp = 1;
   int stage = 0;
   bool checkpoint = false;
@@ -29,7 +32,7 @@ struct GridLayout {
 DataParallelRun run_of(const GridLayout& l) {
   DataParallelRun r = testing::layout(l.dp, l.stage, DType::f32, l.accumulation);
   r.tp = l.q * l.q * l.depth;
-  r.grid = {l.q, l.depth};
+  r.grid = {l.q, l.depth, l.cube};
   r.pp = l.pp;
   r.mesh = true;
   r.n_layer = kLayers;
@@ -73,12 +76,14 @@ std::vector<GridLayout> layouts() {
   std::vector<GridLayout> v;
   for (bool llama : {false, true}) {
     const std::string model = llama ? "llama_" : "gpt2_";
-    for (const auto& [mode, depth] : {std::pair{"2d", 1}, std::pair{"2p5d", 2}}) {
+    for (const auto& [mode, depth, cube] :
+         {std::tuple{"2d", 1, false}, std::tuple{"2p5d", 2, false}, std::tuple{"3d", 2, true}}) {
       const std::string p = model + mode;
-      v.push_back({.name = p, .depth = depth, .llama = llama});
-      v.push_back({.name = p + "_dp2_zero1", .depth = depth, .dp = 2, .stage = 1, .llama = llama});
-      v.push_back({.name = p + "_pp2_1f1b", .depth = depth, .pp = 2, .accumulation = 2, .llama = llama});
-      v.push_back({.name = p + "_checkpointing", .depth = depth, .checkpoint = true, .llama = llama});
+      v.push_back({.name = p, .depth = depth, .cube = cube, .llama = llama});
+      v.push_back({.name = p + "_dp2_zero1", .depth = depth, .cube = cube, .dp = 2, .stage = 1, .llama = llama});
+      v.push_back(
+          {.name = p + "_pp2_1f1b", .depth = depth, .cube = cube, .pp = 2, .accumulation = 2, .llama = llama});
+      v.push_back({.name = p + "_checkpointing", .depth = depth, .cube = cube, .checkpoint = true, .llama = llama});
     }
   }
   return v;
@@ -89,10 +94,11 @@ INSTANTIATE_TEST_SUITE_P(Layouts, GridParallelFp32, ::testing::ValuesIn(layouts(
 
 // The comparison can fail: with the grid's floating-point sums doubled.
 TEST(GridParallel, ADoubledReductionFailsTheComparison) {
-  DataParallelRun r = run_of({.name = "2d"});
-  r.doubled_sums = MeshAxis::tp;
-  const ::testing::AssertionResult match = testing::matches_reference(testing::run_layout(r), reference(false), 1e-5);
-  EXPECT_FALSE(match);
+  for (const GridLayout& l : {GridLayout{.name = "2d"}, GridLayout{.name = "3d", .depth = 2, .cube = true}}) {
+    DataParallelRun r = run_of(l);
+    r.doubled_sums = MeshAxis::tp;
+    EXPECT_FALSE(testing::matches_reference(testing::run_layout(r), reference(false), 1e-5)) << l.name;
+  }
 }
 
 }  // namespace

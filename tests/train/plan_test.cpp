@@ -442,6 +442,11 @@ TEST(PlanTraining, GridPlans) {
       tiny({"parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2", "train.micro_batch_size=4"}));
   EXPECT_EQ(t.tensor_grid.q, 2);
   EXPECT_EQ(t.tensor_grid.depth, 2);
+  const TrainPlan c = plan_training(tiny({"parallel.tp=8", "parallel.tp_mode=3d", "train.micro_batch_size=4"}));
+  EXPECT_EQ(c.tensor_grid.q, 2);
+  EXPECT_EQ(c.tensor_grid.depth, 2);
+  EXPECT_TRUE(c.tensor_grid.cube);
+  EXPECT_FALSE(t.tensor_grid.cube);
   EXPECT_EQ(plan_training(tiny({"parallel.tp=2"})).tensor_grid.ranks(), 1);
 }
 
@@ -470,10 +475,19 @@ TEST(PlanTraining, InvalidGridsNameTheFix) {
   EXPECT_CONTAINS(e, "set train.micro_batch_size = 2");
   e = error_of([] { plan_training(tiny({"parallel.tp=9", "parallel.tp_mode=2d", "train.micro_batch_size=3",
                                         "train.batch_size=3"})); });
-  EXPECT_CONTAINS(e, "whose side must divide model.n_embd = 32");
-  e = error_of([] { plan_training(tiny({"parallel.tp=8", "parallel.tp_mode=3d"})); });
-  EXPECT_CONTAINS(e, "parallel.tp_mode = \"3d\"");
-  EXPECT_CONTAINS(e, "is not implemented yet");
+  EXPECT_CONTAINS(e, "makes a grid of side 3, which must divide model.n_embd = 32");
+  e = error_of([] { plan_training(tiny({"parallel.tp=4", "parallel.tp_mode=3d"})); });
+  EXPECT_CONTAINS(e, "does not form a 3d grid of a cube q * q * q ranks");
+  EXPECT_CONTAINS(e, "set parallel.tp = 8");
+  e = error_of([] { plan_training(tiny({"parallel.tp=8", "parallel.tp_mode=3d", "parallel.tp_depth=2"})); });
+  EXPECT_CONTAINS(e, "set parallel.tp_mode = \"2.5d\", or parallel.tp_depth = 1");
+  e = error_of([] { plan_training(tiny({"parallel.tp=8", "parallel.tp_mode=3d", "train.micro_batch_size=2"})); });
+  EXPECT_CONTAINS(e, "token groups (q * q)");
+  EXPECT_CONTAINS(e, "set train.micro_batch_size = 4");
+  e = error_of([] { plan_training(tiny({"parallel.tp=8", "parallel.tp_mode=3d", "train.micro_batch_size=4",
+                                        "model.n_embd=38", "model.n_head=2"})); });
+  EXPECT_CONTAINS(e, "whose q^2 = 4 must divide model.n_embd = 38");
+  EXPECT_CONTAINS(e, "with q^2 dividing model.n_embd");
 }
 
 TEST(PlanTraining, SequenceParallelNeedsTensorParallelism) {

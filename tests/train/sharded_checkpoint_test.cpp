@@ -30,11 +30,12 @@ DataParallelRun with_heads(DataParallelRun r) {
   return r;
 }
 
-// A q x q x depth tensor-parallel grid (2D, or 2.5D with depth > 1).
-DataParallelRun on_grid(int q, int depth) {
+// A q x q x depth tensor-parallel grid (2D, or 2.5D with depth > 1, or a
+// 3D cube with depth q).
+DataParallelRun on_grid(int q, int depth, bool cube = false) {
   DataParallelRun r = with_heads(testing::layout(1, 0));
   r.tp = q * q * depth;
-  r.grid = {q, depth};
+  r.grid = {q, depth, cube};
   return r;
 }
 
@@ -209,7 +210,8 @@ TEST_P(ShardedCheckpoint, SavesOwnStateAndResumesUnderAnyLayout) {
       {"dp4 ZeRO-3", with_heads(testing::layout(4, 3))},
       {"tp4", tp4},
       {"2d tp4", on_grid(2, 1)},
-      {"2.5d tp8", on_grid(2, 2)}};
+      {"2.5d tp8", on_grid(2, 2)},
+      {"3d tp8", on_grid(2, 2, true)}};
   RunResult tail = whole.result;
   tail.stats.erase(tail.stats.begin(), tail.stats.begin() + kSaveAt);
   for (const auto& [name, loader] : loaders) {
@@ -245,6 +247,7 @@ std::vector<SavedLayout> saved_layouts() {
   return {{"tp2_pp2_dp2_zero1", mesh},
           {"2d_tp4_dp2_zero1", grid_mesh},
           {"2p5d_tp8", on_grid(2, 2)},
+          {"3d_tp8", on_grid(2, 2, true)},
           {"tp2_pp2_dp2_zero0", replicated_mesh},
           {"dp2_zero0", with_heads(testing::layout(2, 0))},
           {"dp2_zero3", with_heads(testing::layout(2, 3))},
