@@ -1,7 +1,8 @@
 // Hybrid layouts with one process per rank (ctest runs it with 4): tensor
-// parallelism with sequence parallelism over pipeline stages, and data
-// parallelism with ZeRO-1 over pipeline stages, reproduce the single-rank
-// reference, which every process computes for itself, bit-identically twice.
+// parallelism with sequence parallelism over pipeline stages, data
+// parallelism with ZeRO-1 over pipeline stages, and a 2D grid, reproduce the
+// single-rank reference, which every process computes for itself,
+// bit-identically twice.
 // A sharded checkpoint written by the four processes loads in each of them
 // alone.
 #include <gtest/gtest.h>
@@ -50,6 +51,16 @@ TEST(ModelParallelMpi, TensorSequenceAndPipelineMatchTheReference) {
 TEST(ModelParallelMpi, DataParallelZero1OverPipelineStagesMatchesTheReference) {
   ASSERT_EQ(g_world->size(), 4);
   expect_matches_reference(hybrid(2, 1, 2, false, 1));
+}
+
+// A 2 x 2 grid (2D tensor parallelism) of one process per rank: the grid's
+// groups split from the MPI world.
+TEST(ModelParallelMpi, TwoDimensionalGridMatchesTheReference) {
+  ASSERT_EQ(g_world->size(), 4);
+  testing::DataParallelRun r = hybrid(1, 4, 1, false, 0);
+  r.grid = {2, 1};
+  r.mesh = true;
+  expect_matches_reference(r);
 }
 
 // Every process writes its own file into rank 0's staging directory (whose
