@@ -58,6 +58,19 @@ double activation_bytes_per_layer(const GPTConfig& cfg, int64_t B, int64_t T, in
 double grid_activation_bytes_per_layer(const GPTConfig& cfg, int64_t B, int64_t T, const TensorGridShape& grid,
                                        bool checkpoint_activations);
 
+// Parameter elements each tensor-parallel rank holds of a whole model (one
+// pipeline stage, no LoRA), with t = tp:
+//   1D         every matrix and the token table / t (k and v whole when
+//              there are fewer kv heads than ranks), the column-parallel
+//              layers' biases / t; the row-parallel layers' biases, the norms
+//              and the positions whole;
+//   2D/2.5D    every matrix / q^2 (a copy in each of the depth's layers), the
+//              token table / q^2; biases, norms and positions / q;
+//   3D         every matrix and the token table / q^3 = / t; biases, norms
+//              and positions / q.
+// The token table's rows are padded to the cut (ceil).
+double tensor_parallel_param_elements(const GPTConfig& cfg, int tp, const TensorGridShape& grid);
+
 // Elements each rank of a grid sends for one linear layer of `out` x `in`
 // over N token rows, forward and backward (CommStats' ring model: an
 // all-gather or reduce-scatter over g ranks sends (g - 1) pieces). With

@@ -1,3 +1,5 @@
+#include <cmath>
+
 #include "loom/planner.h"
 
 namespace loom {
@@ -68,6 +70,34 @@ double grid_activation_bytes_per_layer(const GPTConfig& cfg, int64_t B, int64_t 
   const double stats = cfg.norm == NormKind::layernorm ? 4.0 : 2.0;
   const double fc = cfg.mlp == MlpKind::swiglu ? 2.0 * I : I;
   return 4.0 * rows * ((4.0 * h + 2.0 * qd + 2.0 * kv + fc + I + a) / q + stats);
+}
+
+double tensor_parallel_param_elements(const GPTConfig& cfg, int tp, const TensorGridShape& grid) {
+  const double h = static_cast<double>(cfg.n_embd), Q = static_cast<double>(cfg.q_dim());
+  const double KV = static_cast<double>(cfg.kv_heads() * cfg.head_dim()), I = static_cast<double>(cfg.intermediate());
+  const double fc = cfg.mlp == MlpKind::swiglu ? 2.0 * I : I, V = static_cast<double>(cfg.vocab_size);
+  const double L = static_cast<double>(cfg.n_layer), tables = cfg.tied_embeddings ? 1.0 : 2.0;
+  const double norm = (cfg.norm == NormKind::layernorm ? 2.0 : 1.0) * h;  // one Norm's weight (and bias)
+  const double positions = cfg.positions == PositionKind::learned ? static_cast<double>(cfg.block_size) * h : 0.0;
+  const double entering_bias = (cfg.attention_bias ? Q + 2.0 * KV : 0.0) + (cfg.mlp_bias ? fc : 0.0);
+  const double leaving_bias = (cfg.attention_bias ? h : 0.0) + (cfg.mlp_bias ? h : 0.0);
+  const auto ceil_div = [](double a, double b) { return std::ceil(a / b); };
+  if (grid.ranks() > 1) {
+    // Matrices over q^2 (SUMMA) or q^3 (a cube) ranks, vectors over q.
+    const double q = grid.q, matrix_parts = grid.cube ? q * q * q : q * q;
+    const double matrices = (Q + 2.0 * KV) * h + h * Q + fc * h + h * I;
+    const double table = ceil_div(V, grid.cube ? q * q : q) * h / q;
+    return L * (matrices / matrix_parts + (2.0 * norm + entering_bias + leaving_bias) / q) +
+           tables * table + (norm + positions) / q;
+  }
+  // 1D: k and v (and their biases) whole on every rank when the kv heads do
+  // not split over the ranks.
+  const double t = tp;
+  const bool kv_split = cfg.kv_heads() % tp == 0;
+  const double kv = kv_split ? 2.0 * KV / t : 2.0 * KV;
+  const double matrices = (Q / t + kv) * h + h * Q / t + fc * h / t + h * I / t;
+  const double column_bias = (cfg.attention_bias ? Q / t + kv : 0.0) + (cfg.mlp_bias ? fc / t : 0.0);
+  return L * (matrices + 2.0 * norm + column_bias + leaving_bias) + tables * ceil_div(V, t) * h + norm + positions;
 }
 
 double grid_linear_elements_sent(int64_t out, int64_t in, int64_t N, const TensorGridShape& grid) {

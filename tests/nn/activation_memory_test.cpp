@@ -29,6 +29,20 @@ struct Case {
   TensorGridShape grid = {};
 };
 
+// Runs f(world, mp) on each of the case's tp local ranks, `mp` holding its
+// tensor-parallel group (and grid).
+template <typename F>
+void on_ranks(const Case& c, F&& f) {
+  run_local(c.tp, [&](Communicator& world) {
+    MeshShape shape;
+    shape[MeshAxis::tp] = c.tp;
+    const DeviceMesh mesh(world, shape, c.grid);
+    ModelParallel mp;
+    mp.tp = {&world, c.sequence_parallel, mesh.tensor_grid()};
+    f(world, mp);
+  });
+}
+
 // Bytes the device tier holds after the blocks' forward beyond what it held
 // before, per rank. The blocks sit in a middle pipeline stage (no embedding,
 // no head), so the input comes from outside and is in `before`; the output,
@@ -38,12 +52,7 @@ std::vector<double> measure(const GPTConfig& cfg, const Case& c) {
   // A grid's token groups each take whole sequences: 4 of them on these.
   const BatchShape bs{c.grid.ranks() > 1 ? 4 : 2, 64};
   std::vector<double> measured(static_cast<size_t>(c.tp), 0.0);
-  run_local(c.tp, [&](Communicator& world) {
-    MeshShape shape;
-    shape[MeshAxis::tp] = c.tp;
-    const DeviceMesh mesh(world, shape, c.grid);
-    ModelParallel mp;
-    mp.tp = {&world, c.sequence_parallel, mesh.tensor_grid()};
+  on_ranks(c, [&](Communicator& world, ModelParallel mp) {
     mp.chunks = {{0, static_cast<int>(cfg.n_layer)}};
     mp.first_stage = mp.last_stage = false;
     GPT model(cfg, mp);
@@ -123,6 +132,25 @@ TEST(ActivationMemory, GridsMatchTheGridFormula) {
   const GPTConfig cfg = model_config();
   EXPECT_LT(grid_activation_bytes_per_layer(cfg, 4, 64, {2, 2, true}, false),
             0.6 * activation_bytes_per_layer(cfg, 4, 64, 8, false, false));
+}
+
+// Every rank's parameter elements are the documented share
+// (tensor_parallel_param_elements): 1D at tp 2 and 4 (LLaMA's 2 kv heads
+// whole on 4 ranks), 2D, 2.5D and 3D.
+TEST(ParamMemory, EveryRankHoldsTheDocumentedShare) {
+  for (const GPTConfig& cfg : {model_config(), llama_config()})
+    for (const Case& c : {Case{2, false, false}, Case{4, false, false}, Case{4, false, false, {2, 1}},
+                          Case{8, false, false, {2, 2}}, Case{8, false, false, {2, 2, true}}}) {
+      std::vector<double> held(static_cast<size_t>(c.tp), 0.0);
+      on_ranks(c, [&](Communicator& world, const ModelParallel& mp) {
+        held[static_cast<size_t>(world.rank())] = static_cast<double>(GPT(cfg, mp).layout().numel());
+      });
+      const double expected = tensor_parallel_param_elements(cfg, c.tp, c.grid);
+      for (double n : held) EXPECT_NEAR(n / expected, 1.0, 0.02) << "tp " << c.tp << " grid q " << c.grid.q;
+      std::printf("%s tp=%d grid %dx%dx%d: %.0f elements per rank, formula %.0f\n",
+                  cfg.mlp == MlpKind::swiglu ? "llama" : "gpt2", c.tp, c.grid.q, c.grid.q, c.grid.depth, held[0],
+                  expected);
+    }
 }
 
 TEST(ActivationMemory, SequenceParallelismDividesEveryTermByTp) {

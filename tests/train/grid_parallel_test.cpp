@@ -92,6 +92,23 @@ std::vector<GridLayout> layouts() {
 INSTANTIATE_TEST_SUITE_P(Layouts, GridParallelFp32, ::testing::ValuesIn(layouts()),
                          [](const ::testing::TestParamInfo<GridLayout>& i) { return i.param.name; });
 
+// bf16 and fp16 on each grid stay within 1e-2 of the fp32 reference, as 1D
+// tensor parallelism's do (ModelParallel.MixedPrecisionMatchesTheReference-
+// Within1e2), and are bit-identical run to run.
+TEST(GridParallel, MixedPrecisionMatchesTheReferenceWithin1e2) {
+  for (DType precision : {DType::bf16, DType::f16})
+    for (const GridLayout& l : {GridLayout{.name = "2d"}, GridLayout{.name = "2.5d", .depth = 2},
+                                GridLayout{.name = "3d", .depth = 2, .cube = true}}) {
+      DataParallelRun r = run_of(l);
+      r.precision = precision;
+      const RunResult a = testing::run_layout(r), b = testing::run_layout(r);
+      const double loss = testing::max_loss_rel_diff(a, reference(false));
+      std::printf("%s %s: max loss rel diff %.3g\n", l.name.c_str(), dtype_name(precision), loss);
+      EXPECT_LE(loss, 1e-2) << l.name << " " << dtype_name(precision);
+      EXPECT_TRUE(testing::bit_equal(a.params, b.params)) << l.name << " " << dtype_name(precision);
+    }
+}
+
 // The comparison can fail: with the grid's floating-point sums doubled.
 TEST(GridParallel, ADoubledReductionFailsTheComparison) {
   for (const GridLayout& l : {GridLayout{.name = "2d"}, GridLayout{.name = "3d", .depth = 2, .cube = true}}) {
