@@ -166,7 +166,8 @@ std::span<const LayoutRule> layout_rules();
 std::optional<LayoutViolation> check_layout(const LayoutProblem& problem, const Layout& layout);
 
 // Every layout of `world` ranks (dp * tp * pp = world) the search considers,
-// valid or not: each sequence-parallel setting, schedule, virtual-stage
+// valid or not: each tensor-parallel mode whose grid tp forms (1D always;
+// 2.5D at every depth), sequence-parallel setting, schedule, virtual-stage
 // count up to one past a layer per stage, micro-batch size dividing the
 // batch, ZeRO stage, recompute setting and memory policy.
 std::vector<Layout> layout_candidates(const LayoutProblem& problem, int64_t world);

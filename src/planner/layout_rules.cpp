@@ -408,29 +408,42 @@ std::vector<Layout> layout_candidates(const LayoutProblem& problem, int64_t worl
       if (n % i == 0) d.push_back(i);
     return d;
   };
+  // Each tp's modes: 1D, and every grid its ranks form (2.5D at each depth).
+  const auto modes = [&](int64_t tp) {
+    std::vector<std::pair<TensorParallelMode, int64_t>> m{{TensorParallelMode::one_d, 1}};
+    if (tensor_grid_shape(TensorParallelMode::two_d, tp, 1).q > 0) m.push_back({TensorParallelMode::two_d, 1});
+    for (int64_t depth : divisors(tp))
+      if (depth > 1 && tensor_grid_shape(TensorParallelMode::two_and_half_d, tp, depth).q > 0)
+        m.push_back({TensorParallelMode::two_and_half_d, depth});
+    if (tensor_grid_shape(TensorParallelMode::three_d, tp, 1).q > 0) m.push_back({TensorParallelMode::three_d, 1});
+    return m;
+  };
   Layout l;
   for (int64_t tp : divisors(world))
-    for (int64_t pp : divisors(world / tp))
-      for (int sp = 0; sp < 2; ++sp)
-        for (PipelineSchedule schedule :
-             {PipelineSchedule::gpipe, PipelineSchedule::one_f_one_b, PipelineSchedule::interleaved_1f1b})
-          for (int64_t chunks = 1; chunks <= problem.model.n_layer / pp + 1; ++chunks)
-            for (int64_t micro_batch : divisors(problem.global_batch))
-              for (int zero_stage = 0; zero_stage <= 3; ++zero_stage)
-                for (int recompute = 0; recompute < 2; ++recompute)
-                  for (MemoryPolicy policy : {MemoryPolicy::none, MemoryPolicy::fixed, MemoryPolicy::automatic}) {
-                    l.dp = world / (tp * pp);
-                    l.tp = tp;
-                    l.pp = pp;
-                    l.sequence_parallel = sp != 0;
-                    l.schedule = schedule;
-                    l.virtual_stages = chunks;
-                    l.micro_batch = micro_batch;
-                    l.zero_stage = zero_stage;
-                    l.recompute = recompute != 0;
-                    l.memory_policy = policy;
-                    found.push_back(l);
-                  }
+    for (const auto& [mode, depth] : modes(tp))
+      for (int64_t pp : divisors(world / tp))
+        for (int sp = 0; sp < 2; ++sp)
+          for (PipelineSchedule schedule :
+               {PipelineSchedule::gpipe, PipelineSchedule::one_f_one_b, PipelineSchedule::interleaved_1f1b})
+            for (int64_t chunks = 1; chunks <= problem.model.n_layer / pp + 1; ++chunks)
+              for (int64_t micro_batch : divisors(problem.global_batch))
+                for (int zero_stage = 0; zero_stage <= 3; ++zero_stage)
+                  for (int recompute = 0; recompute < 2; ++recompute)
+                    for (MemoryPolicy policy : {MemoryPolicy::none, MemoryPolicy::fixed, MemoryPolicy::automatic}) {
+                      l.dp = world / (tp * pp);
+                      l.tp = tp;
+                      l.tp_mode = mode;
+                      l.tp_depth = depth;
+                      l.pp = pp;
+                      l.sequence_parallel = sp != 0;
+                      l.schedule = schedule;
+                      l.virtual_stages = chunks;
+                      l.micro_batch = micro_batch;
+                      l.zero_stage = zero_stage;
+                      l.recompute = recompute != 0;
+                      l.memory_policy = policy;
+                      found.push_back(l);
+                    }
   return found;
 }
 

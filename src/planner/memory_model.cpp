@@ -155,21 +155,64 @@ struct LinearShape {
   }
 };
 
+// A grid's linear layer (GridLinear, nn/summa_linear.cpp and
+// nn/cube_linear.cpp) on this rank: each part's stored weight rows (of
+// `in` local columns) and output features, its bias's elements and the
+// axes its gradients are partial sums over.
+struct GridLinearShape {
+  struct Piece {
+    int64_t stored_rows = 0, features = 0;
+  };
+  int64_t in = 0;  // this rank's input columns
+  bool bias = false;
+  bool cube = false;
+  std::vector<Piece> pieces;
+  TpAxes weight_partial = 0, bias_partial = 0;
+  int64_t out() const {
+    int64_t n = 0;
+    for (const Piece& p : pieces) n += p.features;
+    return n;
+  }
+  int64_t stored() const {
+    int64_t n = 0;
+    for (const Piece& p : pieces) n += p.stored_rows;
+    return n;
+  }
+  bool stacked() const { return pieces.size() > 1; }
+};
+
 // The parts of one rank's model for a micro-batch of N = B T tokens.
 struct Geometry {
   GPTConfig cfg;
   int64_t tp = 1;
   bool sp = false;
+  TensorGridShape grid;  // ranks() 1: 1D
   int64_t B = 1, T = 1;
   int64_t N() const { return B * T; }
-  // Token rows outside the tensor-parallel regions (TensorParallel::local_rows).
-  int64_t rows() const { return sp ? N() / tp : N(); }
+  bool on_grid() const { return grid.ranks() > 1; }
+  // Token rows between the blocks' tensor-parallel regions
+  // (TensorParallel::local_rows), and inside them (all of them in 1D, a
+  // grid's token group's).
+  int64_t rows() const { return on_grid() ? N() / (int64_t{grid.q} * grid.depth) : sp ? N() / tp : N(); }
+  int64_t inner_rows() const { return on_grid() ? rows() : N(); }
   int64_t C() const { return cfg.n_embd; }
+  // This rank's columns of the hidden width between the regions.
+  int64_t width() const { return on_grid() ? C() / grid.q : C(); }
   int64_t Q() const { return cfg.q_dim(); }  // q's and attention output's width
-  int64_t local_heads() const { return cfg.n_head / tp; }
-  int64_t local_vocab() const { return (cfg.vocab_size + tp - 1) / tp; }
-  int64_t local_I() const { return cfg.intermediate() / tp; }
-  double norm_numel() const { return static_cast<double>(C()) * (cfg.norm == NormKind::layernorm ? 2.0 : 1.0); }
+  int64_t feature_parts() const { return on_grid() ? grid.q : tp; }
+  int64_t local_heads() const { return cfg.n_head / feature_parts(); }
+  int64_t local_vocab() const {
+    if (!on_grid()) return (cfg.vocab_size + tp - 1) / tp;
+    return GridLinear::local_features(cfg.vocab_size, TensorGrid{.q = grid.q, .depth = grid.depth, .cube = grid.cube});
+  }
+  // The token table's rows this rank stores (TensorGrid::linear_cut).
+  int64_t table_rows() const {
+    if (!on_grid()) return local_vocab();
+    const int64_t parts = grid.cube ? int64_t{grid.q} * grid.q : grid.q;
+    return (cfg.vocab_size + parts - 1) / parts;
+  }
+  int64_t local_I() const { return cfg.intermediate() / feature_parts(); }
+  double norm_numel() const { return static_cast<double>(width()) * (cfg.norm == NormKind::layernorm ? 2.0 : 1.0); }
   double norm_stats() const { return static_cast<double>(rows()) * (cfg.norm == NormKind::layernorm ? 2.0 : 1.0); }
   bool lora() const { return cfg.lora.enabled(); }
 
@@ -200,6 +243,50 @@ struct Geometry {
   }
   LinearShape mlp_proj() const { return {local_I(), cfg.mlp_bias, false, {{C(), C(), cfg.adapter("mlp.c_proj").r}}}; }
   std::vector<LinearShape> block_linears() const { return {c_attn(), attn_proj(), c_fc(), mlp_proj()}; }
+
+  // A grid's layer of parts with `outs` global rows each (`blocks` each),
+  // `in` global inputs.
+  GridLinearShape grid_linear(const std::vector<std::pair<int64_t, int64_t>>& outs, int64_t in, bool bias,
+                              GridSide side) const {
+    const int64_t q = grid.q;
+    GridLinearShape l{in / q, bias, grid.cube, {}, 0, 0};
+    for (const auto& [out, blocks] : outs) {
+      const int64_t rows_per_block = out / blocks;
+      const int64_t parts = grid.cube ? q * q : q;
+      const int64_t stored = blocks * ((rows_per_block + parts - 1) / parts);
+      l.pieces.push_back({stored, grid.cube ? stored * q : stored});
+    }
+    // SUMMA's copies along the depth sum their weight gradients; a cube's
+    // are whole. A bias is held by every token row of its output's split.
+    l.weight_partial = !grid.cube && grid.depth > 1 ? kTpDepth : 0;
+    l.bias_partial = grid.cube && side == GridSide::entering ? kTpCols | kTpDepth : kTpRows | kTpDepth;
+    return l;
+  }
+  GridLinearShape grid_c_attn() const {
+    const int64_t kv = cfg.kv_heads() * cfg.head_dim();
+    return grid_linear(cfg.packed_qkv ? std::vector<std::pair<int64_t, int64_t>>{{3 * Q(), 3}}
+                                      : std::vector<std::pair<int64_t, int64_t>>{{Q(), 1}, {kv, 1}, {kv, 1}},
+                       C(), cfg.attention_bias, GridSide::entering);
+  }
+  GridLinearShape grid_attn_proj() const { return grid_linear({{C(), 1}}, Q(), cfg.attention_bias, GridSide::leaving); }
+  GridLinearShape grid_c_fc() const {
+    const int64_t I = cfg.intermediate();
+    return grid_linear(cfg.mlp == MlpKind::swiglu ? std::vector<std::pair<int64_t, int64_t>>{{I, 1}, {I, 1}}
+                                                  : std::vector<std::pair<int64_t, int64_t>>{{I, 1}},
+                       C(), cfg.mlp_bias, GridSide::entering);
+  }
+  GridLinearShape grid_mlp_proj() const {
+    return grid_linear({{C(), 1}}, cfg.intermediate(), cfg.mlp_bias, GridSide::leaving);
+  }
+  // The output head over the token table (GridLinear's head constructor).
+  GridLinearShape grid_head() const {
+    GridLinearShape l{width(), false, grid.cube, {}, 0, 0};
+    l.pieces.push_back({table_rows(), local_vocab()});
+    return l;
+  }
+  std::vector<GridLinearShape> grid_block_linears() const {
+    return {grid_c_attn(), grid_attn_proj(), grid_c_fc(), grid_mlp_proj()};
+  }
 };
 
 // A parameter group (ParamLayout::add_group): elements that train and elements
@@ -210,8 +297,22 @@ struct Group {
   std::string name;
   double trainable = 0.0, frozen = 0.0;
   std::vector<double> frozen_params;  // each frozen parameter's elements: each is a tensor of its own
-  double partial = 0.0;
+  // Elements by the reduction that completes their gradients: the tp axes
+  // they are partial sums over (1D: kTpAll), or kTiedStages.
+  std::map<int, double> partial;
 };
+
+// The reduction of the gradients of a parameter tied across pipeline
+// stages, after the tensor-parallel ones (Trainer::reduce_model_parallel_gradients).
+constexpr int kTiedStages = kTpAll + 1;
+
+// Every group's partial elements by reduction.
+std::map<int, double> partial_elements(const std::vector<Group>& groups) {
+  std::map<int, double> total;
+  for (const Group& g : groups)
+    for (const auto& [reduction, n] : g.partial) total[reduction] += n;
+  return total;
+}
 
 struct RankModel {
   std::vector<Group> groups;
@@ -220,20 +321,41 @@ struct RankModel {
   bool first = true, last = true;
 };
 
-void add_params(Group& g, const Geometry& geo, double numel, bool partial) {
+// `reduction`: the one that completes the parameter's gradient (0: none).
+void add_params(Group& g, const Geometry& geo, double numel, int reduction) {
   (geo.lora() ? g.frozen : g.trainable) += numel;
   if (geo.lora()) g.frozen_params.push_back(numel);
-  if (partial && !geo.lora()) g.partial += numel;
+  if (reduction != 0 && !geo.lora() && numel > 0.0) g.partial[reduction] += numel;
 }
 
-// A Norm's weight and LayerNorm's bias, C each.
+// What completes the gradient of a parameter along the hidden columns
+// between the regions (norms, positions): a grid's token axes, or under
+// sequence parallelism the tp group.
+int column_reduction(const Geometry& geo) { return geo.on_grid() ? kTpRows | kTpDepth : geo.sp ? kTpAll : 0; }
+
+// A Norm's weight and LayerNorm's bias, a rank's width each.
 void add_norm(Group& g, const Geometry& geo) {
-  for (double n = 0.0; n < geo.norm_numel(); n += static_cast<double>(geo.C()))
-    add_params(g, geo, static_cast<double>(geo.C()), geo.sp);
+  for (double n = 0.0; n < geo.norm_numel(); n += static_cast<double>(geo.width()))
+    add_params(g, geo, static_cast<double>(geo.width()), column_reduction(geo));
+}
+
+void add_grid_linear(Group& g, const Geometry& geo, const GridLinearShape& l) {
+  for (const GridLinearShape::Piece& p : l.pieces) {
+    add_params(g, geo, static_cast<double>(p.stored_rows * l.in), l.weight_partial);
+    if (l.bias) add_params(g, geo, static_cast<double>(p.features), l.bias_partial);
+  }
 }
 
 Group block_group(const Geometry& geo, int layer) {
-  Group g{"h." + std::to_string(layer), 0.0, 0.0, {}, 0.0};
+  Group g{"h." + std::to_string(layer), 0.0, 0.0, {}, {}};
+  if (geo.on_grid()) {
+    const std::vector<GridLinearShape> linears = geo.grid_block_linears();
+    for (size_t i = 0; i < linears.size(); ++i) {
+      if (i % 2 == 0) add_norm(g, geo);
+      add_grid_linear(g, geo, linears[i]);
+    }
+    return g;
+  }
   const std::vector<LinearShape> linears = geo.block_linears();
   for (size_t i = 0; i < linears.size(); ++i) {
     // Block: ln_1, attention's two linears, ln_2, the MLP's two.
@@ -242,16 +364,16 @@ Group block_group(const Geometry& geo, int layer) {
     for (const LinearPart& p : l.parts) {
       const double w = static_cast<double>(p.stored_rows) * static_cast<double>(l.in);
       const double b = l.bias ? static_cast<double>(p.stored_rows) : 0.0;
-      add_params(g, geo, w, p.partial_grad);
+      add_params(g, geo, w, p.partial_grad ? kTpAll : 0);
       // A row-parallel layer's bias is whole on every rank and its gradient
       // partial under sequence parallelism (RowParallelLinear).
-      add_params(g, geo, b, p.partial_grad || (!l.column && geo.sp));
+      add_params(g, geo, b, p.partial_grad || (!l.column && geo.sp) ? kTpAll : 0);
       if (p.lora_r > 0) {
         const double a = static_cast<double>(p.lora_r * l.in), bb = static_cast<double>(p.stored_rows * p.lora_r);
         g.trainable += a + bb;
         // The factor on W's unsplit side is replicated with a partial
         // gradient (Linear::add_adapter).
-        if (geo.tp > 1) g.partial += p.partial_grad ? a + bb : (l.column ? a : bb);
+        if (geo.tp > 1) g.partial[kTpAll] += p.partial_grad ? a + bb : (l.column ? a : bb);
       }
     }
   }
@@ -263,12 +385,12 @@ RankModel rank_model(const Geometry& geo, const std::vector<LayerRange>& chunks,
   m.first = first;
   m.last = last;
   const GPTConfig& cfg = geo.cfg;
-  const double table = static_cast<double>(geo.local_vocab() * geo.C());
+  const double table = static_cast<double>(geo.table_rows() * geo.width());
   if (first) {
-    Group g{"embedding", 0.0, 0.0, {}, 0.0};
-    add_params(g, geo, table, pp > 1 && last == false && cfg.tied_embeddings);
+    Group g{"embedding", 0.0, 0.0, {}, {}};
+    add_params(g, geo, table, pp > 1 && last == false && cfg.tied_embeddings ? kTiedStages : 0);
     if (cfg.positions == PositionKind::learned)
-      add_params(g, geo, static_cast<double>(cfg.block_size * geo.C()), geo.sp);
+      add_params(g, geo, static_cast<double>(cfg.block_size * geo.width()), column_reduction(geo));
     m.embedding = static_cast<int>(m.groups.size());
     m.groups.push_back(g);
   }
@@ -281,13 +403,13 @@ RankModel rank_model(const Geometry& geo, const std::vector<LayerRange>& chunks,
     m.chunks.push_back(ids);
   }
   if (last) {
-    Group g{"ln_f", 0.0, 0.0, {}, 0.0};
+    Group g{"ln_f", 0.0, 0.0, {}, {}};
     add_norm(g, geo);
     m.ln_f = static_cast<int>(m.groups.size());
     m.groups.push_back(g);
     if (!cfg.tied_embeddings || !first) {
-      Group h{"head", 0.0, 0.0, {}, 0.0};
-      add_params(h, geo, table, cfg.tied_embeddings);
+      Group h{"head", 0.0, 0.0, {}, {}};
+      add_params(h, geo, table, cfg.tied_embeddings ? kTiedStages : 0);
       m.head = static_cast<int>(m.groups.size());
       m.groups.push_back(h);
     } else {
@@ -902,7 +1024,8 @@ class ModelReplay {
   void begin(State& s) {
     s.blocks.assign(m_.groups.size(), {});
     if (m_.first) s.tokens = tl_.alloc(kBatch, static_cast<double>(geo_.N()) * 4.0);
-    if (m_.last) s.targets = tl_.alloc(kBatch, static_cast<double>(geo_.N()) * 4.0);
+    // A grid's last stage keeps the targets of its token rows.
+    if (m_.last) s.targets = tl_.alloc(kBatch, static_cast<double>(geo_.on_grid() ? geo_.rows() : geo_.N()) * 4.0);
   }
   void end(State& s) {
     tl_.free(s.tokens);
@@ -946,7 +1069,13 @@ class ModelReplay {
  private:
   double N() const { return static_cast<double>(geo_.N()); }
   double rows() const { return static_cast<double>(geo_.rows()); }
+  double inner_rows() const { return static_cast<double>(geo_.inner_rows()); }
   double C() const { return static_cast<double>(geo_.C()); }
+  double W() const { return static_cast<double>(geo_.width()); }
+  double q() const { return static_cast<double>(geo_.grid.q); }
+  // The token rows of a grid's table group (TensorGrid::table_group): a
+  // column's in one layer, a cube's column's in every layer.
+  double table_group_rows() const { return (geo_.grid.cube ? q() * q() : q()) * rows(); }
   bool dropout() const { return geo_.cfg.dropout > 0.0f; }
 
   // Linear::forward: several parts' weights (and biases) stacked into one
@@ -1045,6 +1174,109 @@ class ModelReplay {
     tl_.free(full);
     return dx;
   }
+  // SummaLinear::gather_panels (the pieces stacked, the column's panels
+  // gathered) or CubeLinear::gather_weight (the pieces stacked, the layers'
+  // gathered, put in feature order): returns the gathered weight.
+  int grid_weight(const GridLinearShape& l) {
+    const double in = static_cast<double>(l.in), stored = static_cast<double>(l.stored());
+    int stack = l.stacked() ? tl_.alloc(kTransient, stored * in * kF32) : -1;
+    int gathered = tl_.alloc(kTransient, q() * stored * in * kF32);
+    if (!l.cube) {
+      tl_.free(stack);
+      return gathered;
+    }
+    int w = tl_.alloc(kTransient, static_cast<double>(l.out()) * in * kF32);
+    tl_.free(gathered);
+    tl_.free(stack);
+    return w;
+  }
+  // SummaLinear::forward or CubeLinear::forward: y [rows, out] (`term` to
+  // the caller), the stacked bias added.
+  int grid_forward(const GridLinearShape& l, const char* term) {
+    const double in = static_cast<double>(l.in), out = static_cast<double>(l.out());
+    int xs = l.cube ? tl_.alloc(kTransient, q() * rows() * in * kF32) : -1;
+    int partial = tl_.alloc(kTransient, q() * rows() * out * kF32);
+    int w = grid_weight(l);
+    if (l.cube) {
+      tl_.free(w);
+      tl_.free(xs);
+    }
+    int y = tl_.alloc(term, rows() * out * kF32);
+    int bias = l.bias && l.stacked() ? tl_.alloc(kTransient, out * kF32) : -1;
+    tl_.free(bias);
+    tl_.free(partial);
+    tl_.free(w);
+    return y;
+  }
+  // SummaLinear::backward or CubeLinear::backward: dx [rows, in].
+  int grid_backward(const GridLinearShape& l) {
+    const double in = static_cast<double>(l.in), out = static_cast<double>(l.out());
+    const double stored = static_cast<double>(l.stored());
+    if (l.bias) {
+      int db = tl_.alloc(kTransient, out * kF32);
+      st_.touch_grads(touch_.group, touch_.first, touch_.count);
+      tl_.free(db);
+    }
+    int dys = tl_.alloc(kTransient, q() * rows() * out * kF32);
+    if (!l.cube) {
+      int dx = tl_.alloc(kTransient, rows() * in * kF32);
+      int panels = grid_weight(l);
+      tl_.free(panels);
+      int dws = tl_.alloc(kTransient, q() * out * in * kF32);
+      tl_.free(dys);
+      int dw = tl_.alloc(kTransient, out * in * kF32);
+      tl_.free(dws);
+      if (!l.bias) st_.touch_grads(touch_.group, touch_.first, touch_.count);
+      tl_.free(dw);
+      return dx;
+    }
+    int xs = tl_.alloc(kTransient, q() * rows() * in * kF32);
+    int dxs = tl_.alloc(kTransient, q() * rows() * in * kF32);
+    int dw = tl_.alloc(kTransient, out * in * kF32);
+    int w = grid_weight(l);
+    tl_.free(w);
+    tl_.free(dys);
+    tl_.free(xs);
+    int dx = tl_.alloc(kTransient, rows() * in * kF32);
+    tl_.free(dxs);
+    int layers = tl_.alloc(kTransient, q() * stored * in * kF32);
+    tl_.free(dw);
+    int pieces = tl_.alloc(kTransient, stored * in * kF32);
+    if (!l.bias) st_.touch_grads(touch_.group, touch_.first, touch_.count);
+    tl_.free(pieces);
+    tl_.free(layers);
+    return dx;
+  }
+  // The block's four linear layers (c_attn, attn.c_proj, c_fc, mlp.c_proj),
+  // 1D's column- and row-parallel ones or a grid's. `term` names what an
+  // entering layer's output is to the caller.
+  int layer_forward(int which, const char* term) {
+    if (geo_.on_grid()) return grid_forward(geo_.grid_block_linears()[static_cast<size_t>(which)], term);
+    const LinearShape l = geo_.block_linears()[static_cast<size_t>(which)];
+    return which % 2 == 0 ? column_forward(l, term) : row_forward(l);
+  }
+  int layer_backward(int which) {
+    if (geo_.on_grid()) return grid_backward(geo_.grid_block_linears()[static_cast<size_t>(which)]);
+    const LinearShape l = geo_.block_linears()[static_cast<size_t>(which)];
+    return which % 2 == 0 ? column_backward(l) : row_backward(l);
+  }
+  // A layer's output features on this rank, and its trainable parameters in
+  // ParamLayout order.
+  double layer_out(int which) const {
+    return static_cast<double>(geo_.on_grid() ? geo_.grid_block_linears()[static_cast<size_t>(which)].out()
+                                              : geo_.block_linears()[static_cast<size_t>(which)].out());
+  }
+  int layer_params(int which) const {
+    if (!geo_.on_grid()) return linear_params(geo_.block_linears()[static_cast<size_t>(which)]);
+    const GridLinearShape l = geo_.grid_block_linears()[static_cast<size_t>(which)];
+    return static_cast<int>(l.pieces.size()) * (l.bias ? 2 : 1);
+  }
+  // Norm::backward's row sums, all-reduced over a grid's hidden group.
+  void norm_sums() {
+    int sums = geo_.on_grid() ? tl_.alloc(kTransient, rows() * 2.0 * kF32) : -1;
+    tl_.free(sums);
+  }
+
   // CausalSelfAttention::rotate: RoPE's inverse frequencies and cos/sin tables.
   void rope_tables() {
     if (geo_.cfg.positions != PositionKind::rope) return;
@@ -1055,7 +1287,7 @@ class ModelReplay {
   }
   // Norm::forward: out [rows, C], rstd (and LayerNorm's mean) [rows].
   void norm_forward(std::vector<int>& saved) {
-    saved.push_back(tl_.alloc(kKept, rows() * C() * kF32));
+    saved.push_back(tl_.alloc(kKept, rows() * W() * kF32));
     saved.push_back(tl_.alloc(kKept, geo_.norm_stats() * kF32));
   }
 
@@ -1065,23 +1297,23 @@ class ModelReplay {
   void block_body(std::vector<int>& saved, bool full) {
     const double heads = static_cast<double>(geo_.local_heads()), hs = static_cast<double>(geo_.cfg.head_dim());
     norm_forward(saved);
-    saved.push_back(column_forward(geo_.c_attn(), kKept));  // qkv
+    saved.push_back(layer_forward(0, kKept));  // qkv
     rope_tables();
-    saved.push_back(tl_.alloc(kKept, N() * heads * hs * kF32));  // att
-    saved.push_back(tl_.alloc(kKept, N() * heads * kF32));       // lse
-    int a = row_forward(geo_.attn_proj());
-    saved.push_back(tl_.alloc(kKept, rows() * C() * kF32));  // resid
+    saved.push_back(tl_.alloc(kKept, inner_rows() * heads * hs * kF32));  // att
+    saved.push_back(tl_.alloc(kKept, inner_rows() * heads * kF32));       // lse
+    int a = layer_forward(1, kTransient);
+    saved.push_back(tl_.alloc(kKept, rows() * W() * kF32));  // resid
     tl_.free(a);
     norm_forward(saved);
-    saved.push_back(column_forward(geo_.c_fc(), kKept));                                     // fc
-    saved.push_back(tl_.alloc(kKept, N() * static_cast<double>(geo_.local_I()) * kF32));  // act
+    saved.push_back(layer_forward(2, kKept));                                                     // fc
+    saved.push_back(tl_.alloc(kKept, inner_rows() * static_cast<double>(geo_.local_I()) * kF32));  // act
     if (!full) return;
-    int m = row_forward(geo_.mlp_proj());
+    int m = layer_forward(3, kTransient);
     tl_.free(m);
   }
   // Block::forward: y, then the body; under recompute only the input stays.
   int block_forward(std::vector<int>& saved, int x) {
-    int y = tl_.alloc(kKept, rows() * C() * kF32);
+    int y = tl_.alloc(kKept, rows() * W() * kF32);
     block_body(saved, true);
     if (recompute_) tl_.free_all(saved);
     saved.push_back(x);
@@ -1101,34 +1333,35 @@ class ModelReplay {
   // which matters where a chunk's gradient appears at its first write.
   void block_backward(int group, std::vector<int>& saved) {
     if (recompute_) block_body(saved, false);
-    const LinearShape qkv = geo_.c_attn(), attn_proj = geo_.attn_proj(), fc = geo_.c_fc(), mlp_proj = geo_.mlp_proj();
-    const int ln_1 = 0, c_attn = ln_1 + norm_params(), c_proj = c_attn + linear_params(qkv);
-    const int ln_2 = c_proj + linear_params(attn_proj), c_fc = ln_2 + norm_params(), mlp_c_proj = c_fc + linear_params(fc);
-    int dm = dropout() ? tl_.alloc(kTransient, rows() * C() * kF32) : -1;
+    const int ln_1 = 0, c_attn = ln_1 + norm_params(), c_proj = c_attn + layer_params(0);
+    const int ln_2 = c_proj + layer_params(1), c_fc = ln_2 + norm_params(), mlp_c_proj = c_fc + layer_params(2);
+    int dm = dropout() ? tl_.alloc(kTransient, rows() * W() * kF32) : -1;
     {
-      touch_ = {group, mlp_c_proj, linear_params(mlp_proj)};
-      int dact = row_backward(mlp_proj);
-      int dfc = tl_.alloc(kTransient, N() * static_cast<double>(fc.out()) * kF32);
+      touch_ = {group, mlp_c_proj, layer_params(3)};
+      int dact = layer_backward(3);
+      int dfc = tl_.alloc(kTransient, inner_rows() * layer_out(2) * kF32);
       tl_.free(dact);
-      touch_ = {group, c_fc, linear_params(fc)};
-      int dln = column_backward(fc);
+      touch_ = {group, c_fc, layer_params(2)};
+      int dln = layer_backward(2);
       tl_.free(dfc);
       tl_.free(dm);
       st_.touch_grads(group, ln_2, norm_params());
+      norm_sums();
       tl_.free(dln);
     }
-    dm = dropout() ? tl_.alloc(kTransient, rows() * C() * kF32) : -1;
+    dm = dropout() ? tl_.alloc(kTransient, rows() * W() * kF32) : -1;
     {
-      touch_ = {group, c_proj, linear_params(attn_proj)};
-      int datt = row_backward(attn_proj);
-      int dqkv = tl_.alloc(kTransient, N() * static_cast<double>(qkv.out()) * kF32);
+      touch_ = {group, c_proj, layer_params(1)};
+      int datt = layer_backward(1);
+      int dqkv = tl_.alloc(kTransient, inner_rows() * layer_out(0) * kF32);
       tl_.free(datt);
       rope_tables();
-      touch_ = {group, c_attn, linear_params(qkv)};
-      int dln = column_backward(qkv);
+      touch_ = {group, c_attn, layer_params(0)};
+      int dln = layer_backward(0);
       tl_.free(dqkv);
       tl_.free(dm);
       st_.touch_grads(group, ln_1, norm_params());
+      norm_sums();
       tl_.free(dln);
     }
     tl_.free_all(saved);
@@ -1139,6 +1372,15 @@ class ModelReplay {
   int embedding_forward() {
     tl_.set_phase("embedding forward");
     st_.acquire(m_.embedding);
+    if (geo_.on_grid()) {
+      // Embedding::grid_forward: the table group's tokens looked up in this
+      // rank's rows, reduce-scattered.
+      int partial = tl_.alloc(kTransient, table_group_rows() * W() * kF32);
+      int out = tl_.alloc(kKept, rows() * W() * kF32);
+      tl_.free(partial);
+      st_.release(m_.embedding);
+      return out;
+    }
     const bool whole = geo_.tp == 1 && geo_.cfg.positions == PositionKind::learned;
     int out = tl_.alloc(kKept, N() * C() * kF32);
     if (!whole && geo_.sp) {
@@ -1153,10 +1395,14 @@ class ModelReplay {
   // rows under sequence parallelism.
   void embedding_backward() {
     tl_.set_phase("embedding backward");
-    int demb = dropout() ? tl_.alloc(kTransient, rows() * C() * kF32) : -1;
+    int demb = dropout() ? tl_.alloc(kTransient, rows() * W() * kF32) : -1;
     st_.touch_grads(m_.embedding);
     const bool whole = geo_.tp == 1 && geo_.cfg.positions == PositionKind::learned;
-    if (!whole) {
+    if (geo_.on_grid()) {
+      // Embedding::grid_backward: the table group's rows gathered.
+      int gathered = tl_.alloc(kTransient, table_group_rows() * W() * kF32);
+      tl_.free(gathered);
+    } else if (!whole) {
       int full = gather_rows(C());
       tl_.free(full);
     }
@@ -1174,13 +1420,17 @@ class ModelReplay {
     st_.release(m_.ln_f);
     st_.acquire(m_.head);
     s.head.push_back(gather_rows(C()));  // head_input under sequence parallelism
-    s.head.push_back(tl_.alloc(kKept, N() * static_cast<double>(geo_.local_vocab()) * kF32));  // logits
+    // The logits of every token (1D), or of the grid's token rows.
+    const double n = geo_.on_grid() ? rows() : N();
+    s.head.push_back(geo_.on_grid()
+                         ? grid_forward(geo_.grid_head(), kKept)
+                         : tl_.alloc(kKept, N() * static_cast<double>(geo_.local_vocab()) * kF32));  // logits
     st_.release(m_.head);
-    s.head.push_back(tl_.alloc(kKept, N() * kF32));  // lse
-    std::vector<int> temps = {tl_.alloc(kTransient, N() * kF32), tl_.alloc(kTransient, N() * kF32)};  // losses, dl
+    s.head.push_back(tl_.alloc(kKept, n * kF32));  // lse
+    std::vector<int> temps = {tl_.alloc(kTransient, n * kF32), tl_.alloc(kTransient, n * kF32)};  // losses, dl
     if (geo_.tp > 1) {
-      temps.push_back(tl_.alloc(kTransient, N() * kF32));        // row_max
-      temps.push_back(tl_.alloc(kTransient, 2.0 * N() * kF32));  // sums
+      temps.push_back(tl_.alloc(kTransient, n * kF32));        // row_max
+      temps.push_back(tl_.alloc(kTransient, 2.0 * n * kF32));  // sums
     }
     tl_.free_all(temps);
   }
@@ -1190,8 +1440,14 @@ class ModelReplay {
     tl_.set_phase("head backward");
     st_.acquire(m_.head);
     st_.acquire(m_.ln_f);
-    int dh = tl_.alloc(kTransient, N() * C() * kF32);
-    st_.touch_grads(m_.head, 0, 1);  // the token table, first in its group
+    int dh = -1;
+    if (geo_.on_grid()) {
+      touch_ = {m_.head, 0, 1};  // the token table, first in its group
+      dh = grid_backward(geo_.grid_head());
+    } else {
+      dh = tl_.alloc(kTransient, N() * C() * kF32);
+      st_.touch_grads(m_.head, 0, 1);
+    }
     // head: x_final, ln_f out, stats, head_input, logits, lse.
     tl_.free(s.head[3]);
     tl_.free(s.head[4]);
@@ -1201,8 +1457,9 @@ class ModelReplay {
       tl_.free(dh);
       dh = mine;
     }
-    int dres = tl_.alloc(kTransient, rows() * C() * kF32);
+    int dres = tl_.alloc(kTransient, rows() * W() * kF32);
     st_.touch_grads(m_.ln_f);
+    norm_sums();
     tl_.free(dh);
     tl_.free_all(s.head);
     st_.release(m_.ln_f);
@@ -1284,7 +1541,7 @@ void replay_step(Timeline& tl, StoreModel& st, const RankSetup& r) {
       for (Send& s : sends)
         if (s.stage == from_vs % r.pp && sent_at > s.receive_at) s.delivered = true;
     };
-    const double boundary = static_cast<double>(r.geo.rows() * r.geo.C()) * kF32;
+    const double boundary = static_cast<double>(r.geo.rows() * r.geo.width()) * kF32;
     for (const PipelineAction& a : orders[static_cast<size_t>(r.stage)]) {
       std::erase_if(sends, [&](Send& s) {
         if (s.delivered) tl.free(s.tensor);
@@ -1318,12 +1575,14 @@ void replay_step(Timeline& tl, StoreModel& st, const RankSetup& r) {
     }
     for (Send& s : sends) tl.free(s.tensor);
     if (r.defer) {
-      // Trainer::reduce_model_parallel_gradients: each set of partial
-      // gradients packed into one fp32 buffer and summed, then every bucket.
-      double partial = 0.0;
-      for (const Group& g : r.model.groups) partial += g.partial;
-      int packed = tl.alloc(kTransient, partial * kF32);
-      tl.free(packed);
+      // Trainer::reduce_model_parallel_gradients: the partial gradients of
+      // each reduction packed into one fp32 buffer and summed, one
+      // reduction after another, then every bucket.
+      for (const auto& [reduction, n] : partial_elements(r.model.groups)) {
+        if (reduction != kTiedStages && r.geo.tp == 1) continue;
+        int packed = tl.alloc(kTransient, n * kF32);
+        tl.free(packed);
+      }
       st.reduce_all();
     }
     int host = tl.alloc(Tier::host, kBatch, 8.0);
@@ -1389,6 +1648,7 @@ std::vector<RankMemory> replay_ranks(const LayoutProblem& problem, const Layout&
     r.geo.cfg = cfg;
     r.geo.tp = tp;
     r.geo.sp = layout.sequence_parallel && tp > 1;
+    r.geo.grid = tensor_grid_shape(layout.tp_mode, layout.tp, layout.tp_depth);
     r.geo.B = layout.micro_batch;
     r.geo.T = problem.seq_len;
     r.stage = mem.pp_stage;
@@ -1404,9 +1664,7 @@ std::vector<RankMemory> replay_ranks(const LayoutProblem& problem, const Layout&
       ranges.push_back({first_layer[k], first_layer[k + 1]});
     }
     r.model = rank_model(r.geo, ranges, mem.pp_stage == 0, mem.pp_stage == pp - 1, pp);
-    double partial = 0.0;
-    for (const Group& g : r.model.groups) partial += g.partial;
-    r.defer = pp > 1 || (tp > 1 && partial > 0.0);
+    r.defer = pp > 1 || (tp > 1 && !partial_elements(r.model.groups).empty());
 
     Timeline tl;
     StoreModel st(tl, r.model, layout.zero_stage, options.precision, options.bucket_bytes, dp, mem.dp_rank,

@@ -5,8 +5,9 @@
 // them, scheduled by simulate_pipeline), then what data parallelism leaves
 // exposed of the gradient reduction, then the optimizer. Each piece follows
 // what loom's modules do (src/nn, src/zero): the shapes below are the
-// rank-local GEMM shapes of the column/row-parallel layers, the collectives
-// the ones the layers and stores issue.
+// rank-local GEMM shapes of the column/row-parallel layers (or a grid's
+// SUMMA and cube layers), the collectives the ones the layers and stores
+// issue.
 #include <algorithm>
 
 #include "loom/planner.h"
@@ -44,6 +45,7 @@ struct Shapes {
   int64_t B, T, N;  // micro-batch sequences, tokens each, rows
   int64_t tp;
   bool sp;
+  TensorGridShape grid;  // ranks() 1: 1D
   double share;  // how many ranks share the device
   DType precision;
   const MachineRates& rates;
@@ -60,9 +62,79 @@ double memory_seconds(const Shapes& s, double bytes) { return s.share * bytes / 
 // Compute-bound work timed on a whole device, on this rank's share of it.
 double device_seconds(const Shapes& s, double seconds) { return s.share * seconds; }
 
+// A grid's linear layer of `out` x `in` (global) on its n = N / (q depth)
+// token rows (SummaLinear, CubeLinear): forward and backward GEMMs and
+// collectives, each collective priced by its whole buffer over the q ranks
+// of its group.
+std::pair<Cost, Cost> grid_linear_cost(const Shapes& s, int64_t out, int64_t in, bool weight_gradient) {
+  const int64_t q = s.grid.q, n = s.N / (q * s.grid.depth);
+  const auto collective = [&](Collective op, double elements) {
+    return s.rates.collective_seconds(op, kF32 * elements, static_cast<int>(q));
+  };
+  const double o = static_cast<double>(out), i = static_cast<double>(in), rows = static_cast<double>(n);
+  Cost f, b;
+  if (!s.grid.cube) {
+    // SUMMA: q GEMMs against the column's panels; the panels gathered, the
+    // partial outputs scattered; backward gathers dy and the panels and
+    // scatters dW.
+    const double panels = collective(Collective::all_gather, o * i / static_cast<double>(q));
+    f.compute_s = device_seconds(s, static_cast<double>(q) * s.rates.gemm_seconds(n, out / q, in / q, s.precision));
+    f.communication_s = panels + collective(Collective::reduce_scatter, rows * o);
+    b.compute_s = device_seconds(s, static_cast<double>(q) * (s.rates.gemm_seconds(n, in / q, out / q, s.precision) +
+                                                              (weight_gradient ? s.rates.gemm_seconds(out / q, in / q, n, s.precision) : 0.0)));
+    b.communication_s = collective(Collective::all_gather, rows * o) + panels +
+                        collective(Collective::reduce_scatter, o * i / static_cast<double>(q));
+    return {f, b};
+  }
+  // The cube: one GEMM on the gathered input and weight; x and W gathered,
+  // the output scattered; backward gathers dy, W and x and scatters dx and
+  // dW.
+  const double weight = collective(Collective::all_gather, o * i / static_cast<double>(q * q));
+  f.compute_s = device_seconds(s, s.rates.gemm_seconds(q * n, out / q, in / q, s.precision));
+  f.communication_s =
+      collective(Collective::all_gather, rows * i) + weight + collective(Collective::reduce_scatter, rows * o);
+  b.compute_s = device_seconds(s, s.rates.gemm_seconds(q * n, in / q, out / q, s.precision) +
+                                      (weight_gradient ? s.rates.gemm_seconds(out / q, in / q, q * n, s.precision) : 0.0));
+  b.communication_s = collective(Collective::all_gather, rows * o) + weight + collective(Collective::all_gather, rows * i) +
+                      collective(Collective::reduce_scatter, rows * i) +
+                      collective(Collective::reduce_scatter, o * i / static_cast<double>(q * q));
+  return {f, b};
+}
+
+// One block on a grid: its four grid layers, attention on the rank's heads
+// of its token rows, the elementwise kernels on its share, and each norm's
+// statistics all-reduced over the q ranks of a row (forward one or two
+// [n] vectors, backward [n, 2]).
+std::pair<Cost, Cost> grid_block_cost(const Shapes& s, bool recompute) {
+  const GPTConfig& m = s.m;
+  const int64_t C = m.n_embd, q = s.grid.q, hs = m.head_dim(), I = m.intermediate();
+  const int64_t kv = m.kv_heads() * hs, n = s.N / (q * s.grid.depth);
+  const bool swiglu = m.mlp == MlpKind::swiglu;
+  const int64_t layers[][2] = {{m.q_dim() + 2 * kv, C}, {C, m.q_dim()}, {(swiglu ? 2 : 1) * I, C}, {C, I}};
+  Cost forward, backward;
+  for (const auto& [out, in] : layers) {
+    const auto [f, b] = grid_linear_cost(s, out, in, !m.lora.enabled());
+    forward += f;
+    backward += b;
+  }
+  const double sequences_heads = static_cast<double>(s.B / (q * s.grid.depth) * (m.n_head / q));
+  const double rows = static_cast<double>(n);
+  const double elementwise = kF32 * rows * (10.0 * static_cast<double>(C / q) + (swiglu ? 3.0 : 2.0) * static_cast<double>(I / q));
+  forward.compute_s += device_seconds(s, sequences_heads * s.rates.attention_seconds(s.T, hs, false, s.precision)) +
+                       memory_seconds(s, elementwise);
+  backward.compute_s += device_seconds(s, sequences_heads * s.rates.attention_seconds(s.T, hs, true, s.precision)) +
+                        memory_seconds(s, 2.0 * elementwise);
+  const double statistics = m.norm == NormKind::layernorm ? 2.0 : 1.0;
+  forward.communication_s += 2.0 * statistics * s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, static_cast<int>(q));
+  backward.communication_s += 2.0 * s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * rows, static_cast<int>(q));
+  if (recompute) backward += forward;
+  return {forward, backward};
+}
+
 // One transformer block's forward and backward (with its recomputed forward
 // under activation checkpointing) for one micro-batch.
 std::pair<Cost, Cost> block_cost(const Shapes& s, bool recompute) {
+  if (s.grid.ranks() > 1) return grid_block_cost(s, recompute);
   const GPTConfig& m = s.m;
   const int64_t C = m.n_embd, q = m.q_dim(), hs = m.head_dim(), t = s.tp;
   const int64_t kv = m.kv_heads() % t == 0 ? m.kv_heads() / t * hs : hs;  // split, or one shared head
@@ -100,6 +172,15 @@ std::pair<Cost, Cost> block_cost(const Shapes& s, bool recompute) {
 // The embedding (first stage) and the final norm, output head and
 // cross-entropy (last stage) for one micro-batch.
 std::pair<Cost, Cost> embedding_cost(const Shapes& s) {
+  if (s.grid.ranks() > 1) {
+    // Embedding::grid_forward: the table group's rows looked up and
+    // reduce-scattered; backward gathers them.
+    const int64_t q = s.grid.q, n = s.N / (q * s.grid.depth), group = s.grid.cube ? q * q : q;
+    const double gathered = kF32 * static_cast<double>(group * n * (s.m.n_embd / q));
+    Cost forward{memory_seconds(s, 2.0 * gathered), s.rates.collective_seconds(Collective::reduce_scatter, gathered, static_cast<int>(group))};
+    Cost backward{memory_seconds(s, 2.0 * gathered), s.rates.collective_seconds(Collective::all_gather, gathered, static_cast<int>(group))};
+    return {forward, backward};
+  }
   const double bytes = kF32 * 2.0 * static_cast<double>(s.N * s.m.n_embd);
   Cost forward{memory_seconds(s, bytes), 0.0}, backward{memory_seconds(s, bytes), 0.0};
   // A vocabulary-parallel lookup sums the ranks' rows.
@@ -108,6 +189,22 @@ std::pair<Cost, Cost> embedding_cost(const Shapes& s) {
 }
 
 std::pair<Cost, Cost> head_cost(const Shapes& s) {
+  if (s.grid.ranks() > 1) {
+    // The head as a grid's entering layer over the token table, the logits'
+    // memory traffic and the vocabulary-parallel cross-entropy's three
+    // all-reduces of the rows over the q ranks splitting the vocabulary.
+    const int64_t q = s.grid.q, n = s.N / (q * s.grid.depth);
+    const TensorGrid grid{.q = s.grid.q, .depth = s.grid.depth, .cube = s.grid.cube};
+    const double V = static_cast<double>(GridLinear::local_features(s.m.vocab_size, grid));
+    auto [forward, backward] = grid_linear_cost(s, static_cast<int64_t>(V) * q, s.m.n_embd, !s.m.lora.enabled());
+    const double rows = static_cast<double>(n);
+    const double bytes = kF32 * (3.0 * rows * V + 2.0 * rows * static_cast<double>(s.m.n_embd / q));
+    forward.compute_s += memory_seconds(s, bytes);
+    backward.compute_s += memory_seconds(s, bytes);
+    forward.communication_s +=
+        3.0 * s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, static_cast<int>(q));
+    return {forward, backward};
+  }
   const int64_t C = s.m.n_embd, V = (s.m.vocab_size + s.tp - 1) / s.tp;
   const Linear head{C, V};
   const bool trained = !s.m.lora.enabled();
@@ -136,6 +233,7 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
                  layout.micro_batch * problem.seq_len,
                  layout.tp,
                  layout.sequence_parallel,
+                 tensor_grid_shape(layout.tp_mode, layout.tp, layout.tp_depth),
                  rates.shared_by_local_ranks ? static_cast<double>(world) : 1.0,
                  precision,
                  rates};
@@ -170,8 +268,12 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
     rank_cost[static_cast<size_t>(v % layout.pp)] += f;
     rank_cost[static_cast<size_t>(v % layout.pp)] += b;
   }
+  // What a pipeline send carries: the rank's token rows (and columns on a
+  // grid) of the residual stream.
   const double activation_bytes =
-      kF32 * static_cast<double>(s.N * m.n_embd) / (layout.sequence_parallel ? static_cast<double>(layout.tp) : 1.0);
+      kF32 * static_cast<double>(s.N * m.n_embd) /
+      (s.grid.ranks() > 1 ? static_cast<double>(s.grid.ranks())
+                          : layout.sequence_parallel ? static_cast<double>(layout.tp) : 1.0);
   // Every pipeline pair exchanges at once.
   costs.transfer_s = rates.collective_seconds(Collective::send_recv, activation_bytes, static_cast<int>(world));
   p.pipeline = simulate_pipeline(layout.pp > 1 ? layout.schedule : PipelineSchedule::gpipe,
@@ -185,8 +287,12 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
   p.communication_s = static_cast<double>(accumulation) * per_micro_batch.communication_s;
   p.bubble_s = p.pipeline.makespan_s - p.pipeline.busy_s[busiest];
 
-  // Data parallelism: this rank's share of the trainable parameters.
-  const double trainable = static_cast<double>(m.num_trainable_params()) / static_cast<double>(layout.tp * layout.pp);
+  // Data parallelism: this rank's share of the trainable parameters (a 2.5D
+  // grid's depth layers each hold a copy).
+  const double trainable =
+      (s.grid.ranks() > 1 ? tensor_parallel_param_elements(m, static_cast<int>(layout.tp), s.grid)
+                          : static_cast<double>(m.num_trainable_params()) / static_cast<double>(layout.tp)) /
+      static_cast<double>(layout.pp);
   const double element = static_cast<double>(dtype_size(precision));
   const int dp = static_cast<int>(layout.dp);
   double reduction = 0.0, gathers = 0.0;
@@ -209,6 +315,15 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
   const double exposed_reduction =
       dp > 1 ? std::max(reduction / buckets, reduction - last_backward) : 0.0;
   p.communication_s += exposed_reduction + gathers;
+  // 2.5D: the layers' copies of every matrix sum their gradients over the
+  // depth once per step (Trainer::reduce_model_parallel_gradients).
+  double depth_reduction = 0.0;
+  if (s.grid.ranks() > 1 && !s.grid.cube && s.grid.depth > 1) {
+    const double q = s.grid.q;
+    const double matrices = static_cast<double>(m.n_layer) * layer_matmul_weights(m) / (q * q);
+    depth_reduction = rates.collective_seconds(Collective::all_reduce, kF32 * matrices, s.grid.depth);
+  }
+  p.communication_s += depth_reduction;
 
   // AdamW over this rank's shard: parameters, gradients and both moments
   // read, the parameters and moments written (fp32, 28 bytes), the working
@@ -217,7 +332,7 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
   const double optimizer_bytes = shard * (28.0 + 4.0 + (precision == DType::f32 ? 0.0 : 2.0 * element));
   p.optimizer_s = memory_seconds(s, optimizer_bytes);
 
-  p.step_s = p.pipeline.makespan_s + exposed_reduction + gathers + p.optimizer_s;
+  p.step_s = p.pipeline.makespan_s + exposed_reduction + gathers + depth_reduction + p.optimizer_s;
   p.tokens_per_s = static_cast<double>(problem.global_batch * problem.seq_len) / p.step_s;
   const double peak = (precision != DType::f32 && rates.peak_flops_bf16 > 0 ? rates.peak_flops_bf16
                                                                              : rates.peak_flops_fp32) *

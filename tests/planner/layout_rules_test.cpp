@@ -69,8 +69,9 @@ TEST(LayoutRules, ConfigCheckAgreesWithTheRulesOnEveryCandidate) {
     const Config base = grid_config(grid, nullptr);
     const LayoutProblem problem = problem_of(base, model_config_from(base));
     std::vector<Layout> candidates = layout_candidates(problem, grid.world);
-    // The search enumerates 1D tensor parallelism only; the grid modes'
-    // rules are held to the config check on every candidate's variants.
+    // The search enumerates the grids each tp forms; variants in every mode
+    // (grids the tp does not form among them) hold the grid rules to the
+    // config check.
     for (size_t i = 0, n = candidates.size(); i < n; ++i)
       for (const auto& [mode, depth] : {std::pair{TensorParallelMode::two_d, 1}, {TensorParallelMode::two_d, 2},
                                         {TensorParallelMode::two_and_half_d, 2}, {TensorParallelMode::three_d, 1}}) {

@@ -5,6 +5,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <tuple>
 
 #include <gtest/gtest.h>
 
@@ -111,7 +112,7 @@ std::vector<Peaks> measure(const Case& c) {
       shape[MeshAxis::pp] = static_cast<int>(l.pp);
       shape[MeshAxis::dp] = static_cast<int>(l.dp);
       shape[MeshAxis::tp] = static_cast<int>(l.tp);
-      mesh = std::make_unique<DeviceMesh>(world, shape);
+      mesh = std::make_unique<DeviceMesh>(world, shape, tensor_grid_shape(l.tp_mode, l.tp, l.tp_depth));
       trainer = std::make_unique<Trainer>(cfg, opts, *mesh);
     } else {
       trainer = std::make_unique<Trainer>(cfg, opts, reference ? nullptr : &world);
@@ -191,6 +192,38 @@ std::vector<Case> cases() {
     l.dp = 2;
     l.zero_stage = 1;
     out.push_back({.name = "dp2 tp2 sp zero1 bf16", .layout = l, .precision = DType::bf16});
+  }
+  // Grids: 2D, 2.5D and 3D, with dp (ZeRO-1), pp, recompute, bf16.
+  for (const auto& [mode, tp, depth] : {std::tuple{TensorParallelMode::two_d, 4, 1},
+                                        std::tuple{TensorParallelMode::two_and_half_d, 8, 2},
+                                        std::tuple{TensorParallelMode::three_d, 8, 1}}) {
+    Layout g = mp_layout(tp, 1);
+    g.tp_mode = mode;
+    g.tp_depth = depth;
+    g.micro_batch = 4;
+    const std::string name = tensor_parallel_mode_name(mode);
+    out.push_back({.name = name, .layout = g});
+    out.push_back({.name = name + " llama", .layout = g, .llama = true});
+    Layout r = g;
+    r.recompute = true;
+    out.push_back({.name = name + " recompute bf16", .layout = r, .precision = DType::bf16});
+  }
+  {
+    Layout g = mp_layout(4, 2);
+    g.tp_mode = TensorParallelMode::two_d;
+    g.micro_batch = 2;
+    out.push_back({.name = "2d pp2 1f1b", .layout = g, .micro_batches = 4});
+    g = mp_layout(4, 1);
+    g.tp_mode = TensorParallelMode::two_d;
+    g.dp = 2;
+    g.zero_stage = 1;
+    out.push_back({.name = "2d dp2 zero1", .layout = g, .micro_batches = 2});
+    g = mp_layout(8, 1);
+    g.tp_mode = TensorParallelMode::three_d;
+    g.micro_batch = 4;
+    g.dp = 2;
+    g.zero_stage = 1;
+    out.push_back({.name = "3d dp2 zero1 dropout", .layout = g, .dropout = 0.1f});
   }
   out.push_back({.name = "pp2 gpipe", .layout = mp_layout(1, 2, PipelineSchedule::gpipe), .micro_batches = 4});
   out.push_back({.name = "pp2 1f1b", .layout = mp_layout(1, 2), .micro_batches = 4});

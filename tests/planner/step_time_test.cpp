@@ -3,6 +3,8 @@
 // the pipeline bubble, ZeRO's gathers, and parts that sum to the step.
 #include <gtest/gtest.h>
 
+#include <tuple>
+
 #include "loom/planner.h"
 
 namespace loom {
@@ -85,6 +87,44 @@ TEST(StepTime, TensorParallelCollectivesFollowTheLayers) {
     const double per_micro_batch = 4 * 2 * block + r.collective_seconds(Collective::all_reduce, act, 2) +
                                    3 * r.collective_seconds(Collective::all_reduce, 4.0 * rows, 2);
     EXPECT_NEAR(p.communication_s / (4 * per_micro_batch), 1.0, 1e-12) << "sp " << sp;
+    EXPECT_NEAR(sum_of_parts(p) / p.step_s, 1.0, 1e-12);
+  }
+}
+
+// On a grid, with free latency, the collectives' time is the bytes each
+// rank sends (grid_linear_elements_sent, held to CommStats by
+// tests/nn/grid_linear_test.cpp) over the link's rate: the block's four
+// layers, the norms' statistics, the embedding's scatter and gather, the
+// head and the cross-entropy's three all-reduces, and 2.5D's depth
+// reduction once a step.
+TEST(StepTime, GridCollectivesSendWhatTheLayersSend) {
+  const LayoutProblem pr = problem();
+  MachineRates r = flat_rates();
+  r.intra_node = {0.0, 1e10};
+  const GPTConfig& m = pr.model;
+  const int64_t C = m.n_embd, I = m.intermediate(), V = m.vocab_size, L = m.n_layer;
+  for (const auto& [mode, tp, depth] : {std::tuple{TensorParallelMode::two_d, 4, 1},
+                                        std::tuple{TensorParallelMode::two_and_half_d, 8, 2},
+                                        std::tuple{TensorParallelMode::three_d, 8, 1}}) {
+    const Layout l{.tp = tp, .tp_mode = mode, .tp_depth = depth, .micro_batch = 4};
+    const TensorGridShape g = tensor_grid_shape(mode, tp, depth);
+    const int64_t N = 4 * 64, q = g.q;
+    const double n = static_cast<double>(N) / (q * g.depth), ring = (q - 1.0) / q;
+    double block = 0.0, matrices = 0.0;
+    for (const auto& [out, in] : {std::pair{3 * C, C}, std::pair{C, C}, std::pair{I, C}, std::pair{C, I}}) {
+      block += grid_linear_elements_sent(out, in, N, g);
+      matrices += grid_weight_gradient_elements_sent(out, in, g);
+    }
+    block += 2 * 2 * 2 * ring * n + 2 * 2 * ring * 2 * n;  // LayerNorm's two statistics, backward's sums
+    const int64_t table_group = g.cube ? q * q : q, vocab_parts = g.cube ? q * q : q;
+    const int64_t padded_vocab = (V + vocab_parts - 1) / vocab_parts * vocab_parts;
+    const double embedding = 2.0 * (table_group - 1) * n * static_cast<double>(C / q);
+    const double head = grid_linear_elements_sent(padded_vocab, C, N, g) + 3 * 2 * ring * n;
+    const double micro_batches = static_cast<double>(pr.global_batch / l.micro_batch);
+    const double elements = micro_batches * (static_cast<double>(L) * block + embedding + head) +
+                            static_cast<double>(L) * matrices;
+    const StepTimePrediction p = predict_step_time(pr, l, DType::f32, r, 1 << 20);
+    EXPECT_NEAR(p.communication_s * 1e10 / (4.0 * elements), 1.0, 1e-9) << tensor_parallel_mode_name(mode);
     EXPECT_NEAR(sum_of_parts(p) / p.step_s, 1.0, 1e-12);
   }
 }
