@@ -82,6 +82,18 @@ double tensor_parallel_param_elements(const GPTConfig& cfg, int tp, const Tensor
 // 1D's pair of column- and row-parallel layers all-reduces the [N, h]
 // activation once forward and once backward: 4 (tp-1) / tp N h.
 double grid_linear_elements_sent(int64_t out, int64_t in, int64_t N, const TensorGridShape& grid);
+// Elements each rank of a grid sends over the grid's groups in one training
+// step of `micro_batches` micro-batches of B x T tokens (one pipeline stage
+// holding the whole model, no adapters): per micro-batch every block's four
+// layers (grid_linear_elements_sent) and its norms' statistics (forward: the
+// row sums, LayerNorm's two; backward: [n, 2]), the embedding's scatter and
+// gather over the table group, the head over the padded vocabulary and the
+// vocabulary-parallel cross-entropy's [n] and [n, 2] all-reduces; per step
+// one all-reduce per set of partial gradients (the biases, norms and
+// positions over their token axes; 2.5D's matrices and token table over
+// the depth) and the loss's sum over the inner token group.
+double grid_step_elements_sent(const GPTConfig& cfg, int64_t B, int64_t T, int64_t micro_batches,
+                               const TensorGridShape& grid);
 // Elements each rank sends per step to sum a 2.5D grid's weight gradient of
 // `out` x `in` over the depth (an all-reduce of its out in / q^2 block); 0 on
 // 2D and 3D, whose weight gradients are whole.

@@ -113,6 +113,49 @@ double grid_linear_elements_sent(int64_t out, int64_t in, int64_t N, const Tenso
   return 3.0 * (q - 1.0) * o * i / (q * q) + 2.0 * (q - 1.0) * n * o / q;
 }
 
+double grid_step_elements_sent(const GPTConfig& cfg, int64_t B, int64_t T, int64_t micro_batches,
+                               const TensorGridShape& grid) {
+  LOOM_CHECK(grid.q >= 2, "a grid of side ", grid.q);
+  const int64_t q = grid.q, N = B * T, C = cfg.n_embd, I = cfg.intermediate(), V = cfg.vocab_size;
+  const int64_t KV = cfg.kv_heads() * cfg.head_dim(), Q = cfg.q_dim(), fc = cfg.mlp == MlpKind::swiglu ? 2 * I : I;
+  const double n = static_cast<double>(N) / (q * grid.depth), Cq = static_cast<double>(C / q);
+  // An all-reduce of `count` over g ranks sends 2 (g - 1) / g of it.
+  const auto all_reduce = [](double count, int64_t g) { return 2.0 * (g - 1.0) / static_cast<double>(g) * count; };
+  const double statistics = cfg.norm == NormKind::layernorm ? 2.0 : 1.0;
+  const double norm = statistics * all_reduce(n, q) + all_reduce(2.0 * n, q);
+  const std::pair<int64_t, int64_t> layers[] = {{Q + 2 * KV, C}, {C, Q}, {fc, C}, {C, I}};
+  double block = 2.0 * norm;
+  for (const auto& [out, in] : layers) block += grid_linear_elements_sent(out, in, N, grid);
+  const int64_t table_group = grid.cube ? q * q : q, vocab_parts = grid.cube ? q * q : q;
+  const int64_t padded_vocab = (V + vocab_parts - 1) / vocab_parts * vocab_parts;
+  const double embedding = 2.0 * static_cast<double>(table_group - 1) * n * Cq;
+  const double head = norm + grid_linear_elements_sent(padded_vocab, C, N, grid) + all_reduce(3.0 * n, q);
+  const double L = static_cast<double>(cfg.n_layer);
+  double step = static_cast<double>(micro_batches) * (L * block + embedding + head);
+
+  // The partial gradients, one all-reduce per set of axes. Over the token
+  // axes between blocks (q depth ranks): every norm, the positions, the
+  // leaving layers' biases and, on 2D/2.5D, the entering layers' too.
+  const double norm_params = statistics * Cq;
+  const double entering_bias = static_cast<double>(((cfg.attention_bias ? Q + 2 * KV : 0) + (cfg.mlp_bias ? fc : 0)) / q);
+  const double leaving_bias = static_cast<double>(((cfg.attention_bias ? C : 0) + (cfg.mlp_bias ? C : 0)) / q);
+  const double positions = cfg.positions == PositionKind::learned ? static_cast<double>(cfg.block_size) * Cq : 0.0;
+  const int64_t token_ranks = q * grid.depth;
+  step += all_reduce(L * (2.0 * norm_params + leaving_bias + (grid.cube ? 0.0 : entering_bias)) + norm_params +
+                         positions,
+                     token_ranks);
+  // A cube's entering biases over the (layer, column) pairs inside a block.
+  if (grid.cube && entering_bias > 0.0) step += all_reduce(L * entering_bias, q * q);
+  // 2.5D's copies of every matrix and of the token table over the depth.
+  if (!grid.cube && grid.depth > 1) {
+    for (const auto& [out, in] : layers) step += L * grid_weight_gradient_elements_sent(out, in, grid);
+    const double table = static_cast<double>((V + q - 1) / q) * Cq * (cfg.tied_embeddings ? 1.0 : 2.0);
+    step += all_reduce(table, grid.depth);
+  }
+  // The loss's sum (one f64 per loss term) over the inner token group.
+  return step + all_reduce(1.0, token_ranks);
+}
+
 double grid_weight_gradient_elements_sent(int64_t out, int64_t in, const TensorGridShape& grid) {
   if (grid.cube || grid.depth == 1) return 0.0;
   const double q = grid.q, d = grid.depth;

@@ -191,8 +191,9 @@ std::pair<Cost, Cost> embedding_cost(const Shapes& s) {
 std::pair<Cost, Cost> head_cost(const Shapes& s) {
   if (s.grid.ranks() > 1) {
     // The head as a grid's entering layer over the token table, the logits'
-    // memory traffic and the vocabulary-parallel cross-entropy's three
-    // all-reduces of the rows over the q ranks splitting the vocabulary.
+    // memory traffic and the vocabulary-parallel cross-entropy's all-reduces
+    // of [n] and [n, 2] (the rows' max, their sums) over the q ranks
+    // splitting the vocabulary.
     const int64_t q = s.grid.q, n = s.N / (q * s.grid.depth);
     const TensorGrid grid{.q = s.grid.q, .depth = s.grid.depth, .cube = s.grid.cube};
     const double V = static_cast<double>(GridLinear::local_features(s.m.vocab_size, grid));
@@ -201,8 +202,8 @@ std::pair<Cost, Cost> head_cost(const Shapes& s) {
     const double bytes = kF32 * (3.0 * rows * V + 2.0 * rows * static_cast<double>(s.m.n_embd / q));
     forward.compute_s += memory_seconds(s, bytes);
     backward.compute_s += memory_seconds(s, bytes);
-    forward.communication_s +=
-        3.0 * s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, static_cast<int>(q));
+    forward.communication_s += s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, static_cast<int>(q)) +
+                               s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * rows, static_cast<int>(q));
     return {forward, backward};
   }
   const int64_t C = s.m.n_embd, V = (s.m.vocab_size + s.tp - 1) / s.tp;
@@ -213,10 +214,12 @@ std::pair<Cost, Cost> head_cost(const Shapes& s) {
   const double bytes = kF32 * (3.0 * static_cast<double>(s.N * V) + 2.0 * static_cast<double>(s.N * C));
   Cost forward{device_seconds(s, head.forward(s.rates, s.N, s.precision)) + memory_seconds(s, bytes), 0.0};
   Cost backward{device_seconds(s, head.backward(s.rates, s.N, s.precision, trained)) + memory_seconds(s, bytes), 0.0};
-  // Vocabulary-parallel cross-entropy: the rows' max, sum and target logit.
+  // Vocabulary-parallel cross-entropy: the rows' max [N], then their sums
+  // [N, 2].
   if (s.tp > 1)
-    forward.communication_s = 3.0 * s.rates.collective_seconds(Collective::all_reduce, kF32 * static_cast<double>(s.N),
-                                                               static_cast<int>(s.tp));
+    forward.communication_s =
+        s.rates.collective_seconds(Collective::all_reduce, kF32 * static_cast<double>(s.N), static_cast<int>(s.tp)) +
+        s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * static_cast<double>(s.N), static_cast<int>(s.tp));
   return {forward, backward};
 }
 

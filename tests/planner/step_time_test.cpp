@@ -80,12 +80,13 @@ TEST(StepTime, TensorParallelCollectivesFollowTheLayers) {
     const double rows = 2.0 * 64, act = 4.0 * rows * 64;
     // Per block and micro-batch, forward and backward: two all-reduces, or
     // two all-gathers and two reduce-scatters; the embedding's all-reduce and
-    // the cross-entropy's three of N floats.
+    // the cross-entropy's of N and 2 N floats.
     const double block = sp ? 2 * (r.collective_seconds(Collective::all_gather, act, 2) +
                                    r.collective_seconds(Collective::reduce_scatter, act, 2))
                             : 2 * r.collective_seconds(Collective::all_reduce, act, 2);
     const double per_micro_batch = 4 * 2 * block + r.collective_seconds(Collective::all_reduce, act, 2) +
-                                   3 * r.collective_seconds(Collective::all_reduce, 4.0 * rows, 2);
+                                   r.collective_seconds(Collective::all_reduce, 4.0 * rows, 2) +
+                                   r.collective_seconds(Collective::all_reduce, 8.0 * rows, 2);
     EXPECT_NEAR(p.communication_s / (4 * per_micro_batch), 1.0, 1e-12) << "sp " << sp;
     EXPECT_NEAR(sum_of_parts(p) / p.step_s, 1.0, 1e-12);
   }
@@ -119,7 +120,7 @@ TEST(StepTime, GridCollectivesSendWhatTheLayersSend) {
     const int64_t table_group = g.cube ? q * q : q, vocab_parts = g.cube ? q * q : q;
     const int64_t padded_vocab = (V + vocab_parts - 1) / vocab_parts * vocab_parts;
     const double embedding = 2.0 * (table_group - 1) * n * static_cast<double>(C / q);
-    const double head = grid_linear_elements_sent(padded_vocab, C, N, g) + 3 * 2 * ring * n;
+    const double head = grid_linear_elements_sent(padded_vocab, C, N, g) + 2 * ring * 3 * n;
     const double micro_batches = static_cast<double>(pr.global_batch / l.micro_batch);
     const double elements = micro_batches * (static_cast<double>(L) * block + embedding + head) +
                             static_cast<double>(L) * matrices;

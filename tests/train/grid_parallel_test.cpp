@@ -4,8 +4,10 @@
 // single-rank fp32 reference and is bit-identical run to run.
 #include <gtest/gtest.h>
 
+#include <set>
 #include <tuple>
 
+#include "loom/planner.h"
 #include "zero/zero_test_util.h"
 
 namespace loom {
@@ -106,6 +108,46 @@ TEST(GridParallel, MixedPrecisionMatchesTheReferenceWithin1e2) {
       std::printf("%s %s: max loss rel diff %.3g\n", l.name.c_str(), dtype_name(precision), loss);
       EXPECT_LE(loss, 1e-2) << l.name << " " << dtype_name(precision);
       EXPECT_TRUE(testing::bit_equal(a.params, b.params)) << l.name << " " << dtype_name(precision);
+    }
+}
+
+// Every rank sends, over its grid's groups, the elements the documented
+// per-step volume says (grid_step_elements_sent), step after step, for
+// GPT-2 and LLaMA on each grid and with two micro-batches.
+TEST(GridParallel, EveryRankSendsTheDocumentedVolumePerStep) {
+  for (bool llama : {false, true})
+    for (const GridLayout& l : {GridLayout{.name = "2d"}, GridLayout{.name = "2.5d", .depth = 2},
+                                GridLayout{.name = "3d", .depth = 2, .cube = true},
+                                GridLayout{.name = "3d accumulate", .depth = 2, .cube = true, .accumulation = 2}}) {
+      GPTConfig cfg = testing::small_gpt(0.0f, kLayers, kHeads);
+      if (llama) testing::llama_variant(2)(cfg);
+      const TensorGridShape shape{l.q, l.depth, l.cube};
+      const std::vector<int32_t> data = testing::step_tokens(0, cfg.vocab_size);
+      std::vector<double> sent(static_cast<size_t>(shape.ranks()), 0.0);
+      run_local(shape.ranks(), [&](Communicator& world) {
+        MeshShape mesh_shape;
+        mesh_shape[MeshAxis::tp] = shape.ranks();
+        DeviceMesh mesh(world, mesh_shape, shape);
+        Trainer trainer(cfg, {}, mesh);
+        const std::vector<MicroBatch> mbs = testing::rank_micro_batches(data, 1, 0, l.accumulation);
+        const TensorGrid& g = *mesh.tensor_grid();
+        const std::set<Communicator*> groups{g.hidden_group, g.weight_group,      g.depth_group,
+                                             g.token_group,  g.inner_token_group, g.table_group};
+        const auto elements = [&] {
+          double e = 0.0;
+          for (Communicator* c : groups) e += c->stats().sent().elements;
+          return e;
+        };
+        trainer.step(mbs);
+        const double before = elements();
+        trainer.step(mbs);
+        sent[static_cast<size_t>(world.rank())] = elements() - before;
+      });
+      const double expected = grid_step_elements_sent(cfg, testing::kGlobal / l.accumulation, testing::kT,
+                                                      l.accumulation, shape);
+      for (size_t r = 0; r < sent.size(); ++r)
+        EXPECT_NEAR(sent[r] / expected, 1.0, 1e-12)
+            << (llama ? "llama " : "gpt2 ") << l.name << " rank " << r << ": " << sent[r] << " vs " << expected;
     }
 }
 
