@@ -29,6 +29,8 @@ struct GridLayout {
   bool checkpoint = false;
   int accumulation = 1;
   bool llama = false;
+  PipelineSchedule schedule = PipelineSchedule::one_f_one_b;
+  int virtual_stages = 1;
 };
 
 DataParallelRun run_of(const GridLayout& l) {
@@ -40,6 +42,8 @@ DataParallelRun run_of(const GridLayout& l) {
   r.n_layer = kLayers;
   r.n_head = kHeads;
   r.checkpoint_activations = l.checkpoint;
+  r.model_parallel.schedule = l.schedule;
+  r.model_parallel.virtual_stages = l.virtual_stages;
   if (l.llama) r.model_variant = testing::llama_variant(2);
   return r;
 }
@@ -87,6 +91,12 @@ std::vector<GridLayout> layouts() {
           {.name = p + "_pp2_1f1b", .depth = depth, .cube = cube, .pp = 2, .accumulation = 2, .llama = llama});
       v.push_back({.name = p + "_checkpointing", .depth = depth, .cube = cube, .checkpoint = true, .llama = llama});
     }
+    // The other schedules: GPipe on 2.5D, interleaved 1F1B (two chunks of one
+    // layer per stage) on 3D.
+    v.push_back({.name = model + "2p5d_pp2_gpipe", .depth = 2, .pp = 2, .accumulation = 2, .llama = llama,
+                 .schedule = PipelineSchedule::gpipe});
+    v.push_back({.name = model + "3d_pp2_interleaved", .depth = 2, .cube = true, .pp = 2, .accumulation = 2,
+                 .llama = llama, .schedule = PipelineSchedule::interleaved_1f1b, .virtual_stages = 2});
   }
   return v;
 }
