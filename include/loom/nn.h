@@ -463,7 +463,7 @@ class GridLinear {
   GridLinear(int weight, const ParamLayout& layout, int64_t in, const TensorParallel& tp);
   // How many output features a rank holds of `out` (its logits' vocabulary
   // of the head's table): padded to the grid's cut.
-  static int64_t local_features(int64_t out, const TensorGrid& grid);
+  static int64_t local_features(int64_t out, const TensorGridShape& grid);
 
   Tensor forward(const ParamStore& ps, const Tensor& x, const AdapterDropout& = {}) const;
   Tensor backward(const Grads& g, const Tensor& dy, const Tensor& x, const AdapterDropout& = {}) const;

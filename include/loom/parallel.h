@@ -146,6 +146,7 @@ struct TensorGrid {
   // 2D/2.5D, the token group on a cube.
   Communicator* table_group = nullptr;
 
+  TensorGridShape shape() const { return {q, depth, cube}; }
   int token_parts() const { return q * depth; }
   int token_index() const { return layer * q + row; }
   // This rank's token block inside a block.

@@ -29,7 +29,7 @@ GPT::GPT(const GPTConfig& cfg, const ModelParallel& mp)
     LOOM_CHECK(chunks_[c].begin >= (c ? chunks_[c - 1].end : 0) && chunks_[c].begin < chunks_[c].end &&
                    chunks_[c].end <= cfg_.n_layer,
                "bad layer range [", chunks_[c].begin, ", ", chunks_[c].end, ") for chunk ", c);
-  local_vocab_ = tp.grid ? GridLinear::local_features(cfg_.vocab_size, *tp.grid)
+  local_vocab_ = tp.grid ? GridLinear::local_features(cfg_.vocab_size, tp.grid->shape())
                          : (cfg_.vocab_size + tp.feature_parts() - 1) / tp.feature_parts();
   // Fine-tuning through adapters freezes the whole base model, as PEFT does.
   layout_.set_added_trainable(!cfg_.lora.enabled());

@@ -20,7 +20,7 @@ GridLinear::GridLinear(int weight, const ParamLayout& layout, int64_t in, const 
     layer_ = SummaLinear(weight, layout, in, tp);
 }
 
-int64_t GridLinear::local_features(int64_t out, const TensorGrid& grid) {
+int64_t GridLinear::local_features(int64_t out, const TensorGridShape& grid) {
   // As TensorGrid::linear_cut cuts the rows (padding the last part): q parts
   // on 2D/2.5D; on a cube q^2, of which a rank's features are q.
   const int64_t q = grid.q, parts = grid.cube ? q * q : q;

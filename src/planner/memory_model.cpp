@@ -203,7 +203,7 @@ struct Geometry {
   int64_t local_heads() const { return cfg.n_head / feature_parts(); }
   int64_t local_vocab() const {
     if (!on_grid()) return (cfg.vocab_size + tp - 1) / tp;
-    return GridLinear::local_features(cfg.vocab_size, TensorGrid{.q = grid.q, .depth = grid.depth, .cube = grid.cube});
+    return GridLinear::local_features(cfg.vocab_size, grid);
   }
   // The token table's rows this rank stores (TensorGrid::linear_cut).
   int64_t table_rows() const {

@@ -195,8 +195,7 @@ std::pair<Cost, Cost> head_cost(const Shapes& s) {
     // of [n] and [n, 2] (the rows' max, their sums) over the q ranks
     // splitting the vocabulary.
     const int64_t q = s.grid.q, n = s.N / (q * s.grid.depth);
-    const TensorGrid grid{.q = s.grid.q, .depth = s.grid.depth, .cube = s.grid.cube};
-    const double V = static_cast<double>(GridLinear::local_features(s.m.vocab_size, grid));
+    const double V = static_cast<double>(GridLinear::local_features(s.m.vocab_size, s.grid));
     auto [forward, backward] = grid_linear_cost(s, static_cast<int64_t>(V) * q, s.m.n_embd, !s.m.lora.enabled());
     const double rows = static_cast<double>(n);
     const double bytes = kF32 * (3.0 * rows * V + 2.0 * rows * static_cast<double>(s.m.n_embd / q));

@@ -53,7 +53,7 @@ TEST_P(GridLinearVolume, EveryRankSendsTheDocumentedElements) {
       fill_normal(x.data<float>(), x.numel(), 5, 0, 0.0f, 1.0f);
       const double before = grid_elements_sent(grid);
       const Tensor y = linear.forward(params, x);
-      EXPECT_EQ(y.numel(), tp.local_rows(N) * GridLinear::local_features(out, grid));
+      EXPECT_EQ(y.numel(), tp.local_rows(N) * GridLinear::local_features(out, shape));
       const Tensor dx = linear.backward({params, grads}, y, x);
       EXPECT_EQ(dx.numel(), x.numel());
       EXPECT_DOUBLE_EQ(grid_elements_sent(grid) - before, grid_linear_elements_sent(out, in, N, shape))
