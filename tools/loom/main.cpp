@@ -185,7 +185,7 @@ int main(int argc, char** argv) {
   bool elastic = false;
   train->add_option("--max-restarts", max_restarts,
                     "when the run fails (a rank died, was killed or stalled), start it again from its newest "
-                    "checkpoint, up to this many times (local ranks)");
+                    "checkpoint, up to this many times (local ranks, or mpirun under parallel.backend = \"mpi\")");
   train->add_flag("--elastic", elastic,
                   "with --max-restarts: restart on fewer data-parallel ranks, the global batch kept by more gradient "
                   "accumulation");
@@ -368,7 +368,8 @@ int main(int argc, char** argv) {
       run.stop_after = stop_after;
       if (elastic && max_restarts == 0) throw Error("--elastic applies to restarts: give --max-restarts N too");
       if (max_restarts > 0)
-        return run_training_with_restarts(load_config(config_path, overrides), run, max_restarts, elastic);
+        return run_training_with_restarts(load_config(config_path, overrides), {config_path, overrides}, run,
+                                          max_restarts, elastic);
       if (run_training(load_config(config_path, overrides), run).stop_signal != 0) return kPreemptedExitStatus;
     } else if (gen->parsed()) {
       if (gen_tp < 1) throw Error(str("--tp ", gen_tp, ": give the number of tensor-parallel ranks, at least 1"));

@@ -6,12 +6,15 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <optional>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "loom/comm.h"
 #include "loom/io.h"
 
 namespace loom {
@@ -41,6 +44,34 @@ void forward_signal(int signal) {
   ::_exit(status);
 }
 
+// The child under the mpi backend: mpirun running this program's `train`
+// on every rank, with the supervisor's command line, the layout `cfg` has
+// now (elastic restarts change parallel.dp) and the attempt's options.
+[[noreturn]] void exec_mpirun(const Config& cfg, const TrainCommand& command, const RunOptions& run, int nproc) {
+  std::vector<std::string> args;
+  const char* mpirun = std::getenv("LOOM_MPIRUN");
+  std::istringstream words(mpirun && *mpirun ? mpirun : "mpirun");
+  for (std::string w; words >> w;) args.push_back(w);
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  args.insert(args.end(), {"-np", std::to_string(nproc), self.string(), "train", "--config", command.config_path});
+  std::vector<std::string> overrides = command.overrides;
+  overrides.push_back(str("parallel.dp=", cfg.get<int64_t>("parallel.dp")));
+  overrides.push_back(str("parallel.nproc=", cfg.get<int64_t>("parallel.nproc")));
+  for (const std::string& o : overrides) args.insert(args.end(), {"--set", o});
+  if (run.resume) args.push_back("--resume");
+  if (run.overwrite) args.push_back("--overwrite");
+  if (run.stop_after > 0) args.insert(args.end(), {"--stop-after", std::to_string(run.stop_after)});
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  ::execvp(argv[0], argv.data());
+  std::fprintf(stderr, "error: --max-restarts cannot start %s: %s (set LOOM_MPIRUN to the mpirun command)\n",
+               argv[0], std::strerror(errno));
+  std::fflush(nullptr);
+  ::_exit(127);
+}
+
 // "exited with status 1", "killed by SIGKILL".
 std::string describe(int wait_status) {
   if (WIFEXITED(wait_status)) return str("exited with status ", WEXITSTATUS(wait_status));
@@ -51,6 +82,21 @@ std::string describe(int wait_status) {
   return str("ended with wait status ", wait_status);
 }
 
+bool on_mpi(const Config& cfg) { return cfg.get<std::string>("parallel.backend") == "mpi"; }
+
+// plan_training of an attempt. Under the mpi backend the attempt's ranks run
+// under the mpirun the supervisor starts, so the supervisor, outside mpirun,
+// checks everything but the launcher (as the local backend's would be).
+TrainPlan plan_attempt(const Config& cfg) {
+  if (!on_mpi(cfg)) return plan_training(cfg);
+  if (!mpi_available())
+    throw ConfigError(cfg, "parallel.backend", "this build of loom has no MPI",
+                      "set parallel.backend = \"local\", or install OpenMPI and reconfigure with -DLOOM_WITH_MPI=ON");
+  Config local = cfg;
+  local.set_override("parallel.backend=local");
+  return plan_training(local);
+}
+
 // `cfg` on the largest number of data-parallel ranks below its own that
 // plan_training accepts, or nothing when it runs on one.
 std::optional<Config> on_fewer_ranks(const Config& cfg) {
@@ -59,7 +105,7 @@ std::optional<Config> on_fewer_ranks(const Config& cfg) {
     fewer.set_override(str("parallel.dp=", dp));
     if (fewer.get<int64_t>("parallel.nproc") != 0) fewer.set_override("parallel.nproc=0");
     try {
-      plan_training(fewer);
+      plan_attempt(fewer);
       return fewer;
     } catch (const ConfigError&) {
     }
@@ -69,12 +115,14 @@ std::optional<Config> on_fewer_ranks(const Config& cfg) {
 
 }  // namespace
 
-int run_training_with_restarts(const Config& cfg, const RunOptions& run, int max_restarts, bool elastic) {
+int run_training_with_restarts(const Config& cfg, const TrainCommand& command, const RunOptions& run,
+                               int max_restarts, bool elastic) {
   if (max_restarts < 0) throw Error("--max-restarts must be 0 or more");
-  const TrainPlan plan = plan_training(cfg);
-  if (plan.backend != "local")
-    throw Error(str("--max-restarts restarts the local backend's ranks; under parallel.backend = \"", plan.backend,
-                    "\" each process is one rank: restart mpirun itself (e.g. in the job script) with --resume"));
+  const TrainPlan plan = plan_attempt(cfg);
+  const bool mpi = on_mpi(cfg);
+  if (launched_by_mpirun())
+    throw Error("--max-restarts starts the run's ranks itself (mpirun under parallel.backend = \"mpi\"): run `loom "
+                "train --max-restarts N` outside mpirun, with LOOM_MPIRUN naming the mpirun command if it needs flags");
   const ScopedTerminationHandler forwarding(forward_signal, SA_RESTART);
   RunOptions attempt = run;
   Config current = cfg;
@@ -82,7 +130,10 @@ int run_training_with_restarts(const Config& cfg, const RunOptions& run, int max
     std::fflush(nullptr);
     const pid_t pid = ::fork();
     if (pid < 0) throw Error(str("--max-restarts: cannot start the run's process: ", std::strerror(errno)));
-    if (pid == 0) run_child(current, attempt);
+    if (pid == 0) {
+      if (mpi) exec_mpirun(current, command, attempt, plan_attempt(current).nproc);
+      run_child(current, attempt);
+    }
     g_child = pid;
     int status = 0;
     while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
