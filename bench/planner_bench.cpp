@@ -62,6 +62,10 @@ std::vector<Case> cases() {
       {"dp2 x tp2", {.dp = 2, .tp = 2, .micro_batch = 2}},
       {"dp2 x pp2", {.dp = 2, .pp = 2, .micro_batch = 1}},
       {"tp2 x pp2", {.tp = 2, .pp = 2, .micro_batch = 1}},
+      // The grids: micro-batches of whole sequences per token group.
+      {"2d tp4", {.tp = 4, .tp_mode = TensorParallelMode::two_d, .micro_batch = 2}},
+      {"2.5d tp8", {.tp = 8, .tp_mode = TensorParallelMode::two_and_half_d, .tp_depth = 2, .micro_batch = 4}},
+      {"3d tp8", {.tp = 8, .tp_mode = TensorParallelMode::three_d, .micro_batch = 4}},
   };
 }
 
