@@ -60,11 +60,17 @@ void CubeLinear::for_each_run(F&& f) const {
   }
 }
 
+std::vector<Tensor> CubeLinear::params(const ParamStore& ps, bool bias) const {
+  return nn_detail::piece_tensors(pieces_, bias, [&](int id) { return ps.param(id); });
+}
+
+std::vector<Tensor> CubeLinear::grads(const Grads& g, bool bias) const {
+  return nn_detail::piece_tensors(pieces_, bias, [&](int id) { return g.grads.grad(id); });
+}
+
 Tensor CubeLinear::gather_weight(const ParamStore& ps) const {
   const int64_t q = grid_->q, stacked_rows = out_ / q;
-  std::vector<Tensor> pieces;
-  for (const Piece& p : pieces_) pieces.push_back(ps.param(p.weight));
-  const Tensor stack = nn_detail::stack_rows(pieces, stacked_rows, in_);
+  const Tensor stack = nn_detail::stack_rows(params(ps, false), stacked_rows, in_);
   Tensor layers = Tensor::empty({q, stacked_rows, in_});
   grid_->depth_group->all_gather(stack, layers);
   Tensor w = Tensor::empty({out_, in_});
@@ -90,9 +96,7 @@ Tensor CubeLinear::forward(const ParamStore& ps, const Tensor& x) const {
   Tensor y = Tensor::empty({rows, out_});
   output_group_->reduce_scatter(partial, y);
   if (!has_bias_) return y;
-  std::vector<Tensor> biases;
-  for (const Piece& p : pieces_) biases.push_back(ps.param(p.bias));
-  const Tensor bias = nn_detail::stack_rows(biases, out_, 1);
+  const Tensor bias = nn_detail::stack_rows(params(ps, true), out_, 1);
   ops::add_bias(y.data<float>(), bias.data<float>(), rows, out_);
   return y;
 }
@@ -104,12 +108,7 @@ Tensor CubeLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x) c
     // partial sum, completed over the token axes by the Trainer).
     Tensor db = Tensor::zeros({out_});
     ops::linear_backward(nullptr, nullptr, db.data<float>(), dy.data<float>(), nullptr, nullptr, rows, in_, out_);
-    int64_t col = 0;
-    for (const Piece& p : pieces_) {
-      const int64_t n = p.rows * q;
-      ops::accumulate(g.grads.grad(p.bias).data<float>(), db.data<float>() + col, n);
-      col += n;
-    }
+    nn_detail::accumulate_rows(db, grads(g, true));
   }
   Tensor dys = Tensor::empty({q * rows, out_});
   output_group_->all_gather(dy, dys);
@@ -137,11 +136,7 @@ Tensor CubeLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x) c
   dw = Tensor();
   Tensor piece_grads = Tensor::empty({stacked_rows, in_});
   grid_->depth_group->reduce_scatter(layers, piece_grads);
-  int64_t row = 0;
-  for (const Piece& p : pieces_) {
-    ops::accumulate(g.grads.grad(p.weight).data<float>(), piece_grads.data<float>() + row * in_, p.rows * in_);
-    row += p.rows;
-  }
+  nn_detail::accumulate_rows(piece_grads, grads(g, false));
   return dx;
 }
 

@@ -1,6 +1,6 @@
 // Several parameters multiplied as one: their tensors stacked by rows into
 // one [rows, cols] tensor (the tensor itself when there is one), and copied
-// back. Linear's parts and SummaLinear's pieces stack this way.
+// or added back. Linear's parts and the grid layers' pieces stack this way.
 #pragma once
 
 #include <vector>
@@ -27,6 +27,25 @@ inline void unstack_rows(const Tensor& stacked, const std::vector<Tensor>& piece
     ops::copy(p.raw(), static_cast<const char*>(stacked.raw()) + at, p.nbytes());
     at += p.nbytes();
   }
+}
+
+// Adds `stacked` back into `pieces`, one after another (a stacked gradient
+// into each parameter's).
+inline void accumulate_rows(const Tensor& stacked, const std::vector<Tensor>& pieces) {
+  int64_t at = 0;
+  for (const Tensor& p : pieces) {
+    ops::accumulate(p.data<float>(), stacked.data<float>() + at, p.numel());
+    at += p.numel();
+  }
+}
+
+// The tensors `get(id)` of each piece's weight, or of its bias (pieces with
+// `weight` and `bias` ids: a grid layer's).
+template <typename Piece, typename Get>
+std::vector<Tensor> piece_tensors(const std::vector<Piece>& pieces, bool bias, Get&& get) {
+  std::vector<Tensor> out;
+  for (const Piece& p : pieces) out.push_back(get(bias ? p.bias : p.weight));
+  return out;
 }
 
 }  // namespace loom::nn_detail

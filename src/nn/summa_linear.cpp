@@ -31,9 +31,11 @@ SummaLinear::SummaLinear(int weight, const ParamLayout& layout, int64_t in, cons
 }
 
 std::vector<Tensor> SummaLinear::params(const ParamStore& ps, bool bias) const {
-  std::vector<Tensor> out;
-  for (const Piece& p : pieces_) out.push_back(ps.param(bias ? p.bias : p.weight));
-  return out;
+  return nn_detail::piece_tensors(pieces_, bias, [&](int id) { return ps.param(id); });
+}
+
+std::vector<Tensor> SummaLinear::grads(const Grads& g, bool bias) const {
+  return nn_detail::piece_tensors(pieces_, bias, [&](int id) { return g.grads.grad(id); });
 }
 
 Tensor SummaLinear::gather_panels(const ParamStore& ps) const {
@@ -65,11 +67,7 @@ Tensor SummaLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x) 
     // The bias's gradient: dy's column sums, into each part's columns.
     Tensor db = Tensor::zeros({out_});
     ops::linear_backward(nullptr, nullptr, db.data<float>(), dy.data<float>(), nullptr, nullptr, rows, in_, out_);
-    int64_t col = 0;
-    for (const Piece& p : pieces_) {
-      ops::accumulate(g.grads.grad(p.bias).data<float>(), db.data<float>() + col, p.rows);
-      col += p.rows;
-    }
+    nn_detail::accumulate_rows(db, grads(g, true));
   }
   Tensor dys = Tensor::empty({q, rows, out_});
   grid_->hidden_group->all_gather(dy, dys);
@@ -90,11 +88,7 @@ Tensor SummaLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x) 
   Tensor dw = Tensor::empty({out_, in_});
   grid_->weight_group->reduce_scatter(dws, dw);
   dws = Tensor();
-  int64_t row = 0;
-  for (const Piece& p : pieces_) {
-    ops::accumulate(g.grads.grad(p.weight).data<float>(), dw.data<float>() + row * in_, p.rows * in_);
-    row += p.rows;
-  }
+  nn_detail::accumulate_rows(dw, grads(g, false));
   return dx;
 }
 
