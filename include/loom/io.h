@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -210,16 +211,31 @@ class SafetensorsReader {
   const Entry& entry(std::string_view name) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
+  // Reads that go front to back through the file, one after another. The
+  // kernel reads ahead of one such stream per open file; reads of several
+  // tensors that interleave (a checkpoint load takes a block of a
+  // parameter's values, then of both its moments, then the next block) look
+  // random to it, and every read would wait for the device. Each stream
+  // beyond the first reads through its own descriptor of the file, opened at
+  // its first read, so the kernel follows each stream on its own.
+  static constexpr int kMaxStreams = 4;
+
   // All of tensor `name` into `dst`, which holds exactly `bytes` bytes.
   void read(std::string_view name, void* dst, size_t bytes) const;
-  // Bytes [byte_offset, byte_offset + bytes) of tensor `name` (a shard's slice).
-  void read_range(std::string_view name, uint64_t byte_offset, void* dst, size_t bytes) const;
+  // Bytes [byte_offset, byte_offset + bytes) of tensor `name` (a shard's
+  // slice), as part of read stream `stream` (0 to kMaxStreams - 1).
+  void read_range(std::string_view name, uint64_t byte_offset, void* dst, size_t bytes, int stream = 0) const;
   // A new tensor from the calling thread's MemoryContext holding `name`.
   Tensor load(std::string_view name, Tier tier = Tier::host) const;
 
  private:
+  // Stream `stream`'s descriptor, opening it at its first use.
+  int stream_fd(int stream) const;
+
   std::filesystem::path path_;
-  int fd_ = -1;
+  int fd_ = -1;  // stream 0
+  mutable std::mutex streams_mu_;
+  mutable std::array<int, kMaxStreams> stream_fds_;  // [0] is fd_; -1 until opened
   std::vector<Entry> entries_;
   std::map<std::string, size_t, std::less<>> index_;
   std::map<std::string, std::string> metadata_;
@@ -241,7 +257,7 @@ class TensorVerifier {
   TensorVerifier& operator=(const TensorVerifier&) = delete;
 
   // SafetensorsReader::read_range, verified.
-  void read_range(std::string_view name, uint64_t byte_offset, void* dst, size_t bytes);
+  void read_range(std::string_view name, uint64_t byte_offset, void* dst, size_t bytes, int stream = 0);
   // Verifies every tensor read so far to its end.
   void finish();
 
@@ -249,7 +265,7 @@ class TensorVerifier {
   struct Tensor;  // one tensor's hashing: its digest, hasher and how far it got
   Tensor& tensor(std::string_view name);
   // Hashes the tensor's bytes from where its hashing stands up to `end`.
-  void hash_up_to(Tensor& t, uint64_t end);
+  void hash_up_to(Tensor& t, uint64_t end, int stream);
   void check_if_complete(Tensor& t);
 
   const SafetensorsReader& reader_;

@@ -22,6 +22,7 @@ bool is_count(const nlohmann::ordered_json& v) {
 }  // namespace
 
 SafetensorsReader::SafetensorsReader(std::filesystem::path path) : path_(std::move(path)) {
+  stream_fds_.fill(-1);
   auto fail = [&](const std::string& problem) { return Error(str("safetensors file '", path_.string(), "': ", problem)); };
 
   io_detail::Fd fd = io_detail::open_file(path_, O_RDONLY, "open safetensors file");
@@ -116,10 +117,30 @@ SafetensorsReader::SafetensorsReader(std::filesystem::path path) : path_(std::mo
 
   for (size_t i = 0; i < entries_.size(); ++i) index_.emplace(entries_[i].name, i);
   fd_ = fd.release();
+  stream_fds_[0] = fd_;
 }
 
 SafetensorsReader::~SafetensorsReader() {
-  if (fd_ >= 0) ::close(fd_);
+  for (int fd : stream_fds_)
+    if (fd >= 0) ::close(fd);
+}
+
+int SafetensorsReader::stream_fd(int stream) const {
+  LOOM_CHECK(stream >= 0 && stream < kMaxStreams, "read stream ", stream, " of ", path_.string());
+  const std::lock_guard lock(streams_mu_);
+  int& fd = stream_fds_[static_cast<size_t>(stream)];
+  if (fd < 0) {
+    // The same file as the first descriptor's, or an error: the path may
+    // since name another file.
+    io_detail::Fd opened = io_detail::open_file(path_, O_RDONLY, "open safetensors file");
+    struct stat first, again;
+    if (::fstat(fd_, &first) < 0 || ::fstat(opened.get(), &again) < 0)
+      io_detail::throw_io_error("stat", path_, errno);
+    if (first.st_dev != again.st_dev || first.st_ino != again.st_ino)
+      throw Error(str("safetensors file '", path_.string(), "' was replaced while it was being read; read it again"));
+    fd = opened.release();
+  }
+  return fd;
 }
 
 bool SafetensorsReader::contains(std::string_view name) const { return index_.find(name) != index_.end(); }
@@ -137,11 +158,12 @@ const SafetensorsReader::Entry& SafetensorsReader::entry(std::string_view name) 
   return entries_[it->second];
 }
 
-void SafetensorsReader::read_range(std::string_view name, uint64_t byte_offset, void* dst, size_t bytes) const {
+void SafetensorsReader::read_range(std::string_view name, uint64_t byte_offset, void* dst, size_t bytes,
+                                   int stream) const {
   const Entry& e = entry(name);
   LOOM_CHECK(byte_offset <= e.bytes && bytes <= e.bytes - byte_offset, "read of bytes [", byte_offset, ", ",
              byte_offset + bytes, ") of '", name, "' (", e.bytes, " bytes) in ", path_.string());
-  io_detail::pread_all(fd_, path_, dst, bytes, e.offset + byte_offset);
+  io_detail::pread_all(stream_fd(stream), path_, dst, bytes, e.offset + byte_offset);
 }
 
 void SafetensorsReader::read(std::string_view name, void* dst, size_t bytes) const {

@@ -54,28 +54,28 @@ void TensorVerifier::check_if_complete(Tensor& t) {
   t.verified = true;
 }
 
-void TensorVerifier::hash_up_to(Tensor& t, uint64_t end) {
+void TensorVerifier::hash_up_to(Tensor& t, uint64_t end, int stream) {
   // Through a buffer that stays in cache: these bytes are hashed, not kept.
   std::vector<uint8_t> buffer(std::min<uint64_t>(end - std::min(end, t.hashed), uint64_t(1) << 20));
   while (t.hashed < end) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(buffer.size(), end - t.hashed));
-    reader_.read_range(t.entry->name, t.hashed, buffer.data(), n);
+    reader_.read_range(t.entry->name, t.hashed, buffer.data(), n, stream);
     t.hasher.update(buffer.data(), n);
     t.hashed += n;
   }
   check_if_complete(t);
 }
 
-void TensorVerifier::read_range(std::string_view name, uint64_t byte_offset, void* dst, size_t bytes) {
+void TensorVerifier::read_range(std::string_view name, uint64_t byte_offset, void* dst, size_t bytes, int stream) {
   Tensor& t = tensor(name);
-  if (!t.verified && byte_offset > t.hashed) hash_up_to(t, byte_offset);
+  if (!t.verified && byte_offset > t.hashed) hash_up_to(t, byte_offset, stream);
   // In blocks, each hashed straight after its read, while it is in cache.
   constexpr size_t kBlock = size_t(1) << 20;
   auto* out = static_cast<uint8_t*>(dst);
   for (size_t done = 0; done < bytes;) {
     const size_t n = std::min(kBlock, bytes - done);
     const uint64_t at = byte_offset + done;
-    reader_.read_range(name, at, out + done, n);
+    reader_.read_range(name, at, out + done, n, stream);
     // Only bytes where the hashing stands continue it; bytes before it were
     // hashed when they were first read.
     if (!t.verified && at <= t.hashed && t.hashed < at + n) {
@@ -90,7 +90,7 @@ void TensorVerifier::read_range(std::string_view name, uint64_t byte_offset, voi
 
 void TensorVerifier::finish() {
   for (auto& [name, t] : tensors_)
-    if (t->hashed > 0 && !t->verified) hash_up_to(*t, t->entry->bytes);
+    if (t->hashed > 0 && !t->verified) hash_up_to(*t, t->entry->bytes, 0);
 }
 
 }  // namespace loom

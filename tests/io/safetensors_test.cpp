@@ -113,6 +113,59 @@ TEST(Safetensors, StreamingWriterTakesTensorsInPieces) {
   EXPECT_EQ(r.entry("b").offset, r.entry("a").offset + 4000);
 }
 
+TEST(Safetensors, WriterDigestsTensorsLargerThanItsHashingBlock) {
+  TempDir dir;
+  // 3 MiB and a bit: the writer hashes in blocks, in pieces of any size.
+  std::vector<float> a((3 << 18) + 5), b(7, 2.5f);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(i % 977);
+  auto path = dir / "big.safetensors";
+  SafetensorsWriter w(path, {{"a", DType::f32, {int64_t(a.size())}}, {"b", DType::f32, {7}}});
+  w.write_part("a", a.data(), 4 * 1000);
+  w.write_part("a", a.data() + 1000, 4 * (a.size() - 1000));
+  w.write("b", b.data());
+  w.finish();
+  EXPECT_EQ(w.digest().hex, checksum_file(path, Checksum::xxh3_128));
+  EXPECT_EQ(w.digest().bytes, fs::file_size(path));
+  FileHasher ha, hb;
+  ha.update(a.data(), 4 * a.size());
+  hb.update(b.data(), 4 * b.size());
+  EXPECT_EQ(w.tensor_digests(), (std::vector<std::string>{ha.hex_digest(), hb.hex_digest()}));
+}
+
+TEST(Safetensors, ReadStreamsInterleaveOverOneFile) {
+  TempDir dir;
+  std::vector<float> a(64), b(64);
+  for (size_t i = 0; i < a.size(); ++i) {
+    a[i] = static_cast<float>(i);
+    b[i] = -static_cast<float>(i);
+  }
+  auto path = dir / "two.safetensors";
+  write_safetensors(path, {{"a", DType::f32, {64}, a.data()}, {"b", DType::f32, {64}, b.data()}});
+  const SafetensorsReader r(path);
+  std::vector<float> ra(64), rb(64);
+  for (size_t at = 0; at < 64; at += 16) {
+    r.read_range("a", 4 * at, ra.data() + at, 64, /*stream=*/0);
+    r.read_range("b", 4 * at, rb.data() + at, 64, /*stream=*/SafetensorsReader::kMaxStreams - 1);
+  }
+  EXPECT_EQ(ra, a);
+  EXPECT_EQ(rb, b);
+}
+
+TEST(Safetensors, AStreamOpenedAfterTheFileWasReplacedIsAnError) {
+  TempDir dir;
+  std::vector<float> a(4, 1.0f), other(4, 2.0f);
+  auto path = dir / "a.safetensors";
+  write_safetensors(path, {{"a", DType::f32, {4}, a.data()}});
+  const SafetensorsReader r(path);
+  write_safetensors(dir / "other.safetensors", {{"a", DType::f32, {4}, other.data()}});
+  fs::rename(dir / "other.safetensors", path);
+  std::vector<float> back(4);
+  r.read_range("a", 0, back.data(), 16);  // the first stream still reads the file it opened
+  EXPECT_EQ(back, a);
+  const std::string e = error_of([&] { r.read_range("a", 0, back.data(), 16, 1); });
+  EXPECT_NE(e.find("was replaced while it was being read"), std::string::npos) << e;
+}
+
 TEST(Safetensors, UnfinishedWriterRemovesItsFile) {
   TempDir dir;
   auto path = dir / "partial.safetensors";
