@@ -379,7 +379,7 @@ class ChunkManager final : public OptimizerStore {
   void load_owned_state(const StateFiller& fill) override;
   // This rank's shard of each chunk (padding left out), one chunk's staged
   // on the host at a time from whichever tier holds it.
-  std::optional<std::vector<FlatRange>> owned_ranges() const override;
+  std::vector<FlatRange> owned_ranges() const override;
   void visit_owned_state(const StateVisitor& visit) override;
 
  private:

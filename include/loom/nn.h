@@ -385,9 +385,8 @@ class SummaLinear {
     int weight = -1, bias = -1;
     int64_t rows = 0;  // of this rank's block (padding included)
   };
-  // Every piece's weight (or bias) of this rank, and their gradients.
+  // Every piece's weight (or bias) of this rank.
   std::vector<Tensor> params(const ParamStore& ps, bool bias) const;
-  std::vector<Tensor> grads(const Grads& g, bool bias) const;
   // This rank's blocks of every part stacked by rows [out / q, in / q], and
   // the column's stacks gathered [q, out / q, in / q].
   Tensor gather_panels(const ParamStore& ps) const;
@@ -444,9 +443,8 @@ class CubeLinear {
   // feature_row in the rank's output features [out / q, in / q].
   template <typename F>
   void for_each_run(F&& f) const;
-  // Every piece's weight (or bias) of this rank, and their gradients.
+  // Every piece's weight (or bias) of this rank.
   std::vector<Tensor> params(const ParamStore& ps, bool bias) const;
-  std::vector<Tensor> grads(const Grads& g, bool bias) const;
   // W's rows of this rank's output features [out / q, in / q], gathered
   // over the depth.
   Tensor gather_weight(const ParamStore& ps) const;

@@ -92,7 +92,7 @@ class ReferenceOptimizer final : public OptimizerStore {
   // One piece: the whole model.
   void visit_state(const StateVisitor& visit) override;
   void load_state(const StateFiller& fill) override;
-  std::optional<std::vector<FlatRange>> owned_ranges() const override;
+  std::vector<FlatRange> owned_ranges() const override;
   void visit_owned_state(const StateVisitor& visit) override { visit_state(visit); }
   void visit_gradients(const GradientVisitor& visit) override;
 

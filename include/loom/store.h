@@ -268,15 +268,11 @@ class OptimizerStore {
   virtual void load_owned_state(const StateFiller& fill) { load_state(fill); }
   // This rank's own state, for sharded checkpoints; not collective. The flat
   // ranges it holds the fp32 values and moments of, in increasing order
-  // (every replica of a store that is not sharded holds them all), or nullopt
-  // for a store that cannot visit them (its state is then gathered whole).
-  virtual std::optional<std::vector<FlatRange>> owned_ranges() const { return std::nullopt; }
+  // (every replica of a store that is not sharded holds them all).
+  virtual std::vector<FlatRange> owned_ranges() const = 0;
   // Those ranges in that order, one at a time, in host memory valid during
-  // the call (at most one range is staged). Only where owned_ranges() has a value.
-  virtual void visit_owned_state(const StateVisitor& visit) {
-    (void)visit;
-    LOOM_CHECK(false, "visit_owned_state of a store without owned_ranges()");
-  }
+  // the call (at most one range is staged).
+  virtual void visit_owned_state(const StateVisitor& visit) = 0;
   // Collective: the step's reduced gradient (fp32, still multiplied by the
   // loss scale) in flat order, in pieces like visit_state; valid between the
   // gradient store's finish() and step().
@@ -379,7 +375,11 @@ class FrozenGradStore final : public GradStore {
 // parameter with zero moments and a zero gradient.
 class FrozenOptimizer final : public OptimizerStore {
  public:
-  FrozenOptimizer(FrozenParams& frozen, std::unique_ptr<OptimizerStore> trainable);
+  // saves_frozen: whether this rank's own state (owned_ranges) includes the
+  // frozen parameters. They are not sharded over data-parallel ranks, so
+  // one replica (data-parallel rank 0) saves them and the others only their
+  // part of the trainable state.
+  FrozenOptimizer(FrozenParams& frozen, std::unique_ptr<OptimizerStore> trainable, bool saves_frozen);
   GradientCheck check_gradients() override { return trainable_->check_gradients(); }
   void step(float lr, float grad_scale) override { trainable_->step(lr, grad_scale); }
   void after_skip() override { trainable_->after_skip(); }
@@ -387,12 +387,22 @@ class FrozenOptimizer final : public OptimizerStore {
   void set_steps(int64_t t) override { trainable_->set_steps(t); }
   void visit_state(const StateVisitor& visit) override;
   void load_state(const StateFiller& fill) override;
+  // The trainable store's own ranges in the model's flat coordinates (a
+  // range that spans frozen parameters splits around them) and, where this
+  // rank saves them, the frozen parameters (values, and moments of zero),
+  // in increasing order.
+  std::vector<FlatRange> owned_ranges() const override;
+  void visit_owned_state(const StateVisitor& visit) override;
+  // The trainable store's own elements (as its load_owned_state asks for
+  // them) and every frozen parameter this rank holds.
+  void load_owned_state(const StateFiller& fill) override;
   void visit_gradients(const GradientVisitor& visit) override;
   OptimizerStore& trainable() { return *trainable_; }
 
  private:
   FrozenParams& frozen_;
   std::unique_ptr<OptimizerStore> trainable_;
+  bool saves_frozen_;
 };
 
 }  // namespace loom

@@ -257,8 +257,8 @@ class Trainer {
   // the range's order: exactly one rank of the mesh saves each element of
   // the whole state (data-parallel rank 0 of a store that is not sharded,
   // tensor-parallel rank 0 of a replicated parameter, never the tied copy
-  // or padding). nullopt where the store cannot visit its own state.
-  std::optional<std::vector<std::vector<StateRun>>> own_state_runs() const;
+  // or padding).
+  std::vector<std::vector<StateRun>> own_state_runs() const;
   // Not collective: the store's owned ranges in that order (local flat
   // ranges of this rank's layout), at most one range staged at a time.
   void visit_own_state(const StateVisitor& visit);

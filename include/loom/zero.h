@@ -229,7 +229,7 @@ class ZeroOptimizer final : public OptimizerStore {
   // Only the owned elements of those parameters, through the same buffer.
   void load_owned_state(const StateFiller& fill) override;
   // ranges(), in place: nothing is staged.
-  std::optional<std::vector<FlatRange>> owned_ranges() const override { return ranges_; }
+  std::vector<FlatRange> owned_ranges() const override { return ranges_; }
   void visit_owned_state(const StateVisitor& visit) override;
   void visit_gradients(const GradientVisitor& visit) override;
 

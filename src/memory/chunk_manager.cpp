@@ -590,7 +590,7 @@ void ChunkManager::visit_gradients(const GradientVisitor& visit) {
   const HostSection host;
   impl_->visit_gradients(visit);
 }
-std::optional<std::vector<FlatRange>> ChunkManager::owned_ranges() const { return impl_->owned_ranges(); }
+std::vector<FlatRange> ChunkManager::owned_ranges() const { return impl_->owned_ranges(); }
 void ChunkManager::visit_owned_state(const StateVisitor& visit) {
   const HostSection host;
   impl_->visit_owned_state(visit);

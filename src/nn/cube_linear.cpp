@@ -64,10 +64,6 @@ std::vector<Tensor> CubeLinear::params(const ParamStore& ps, bool bias) const {
   return nn_detail::piece_tensors(pieces_, bias, [&](int id) { return ps.param(id); });
 }
 
-std::vector<Tensor> CubeLinear::grads(const Grads& g, bool bias) const {
-  return nn_detail::piece_tensors(pieces_, bias, [&](int id) { return g.grads.grad(id); });
-}
-
 Tensor CubeLinear::gather_weight(const ParamStore& ps) const {
   const int64_t q = grid_->q, stacked_rows = out_ / q;
   const Tensor stack = nn_detail::stack_rows(params(ps, false), stacked_rows, in_);
@@ -103,28 +99,32 @@ Tensor CubeLinear::forward(const ParamStore& ps, const Tensor& x) const {
 
 Tensor CubeLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x) const {
   const int64_t q = grid_->q, rows = x.numel() / in_, stacked_rows = out_ / q;
-  if (has_bias_) {
+  if (has_bias_ && nn_detail::any_grad(pieces_, true, g)) {
     // The bias's gradient: dy's column sums over this rank's token rows (a
     // partial sum, completed over the token axes by the Trainer).
     Tensor db = Tensor::zeros({out_});
     ops::linear_backward(nullptr, nullptr, db.data<float>(), dy.data<float>(), nullptr, nullptr, rows, in_, out_);
-    nn_detail::accumulate_rows(db, grads(g, true));
+    nn_detail::accumulate_grads(db, pieces_, true, g);
   }
   Tensor dys = Tensor::empty({q * rows, out_});
   output_group_->all_gather(dy, dys);
   Tensor xs = Tensor::empty({q * rows, in_});
   input_group_->all_gather(x, xs);
-  Tensor dxs = Tensor::empty({q * rows, in_}), dw = Tensor::zeros({out_, in_});  // linear_backward adds to dW
+  // Frozen weights (every piece's): dx alone.
+  const bool weight_grad = nn_detail::any_grad(pieces_, false, g);
+  Tensor dxs = Tensor::empty({q * rows, in_});
+  Tensor dw = weight_grad ? Tensor::zeros({out_, in_}) : Tensor();  // linear_backward adds to dW
   {
     const Tensor w = gather_weight(g.params);
-    ops::linear_backward(dxs.data<float>(), dw.data<float>(), nullptr, dys.data<float>(), xs.data<float>(),
-                         w.data<float>(), q * rows, in_, out_, ops::GradWrite::overwrite);
+    ops::linear_backward(dxs.data<float>(), weight_grad ? dw.data<float>() : nullptr, nullptr, dys.data<float>(),
+                         xs.data<float>(), w.data<float>(), q * rows, in_, out_, ops::GradWrite::overwrite);
   }
   dys = Tensor();
   xs = Tensor();
   Tensor dx = Tensor::empty({rows, in_});
   input_group_->reduce_scatter(dxs, dx);
   dxs = Tensor();
+  if (!weight_grad) return dx;
   // Back into the layers' order, then each layer's piece summed over the
   // depth (the other layers' tokens).
   Tensor layers = Tensor::empty({q, stacked_rows, in_});
@@ -136,7 +136,7 @@ Tensor CubeLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x) c
   dw = Tensor();
   Tensor piece_grads = Tensor::empty({stacked_rows, in_});
   grid_->depth_group->reduce_scatter(layers, piece_grads);
-  nn_detail::accumulate_rows(piece_grads, grads(g, false));
+  nn_detail::accumulate_grads(piece_grads, pieces_, false, g);
   return dx;
 }
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "loom/device.h"
+#include "loom/nn.h"
 
 namespace loom::nn_detail {
 
@@ -29,13 +30,27 @@ inline void unstack_rows(const Tensor& stacked, const std::vector<Tensor>& piece
   }
 }
 
-// Adds `stacked` back into `pieces`, one after another (a stacked gradient
-// into each parameter's).
-inline void accumulate_rows(const Tensor& stacked, const std::vector<Tensor>& pieces) {
+// Whether any piece's weight (or bias) has a gradient: a layer whose pieces
+// are all frozen computes none. Every rank of a grid holds the same pieces,
+// so all of them skip the same collectives.
+template <typename Piece>
+bool any_grad(const std::vector<Piece>& pieces, bool bias, const Grads& g) {
+  for (const Piece& p : pieces)
+    if (g.grads.grad(bias ? p.bias : p.weight).defined()) return true;
+  return false;
+}
+
+// Adds `stacked` (pieces' weights, or biases, stacked by rows: a grid
+// layer's gradient) back into each piece's gradient; a frozen piece (no
+// gradient) is stepped over.
+template <typename Piece>
+void accumulate_grads(const Tensor& stacked, const std::vector<Piece>& pieces, bool bias, const Grads& g) {
   int64_t at = 0;
-  for (const Tensor& p : pieces) {
-    ops::accumulate(p.data<float>(), stacked.data<float>() + at, p.numel());
-    at += p.numel();
+  for (const Piece& p : pieces) {
+    const int id = bias ? p.bias : p.weight;
+    const Tensor grad = g.grads.grad(id);
+    if (grad.defined()) ops::accumulate(grad.data<float>(), stacked.data<float>() + at, grad.numel());
+    at += g.params.layout().param(id).numel();
   }
 }
 

@@ -34,10 +34,6 @@ std::vector<Tensor> SummaLinear::params(const ParamStore& ps, bool bias) const {
   return nn_detail::piece_tensors(pieces_, bias, [&](int id) { return ps.param(id); });
 }
 
-std::vector<Tensor> SummaLinear::grads(const Grads& g, bool bias) const {
-  return nn_detail::piece_tensors(pieces_, bias, [&](int id) { return g.grads.grad(id); });
-}
-
 Tensor SummaLinear::gather_panels(const ParamStore& ps) const {
   const Tensor stack = nn_detail::stack_rows(params(ps, false), out_, in_);
   Tensor panels = Tensor::empty({grid_->q, out_, in_});
@@ -63,11 +59,11 @@ Tensor SummaLinear::forward(const ParamStore& ps, const Tensor& x) const {
 
 Tensor SummaLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x) const {
   const int64_t q = grid_->q, rows = x.numel() / in_;
-  if (has_bias_) {
+  if (has_bias_ && nn_detail::any_grad(pieces_, true, g)) {
     // The bias's gradient: dy's column sums, into each part's columns.
     Tensor db = Tensor::zeros({out_});
     ops::linear_backward(nullptr, nullptr, db.data<float>(), dy.data<float>(), nullptr, nullptr, rows, in_, out_);
-    nn_detail::accumulate_rows(db, grads(g, true));
+    nn_detail::accumulate_grads(db, pieces_, true, g);
   }
   Tensor dys = Tensor::empty({q, rows, out_});
   grid_->hidden_group->all_gather(dy, dys);
@@ -80,6 +76,7 @@ Tensor SummaLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x) 
       ops::gemm(false, false, rows, in_, out_, 1.0f, dys.data<float>() + k * rows * out_, out_,
                 panels.data<float>() + k * out_ * in_, in_, 1.0f, dx.data<float>(), in_);
   }
+  if (!nn_detail::any_grad(pieces_, false, g)) return dx;
   Tensor dws = Tensor::empty({q, out_, in_});
   for (int64_t k = 0; k < q; ++k)
     ops::gemm(true, false, out_, in_, rows, 1.0f, dys.data<float>() + k * rows * out_, out_, x.data<float>(), in_,
@@ -88,7 +85,7 @@ Tensor SummaLinear::backward(const Grads& g, const Tensor& dy, const Tensor& x) 
   Tensor dw = Tensor::empty({out_, in_});
   grid_->weight_group->reduce_scatter(dws, dw);
   dws = Tensor();
-  nn_detail::accumulate_rows(dw, grads(g, false));
+  nn_detail::accumulate_grads(dw, pieces_, false, g);
   return dx;
 }
 

@@ -29,7 +29,7 @@ void ReferenceOptimizer::visit_state(const StateVisitor& visit) {
         adamw_.exp_avg_sq().data<float>());
 }
 
-std::optional<std::vector<FlatRange>> ReferenceOptimizer::owned_ranges() const {
+std::vector<FlatRange> ReferenceOptimizer::owned_ranges() const {
   return std::vector<FlatRange>{{0, params_.flat().numel()}};
 }
 

@@ -104,8 +104,8 @@ void FrozenGradStore::group_ready(int group) {
   if (const int g = frozen_.trainable_group(group); g >= 0) trainable_->group_ready(g);
 }
 
-FrozenOptimizer::FrozenOptimizer(FrozenParams& frozen, std::unique_ptr<OptimizerStore> trainable)
-    : frozen_(frozen), trainable_(std::move(trainable)) {}
+FrozenOptimizer::FrozenOptimizer(FrozenParams& frozen, std::unique_ptr<OptimizerStore> trainable, bool saves_frozen)
+    : frozen_(frozen), trainable_(std::move(trainable)), saves_frozen_(saves_frozen) {}
 
 namespace {
 
@@ -145,7 +145,100 @@ void in_model_order(const FrozenParams& f, Visit visit_trainable, OnTrainable on
 
 FlatRange range_of(const ParamSpec& p) { return {p.offset, p.offset + p.numel()}; }
 
+// The pieces of a trainable store's own state (ranges of the trainable
+// layout, which may split parameters) put back in the model's flat order,
+// with the frozen parameters between them. Fed the store's ranges in
+// increasing order: each splits into the parts that lie together in the
+// model, and the frozen parameters before a part come first.
+class OwnedInModelOrder {
+ public:
+  // with_frozen: whether the frozen parameters are visited at all.
+  OwnedInModelOrder(const FrozenParams& f, bool with_frozen) : f_(f), with_frozen_(with_frozen) {}
+
+  // on_frozen(model id) for each frozen parameter before `r`'s parts;
+  // on_part(model range, its first element's offset into `r`) for each part.
+  template <typename OnFrozen, typename OnPart>
+  void trainable_range(FlatRange r, OnFrozen on_frozen, OnPart on_part) {
+    const std::vector<ParamSpec>& params = f_.trainable().params();
+    // The first trainable parameter that ends after r.begin.
+    auto it = std::upper_bound(params.begin(), params.end(), r.begin,
+                               [](int64_t at, const ParamSpec& p) { return at < p.offset + p.numel(); });
+    for (; it != params.end() && it->offset < r.end; ++it) {
+      const int64_t begin = std::max(r.begin, it->offset), end = std::min(r.end, it->offset + it->numel());
+      const ParamSpec& in_model = f_.layout().param(f_.model_id(static_cast<int>(it - params.begin())));
+      const FlatRange part{in_model.offset + (begin - it->offset), in_model.offset + (end - it->offset)};
+      frozen_before(part.begin, on_frozen);
+      on_part(part, begin - r.begin);
+    }
+  }
+
+  // on_frozen for the frozen parameters after the last part.
+  template <typename OnFrozen>
+  void finish(OnFrozen on_frozen) {
+    frozen_before(f_.layout().numel(), on_frozen);
+  }
+
+ private:
+  template <typename OnFrozen>
+  void frozen_before(int64_t at, OnFrozen on_frozen) {
+    const int n = static_cast<int>(f_.layout().params().size());
+    for (; next_ < n && f_.layout().param(next_).offset < at; ++next_)
+      if (with_frozen_ && f_.frozen(next_)) on_frozen(next_);
+  }
+
+  const FrozenParams& f_;
+  bool with_frozen_;
+  int next_ = 0;  // the model's parameters before this one are done
+};
+
 }  // namespace
+
+std::vector<FlatRange> FrozenOptimizer::owned_ranges() const {
+  std::vector<FlatRange> ranges;
+  OwnedInModelOrder order(frozen_, saves_frozen_);
+  const auto frozen = [&](int id) { ranges.push_back(range_of(frozen_.layout().param(id))); };
+  for (const FlatRange r : trainable_->owned_ranges())
+    order.trainable_range(r, frozen, [&](FlatRange part, int64_t) { ranges.push_back(part); });
+  order.finish(frozen);
+  for (size_t i = 1; i < ranges.size(); ++i)
+    LOOM_CHECK(ranges[i - 1].end <= ranges[i].begin, "owned ranges of the trainable store out of order");
+  return ranges;
+}
+
+void FrozenOptimizer::visit_owned_state(const StateVisitor& visit) {
+  const HostSection host;
+  OwnedInModelOrder order(frozen_, saves_frozen_);
+  // One frozen parameter at a time staged in fp32 (the host tier counts it).
+  const auto frozen = [&](int id) {
+    const Tensor& s = frozen_.stored(id);
+    const Tensor values = Tensor::empty({s.numel()}, DType::f32, Tier::host);
+    const Tensor zeros = Tensor::zeros({s.numel()}, DType::f32, Tier::host);
+    convert(s.raw(), s.dtype(), values.raw(), DType::f32, s.numel());
+    visit(range_of(frozen_.layout().param(id)), values.data<float>(), zeros.data<float>(), zeros.data<float>());
+  };
+  trainable_->visit_owned_state([&](FlatRange r, const float* p, const float* m, const float* v) {
+    order.trainable_range(r, frozen, [&](FlatRange part, int64_t at) { visit(part, p + at, m + at, v + at); });
+  });
+  order.finish(frozen);
+}
+
+void FrozenOptimizer::load_owned_state(const StateFiller& fill) {
+  const HostSection host;
+  // Every replica holds the frozen parameters, so every rank loads them,
+  // one at a time staged in fp32 with their (unused) moments.
+  OwnedInModelOrder order(frozen_, /*with_frozen=*/true);
+  const auto frozen = [&](int id) {
+    const ParamSpec& p = frozen_.layout().param(id);
+    const Tensor staged = Tensor::empty({3, p.numel()}, DType::f32, Tier::host);
+    float* values = staged.data<float>();
+    fill(range_of(p), values, values + p.numel(), values + 2 * p.numel());
+    frozen_.load(id, values);
+  };
+  trainable_->load_owned_state([&](FlatRange r, float* pp, float* pm, float* pv) {
+    order.trainable_range(r, frozen, [&](FlatRange part, int64_t at) { fill(part, pp + at, pm + at, pv + at); });
+  });
+  order.finish(frozen);
+}
 
 void FrozenOptimizer::visit_state(const StateVisitor& visit) {
   const ParamLayout& layout = frozen_.layout();

@@ -484,7 +484,6 @@ void CheckpointWriter::save(const nlohmann::json& fields) {
   p->step = t.steps_done();
   p->name = checkpoint_dir_name(p->step);
   p->started = seconds_since_epoch();
-  // Every rank has the same kind of store, so all choose the same format.
   std::optional<StateRuns> runs;
   if (options_.format == CheckpointFormat::sharded) runs = t.own_state_runs();
   report_progress("checkpoint write", p->step);

@@ -285,7 +285,7 @@ void Trainer::wrap_frozen() {
   if (!frozen_) return;
   params_ = std::make_unique<FrozenParamStore>(*frozen_, std::move(params_));
   grads_ = std::make_unique<FrozenGradStore>(*frozen_, std::move(grads_));
-  optim_ = std::make_unique<FrozenOptimizer>(*frozen_, std::move(optim_));
+  optim_ = std::make_unique<FrozenOptimizer>(*frozen_, std::move(optim_), !dp_ || dp_->rank() == 0);
 }
 
 namespace {
@@ -650,10 +650,9 @@ void Trainer::visit_state(const StateVisitor& visit) {
   optim_->visit_state(visit);
 }
 
-std::optional<std::vector<std::vector<Trainer::StateRun>>> Trainer::own_state_runs() const {
-  const std::optional<std::vector<FlatRange>> ranges = optim_->owned_ranges();
-  if (!ranges) return std::nullopt;
-  std::vector<std::vector<StateRun>> runs(ranges->size());
+std::vector<std::vector<Trainer::StateRun>> Trainer::own_state_runs() const {
+  const std::vector<FlatRange> ranges = optim_->owned_ranges();
+  std::vector<std::vector<StateRun>> runs(ranges.size());
   // Every data-parallel replica of a store that is not sharded holds the same.
   const bool replicated = !chunk_memory_ && opts_.zero.stage == 0;
   if (replicated && dp_ && dp_->rank() != 0) return runs;
@@ -662,9 +661,9 @@ std::optional<std::vector<std::vector<Trainer::StateRun>>> Trainer::own_state_ru
   for_each_whole_run(model_.layout(), state_layout(), [&](const ParamSpec& p, int64_t at, int64_t global, int64_t n) {
     if (global < 0 || !owns_values(p, tp)) return;
     // Both the runs and the ranges come in increasing local order.
-    while (first < ranges->size() && (*ranges)[first].end <= at) ++first;
-    for (size_t k = first; k < ranges->size() && (*ranges)[k].begin < at + n; ++k) {
-      const FlatRange r = (*ranges)[k];
+    while (first < ranges.size() && ranges[first].end <= at) ++first;
+    for (size_t k = first; k < ranges.size() && ranges[k].begin < at + n; ++k) {
+      const FlatRange r = ranges[k];
       const int64_t b = std::max(at, r.begin), e = std::min(at + n, r.end);
       std::vector<StateRun>& out = runs[k];
       const StateRun run{global + (b - at), e - b, b - r.begin};

@@ -53,7 +53,8 @@ struct Segment {
   std::vector<SavePeak> peaks;  // per rank
   std::vector<size_t> load_extra;  // per rank: the host tier's peak during the load over what it held before
   // Per rank: the elements a load asks of the checkpoint, and those the
-  // store keeps (its owned ranges; -1 for a store without them).
+  // store keeps (its owned ranges and the frozen parameters; -1 for a store
+  // without owned ranges).
   std::vector<int64_t> load_asked, own_numel;
 };
 
@@ -69,7 +70,7 @@ Segment run_segment(const DataParallelRun& r, int from, int to, const fs::path& 
   seg.load_asked.resize(static_cast<size_t>(world));
   seg.own_numel.resize(static_cast<size_t>(world), -1);
   const auto body = [&](Communicator* comm) {
-    const GPTConfig cfg = testing::small_gpt(0.0f, r.n_layer, r.n_head);
+    const GPTConfig cfg = testing::model_of(r);
     const TrainOptions opts = testing::small_options(r);
     const std::unique_ptr<DeviceMesh> mesh = testing::mesh_of(comm, r);
     const std::unique_ptr<Trainer> trainer =
@@ -91,9 +92,13 @@ Segment run_segment(const DataParallelRun& r, int from, int to, const fs::path& 
         std::copy_n(s.exp_avg.data<float>() + global, n, exp_avg);
         std::copy_n(s.exp_avg_sq.data<float>() + global, n, exp_avg_sq);
       });
-      if (const auto owned = t.optimizer().owned_ranges()) {
+      {
         seg.own_numel[me] = 0;
-        for (const FlatRange range : *owned) seg.own_numel[me] += range.numel();
+        for (const FlatRange range : t.optimizer().owned_ranges()) seg.own_numel[me] += range.numel();
+        // Frozen parameters are not sharded: every replica keeps them, one
+        // (data-parallel rank 0) saves them.
+        const int dp_rank = mesh ? mesh->coord(MeshAxis::dp) : comm ? comm->rank() : 0;
+        if (t.frozen() && dp_rank != 0) seg.own_numel[me] += t.frozen()->numel();
       }
       if (first) {
         seg.loaded_params = testing::to_vector(s.params);
@@ -114,7 +119,7 @@ Segment run_segment(const DataParallelRun& r, int from, int to, const fs::path& 
       host.reset_peak();
       const fs::path saved = save_checkpoint(save_root, t, {}, 0, mesh.get(), format);
       SavePeak peak{host.peak() - before, 0, 0};
-      for (const FlatRange range : t.optimizer().owned_ranges().value_or(std::vector<FlatRange>{})) {
+      for (const FlatRange range : t.optimizer().owned_ranges()) {
         peak.own_numel += range.numel();
         peak.largest_range = std::max(peak.largest_range, range.numel());
       }
@@ -214,7 +219,12 @@ TEST_P(ShardedCheckpoint, SavesOwnStateAndResumesUnderAnyLayout) {
       {"3d tp8", on_grid(2, 2, true)}};
   RunResult tail = whole.result;
   tail.stats.erase(tail.stats.begin(), tail.stats.begin() + kSaveAt);
-  for (const auto& [name, loader] : loaders) {
+  for (auto [name, loader] : loaders) {
+    // The same model and the same parameters trained; LoRA adapters run
+    // under 1D tensor parallelism only.
+    if (saver.lora.enabled() && loader.grid.q > 1) continue;
+    loader.freeze = saver.freeze;
+    loader.lora = saver.lora;
     const Segment other = run_segment(loader, kSaveAt, kSteps, first.saved, {});
     EXPECT_TRUE(testing::bit_equal(other.loaded_params, first.result.params)) << name;
     for (size_t rank = 0; rank < other.load_extra.size(); ++rank)
@@ -244,6 +254,12 @@ std::vector<SavedLayout> saved_layouts() {
   DataParallelRun grid_mesh = on_grid(2, 1);
   grid_mesh.dp = 2;
   grid_mesh.stage = 1;
+  // Frozen parameters (saved by one data-parallel replica, as they are not
+  // sharded) between trainable ones that ZeRO shards.
+  DataParallelRun frozen = with_heads(testing::layout(2, 3));
+  frozen.freeze = {"wte", "h.0.attn", "h.1.mlp.c_fc"};
+  DataParallelRun lora = mesh;
+  lora.lora = LoRAConfig{.r = 2, .alpha = 4.0f, .dropout = 0.0f, .targets = {"c_attn", "mlp.c_proj"}};
   return {{"tp2_pp2_dp2_zero1", mesh},
           {"2d_tp4_dp2_zero1", grid_mesh},
           {"2p5d_tp8", on_grid(2, 2)},
@@ -251,7 +267,9 @@ std::vector<SavedLayout> saved_layouts() {
           {"tp2_pp2_dp2_zero0", replicated_mesh},
           {"dp2_zero0", with_heads(testing::layout(2, 0))},
           {"dp2_zero3", with_heads(testing::layout(2, 3))},
-          {"dp2_chunk_offload", offload}};
+          {"dp2_chunk_offload", offload},
+          {"dp2_zero3_frozen", frozen},
+          {"lora_tp2_pp2_dp2_zero1", lora}};
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, ShardedCheckpoint, ::testing::ValuesIn(saved_layouts()),

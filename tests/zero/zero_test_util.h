@@ -198,6 +198,14 @@ inline std::unique_ptr<DeviceMesh> mesh_of(Communicator* world, const DataParall
   return std::make_unique<DeviceMesh>(*world, shape, r.grid);
 }
 
+// The model `r` trains: small_gpt or r.model, with r's variant and adapters.
+inline GPTConfig model_of(const DataParallelRun& r) {
+  GPTConfig cfg = r.model ? *r.model : small_gpt(r.dropout, r.n_layer, r.n_head);
+  if (r.model_variant) r.model_variant(cfg);
+  if (r.lora.enabled()) cfg.lora = r.lora;
+  return cfg;
+}
+
 // Trains on `comm` (nullptr: the reference); rank 0's figures land in `result`.
 inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& result) {
   // Budgets apply to a context of the run's own (each rank thread already
@@ -206,9 +214,7 @@ inline void train_on(Communicator* comm, const DataParallelRun& r, RunResult& re
   MemoryContext::Install install(context);
   context.tier(Tier::device).set_budget(r.device_budget);
   context.tier(Tier::host).set_budget(r.host_budget);
-  GPTConfig cfg = r.model ? *r.model : small_gpt(r.dropout, r.n_layer, r.n_head);
-  if (r.model_variant) r.model_variant(cfg);
-  if (r.lora.enabled()) cfg.lora = r.lora;
+  const GPTConfig cfg = model_of(r);
   TrainOptions opts = small_options(r);
   int step = 0;
   Trainer* trainer_of_step = nullptr;
