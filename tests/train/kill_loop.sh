@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Kill/restart loop: a two-rank run under `loom train --max-restarts` has its
+# Kill/restart loop: a two-rank run under `loom train --max-restarts` has a
 # process killed with SIGKILL CYCLES times at random moments (in a step, in a
 # checkpoint write, in the optimizer); the supervisor restarts it
 # from its newest checkpoint each time. The finished run must have lost no
@@ -7,12 +7,31 @@
 # step (the last record of each: steps after a checkpoint run again) and the
 # same bytes in its final checkpoint's tensor files.
 #
-#   tests/train/kill_loop.sh [CYCLES] [LOOM]     (defaults: 50, build/loom)
+#   tests/train/kill_loop.sh [CYCLES] [LOOM] [BACKEND]   (defaults: 50, build/loom, local)
 #
-# CI runs a short version (ctest train_kill_loop, 3 cycles).
+# BACKEND local: the two ranks are threads of the process the supervisor
+# starts, and that process is killed. BACKEND mpi: the supervisor starts
+# mpirun with two rank processes (LOOM_MPIRUN) and a random one of them is
+# killed; mpirun then ends the other. The uninterrupted run is the local
+# backend's either way (the same sums of two gradients).
+#
+# CI runs short versions (ctest train_kill_loop and train_kill_loop_mpi, 3
+# cycles each).
 set -euo pipefail
 cycles=${1:-50}
 loom=${2:-build/loom}
+backend=${3:-local}
+case "$backend" in
+  local) backend_sets=() ;;
+  mpi)
+    backend_sets=(--set parallel.backend=mpi)
+    # As ctest's MPI tests run (tests/CMakeLists.txt): as root in CI, without
+    # cross-process memory copies.
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
+    export LOOM_MPIRUN="${LOOM_MPIRUN:-mpirun --oversubscribe}"
+    ;;
+  *) echo "kill loop: BACKEND is local or mpi, not '$backend'"; exit 2 ;;
+esac
 root=$(cd "$(dirname "$0")/../.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -28,7 +47,8 @@ common=(--config "$root/configs/tiny-test.toml"
 
 "$loom" train "${common[@]}" --set "train.out_dir=$work/whole" > "$work/whole.log" 2>&1
 
-"$loom" train "${common[@]}" --set "train.out_dir=$work/killed" --max-restarts "$cycles" > "$work/killed.log" 2>&1 &
+"$loom" train "${common[@]}" "${backend_sets[@]}" --set "train.out_dir=$work/killed" --max-restarts "$cycles" \
+  > "$work/killed.log" 2>&1 &
 supervisor=$!
 # Records in the killed run's metrics.jsonl holding "$1" (0 before it exists).
 count() { local n; n=$(grep -c "\"$1\"" "$work/killed/metrics.jsonl" 2>/dev/null); echo "${n:-0}"; }
@@ -46,6 +66,10 @@ while ((killed < cycles)) && kill -0 "$supervisor" 2>/dev/null; do
   until (($(logged_step) >= 20 * (killed + 1))) || ! kill -0 "$supervisor" 2>/dev/null; do sleep 0.002; done
   sleep "0.0$((RANDOM % 30 + 10))"
   child=$(cat "/proc/$supervisor/task/$supervisor/children" 2>/dev/null | awk '{print $1}' || true)
+  # Under mpirun: a random one of its rank processes.
+  if [[ "$backend" == mpi && -n "$child" ]]; then
+    child=$(cat "/proc/$child/task/$child/children" 2>/dev/null | tr ' ' '\n' | grep . | shuf -n 1 || true)
+  fi
   if [[ -n "$child" ]] && kill -KILL "$child" 2>/dev/null; then
     killed=$((killed + 1))
     # Time to the supervisor's restart record (the run's ranks all gone) and
@@ -83,7 +107,7 @@ for f in "$work/whole/$final"/*.safetensors; do
   fi
 done
 restarts=$(grep -c '"restart"' "$work/killed/metrics.jsonl" || true)
-echo "kill loop: $killed kills, $restarts restarts, $steps steps, losses and final weights bit-identical"
+echo "kill loop ($backend): $killed kills, $restarts restarts, $steps steps, losses and final weights bit-identical"
 median() { sort -g | awk '{v[NR] = $1} END {print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2)}'; }
 echo "kill loop: median from the kill to the restart recorded $(awk '{printf "%.3f\n", $2 - $1}' "$work/times.txt" | median) s," \
   "to the restarted run's first step $(awk '{printf "%.3f\n", $3 - $1}' "$work/times.txt" | median) s"

@@ -1121,14 +1121,15 @@ pid_t child_once_logged(pid_t supervisor, const fs::path& metrics, int64_t step)
   return 0;
 }
 
-// `loom train --max-restarts 2` on two data-parallel ranks: the run's process
-// is killed with SIGKILL twice, at whatever moment it has reached once step 7
-// and then step 23 are logged; each time the supervisor starts it again from
-// the newest checkpoint (every 5 steps), says so and records it. The run
+// `loom train --max-restarts 2` on four ranks (two data-parallel replicas of
+// a model split over two tensor-parallel ranks): the run's process is killed
+// with SIGKILL twice, at whatever moment it has reached once step 7 and then
+// step 23 are logged; each time the supervisor starts it again from the
+// newest checkpoint (every 5 steps), says so and records it. The run
 // finishes with the losses (the last record of each step: the steps after a
 // checkpoint run again) and the weights of an uninterrupted run, bit for bit.
 TEST_F(MainJob, MaxRestartsContinuesAKilledRunFromItsCheckpointBitExactly) {
-  const std::vector<std::string> layout = {"parallel.dp=2", "train.steps=40"};
+  const std::vector<std::string> layout = {"parallel.dp=2", "parallel.tp=2", "train.steps=40"};
   const fs::path run = *dir_ / "restarted";
   std::vector<std::string> sets = layout;
   sets.push_back("train.checkpoint_interval=5");
@@ -1190,16 +1191,17 @@ TEST_F(MainJob, ElasticRestartContinuesOnFewerDataParallelRanks) {
   for (size_t i = 0; i < whole.size(); ++i) EXPECT_NEAR(restarted[i], whole[i], 1e-5 * whole[i]) << "step " << i + 1;
 }
 
-// `loom train --max-restarts 1` under parallel.backend = "mpi", run outside
-// mpirun: the supervisor starts mpirun with two ranks (LOOM_MPIRUN carries
-// its flags); one rank's process is killed with SIGKILL once step 7 is
-// logged, mpirun ends the other, and the supervisor starts mpirun again from
-// the newest checkpoint. The losses and weights equal an uninterrupted run's
-// bit for bit: the local backend's on the same two ranks (one sum of two
-// gradients, whichever backend adds them).
+// `loom train --max-restarts 2` under parallel.backend = "mpi", run outside
+// mpirun: the supervisor starts mpirun with four ranks (dp2 x tp2;
+// LOOM_MPIRUN carries its flags); one rank's process is killed with SIGKILL
+// once step 7 is logged and another once step 23 is, mpirun ends the rest,
+// and each time the supervisor starts mpirun again from the newest
+// checkpoint. The losses and weights equal an uninterrupted run's bit for
+// bit: the local backend's on the same four ranks (every reduction a sum of
+// two, which no backend can order differently).
 TEST_F(MainJob, MaxRestartsStartsMpirunAgainWhenAnMpiRankIsKilled) {
   if (!mpi_available()) GTEST_SKIP() << "the mpi backend is not in this build";
-  const std::vector<std::string> layout = {"parallel.dp=2", "train.steps=30"};
+  const std::vector<std::string> layout = {"parallel.dp=2", "parallel.tp=2", "train.steps=40"};
   std::vector<std::string> sets = layout;
   sets.insert(sets.end(), {"parallel.backend=mpi", "train.checkpoint_interval=5"});
   const fs::path run = *dir_ / "mpi-restarted";
@@ -1213,20 +1215,23 @@ TEST_F(MainJob, MaxRestartsStartsMpirunAgainWhenAnMpiRankIsKilled) {
   setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
   setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
   setenv("LOOM_MPIRUN", "mpirun --oversubscribe", 1);
-  const pid_t supervisor = spawn_loom_train(dir_->path(), run, sets, {"--max-restarts", "1"}, log);
-  const pid_t mpirun = child_once_logged(supervisor, run / "metrics.jsonl", 7);
-  ASSERT_GT(mpirun, 0) << read_file(log);
-  pid_t rank = 0;
-  std::ifstream(str("/proc/", mpirun, "/task/", mpirun, "/children")) >> rank;
-  ASSERT_GT(rank, 0) << "mpirun has no rank process: " << read_file(log);
-  kill(rank, SIGKILL);
+  const pid_t supervisor = spawn_loom_train(dir_->path(), run, sets, {"--max-restarts", "2"}, log);
+  for (const auto& [step, which] : {std::pair{7, 0}, std::pair{23, 3}}) {
+    const pid_t mpirun = child_once_logged(supervisor, run / "metrics.jsonl", step);
+    ASSERT_GT(mpirun, 0) << read_file(log);
+    std::vector<pid_t> ranks;
+    std::ifstream children(str("/proc/", mpirun, "/task/", mpirun, "/children"));
+    for (pid_t rank = 0; children >> rank;) ranks.push_back(rank);
+    ASSERT_EQ(ranks.size(), 4u) << "mpirun's rank processes: " << read_file(log);
+    kill(ranks[static_cast<size_t>(which)], SIGKILL);
+  }
   int status = 0;
   waitpid(supervisor, &status, 0);
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_file(log);
   const std::vector<nlohmann::json> restarts = records_with(run / "metrics.jsonl", "restart");
-  ASSERT_EQ(restarts.size(), 1u) << read_file(log);
-  EXPECT_EQ(restarts[0].at("resume_step").get<int64_t>() % 5, 0);
-  EXPECT_NE(read_file(log).find("restart 1 of 1 from step"), std::string::npos) << read_file(log);
+  ASSERT_EQ(restarts.size(), 2u) << read_file(log);
+  for (const nlohmann::json& r : restarts) EXPECT_EQ(r.at("resume_step").get<int64_t>() % 5, 0);
+  EXPECT_NE(read_file(log).find("restart 2 of 2 from step"), std::string::npos) << read_file(log);
 
   Config c = config("mpi-restarted-whole");
   for (const std::string& o : layout) c.set_override(o);
