@@ -12,8 +12,9 @@
 //    rank reads what it holds). Baseline: `dd` writing (conv=fsync, as the
 //    commit syncs) and reading the same bytes per rank, one dd per rank at
 //    once. Figures: dd's time over loom's (1 = dd's speed; target >= 0.7),
-//    each the median of 3 rounds that start with every dirty page written
-//    out, and the sharded save's speed-up over the gathered one. Loads are
+//    each the median of 6 rounds, dd and loom taking turns to go first, each
+//    write starting with every dirty page written out, and the sharded
+//    save's speed-up over the gathered one. Loads are
 //    timed twice: from the device (the files' pages dropped from the page
 //    cache first, as after a restart on another machine) and again from the
 //    page cache, where dd only streams the bytes through one small buffer
@@ -124,10 +125,10 @@ void evict_from_page_cache(const fs::path& dir) {
 
 int64_t state_bytes(const GPTConfig& cfg) { return 12 * GPT(cfg).layout().numel(); }
 
-// Each figure is the median of this many rounds; every round starts with no
-// dirty pages (sync), so that neither side's time includes writing the
-// other's pages back.
-constexpr int kRounds = 3;
+// Each figure is the median of this many rounds (even: each side goes first
+// in half of them); every write starts with no dirty pages (sync), so that
+// neither side's time includes writing the other's pages back.
+constexpr int kRounds = 6;
 
 void save_and_load(const fs::path& dir, double state_gb, int ranks) {
   const GPTConfig cfg = model_of(state_gb * 1e9);
@@ -154,18 +155,27 @@ void save_and_load(const fs::path& dir, double state_gb, int ranks) {
     };
     for (int round = 0; round < kRounds; ++round) {
       const fs::path root = dir / str("sharded-", round);
-      lead_only([&] {
-        ::sync();
-        dd_write.push_back(dd_seconds(dir, ranks, per_rank, true));
-        ::sync();
-      });
-      timed(save, [&] { save_checkpoint(root, t, {}, 1); });
-      lead_only([&] {
-        evict_from_page_cache(dir);
-        dd_cold.push_back(dd_seconds(dir, ranks, per_rank, false));
-        dd_warm.push_back(dd_seconds(dir, ranks, per_rank, false));
-      });
-      timed(load_cold, [&] { load_checkpoint(resolve_checkpoint(root), t); });
+      // The side that goes first alternates: whichever writes or reads first
+      // after a sync meets the device still busy with what the sync wrote.
+      const bool dd_first = round % 2 == 0;
+      const auto in_order = [&](const std::function<void()>& dd, const std::function<void()>& loom) {
+        if (dd_first) lead_only(dd);
+        loom();
+        if (!dd_first) lead_only(dd);
+      };
+      in_order(
+          [&] {
+            ::sync();
+            dd_write.push_back(dd_seconds(dir, ranks, per_rank, true));
+          },
+          [&] {
+            lead_only([] { ::sync(); });
+            timed(save, [&] { save_checkpoint(root, t, {}, 1); });
+          });
+      lead_only([&] { evict_from_page_cache(dir); });
+      in_order([&] { dd_cold.push_back(dd_seconds(dir, ranks, per_rank, false)); },
+               [&] { timed(load_cold, [&] { load_checkpoint(resolve_checkpoint(root), t); }); });
+      lead_only([&] { dd_warm.push_back(dd_seconds(dir, ranks, per_rank, false)); });
       timed(load_warm, [&] { load_checkpoint(resolve_checkpoint(root), t); });
       lead_only([&] { fs::remove_all(root); });
     }
