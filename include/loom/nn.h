@@ -8,6 +8,7 @@
 // activation checkpointing is a matter of keeping less and recomputing.
 #pragma once
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -63,6 +64,11 @@ struct BlockLinear {
   int64_t in = 0, out = 0;
 };
 
+// A weight matrix's shape: out rows of in columns.
+struct MatrixShape {
+  int64_t out = 0, in = 0;
+};
+
 // The variants a model is built from, chosen per model by its config (GPT-2:
 // LayerNorm, learned positions, GELU MLP, biases, tied head; LLaMA: RMSNorm,
 // RoPE, SwiGLU, no biases, grouped-query attention, often an untied head).
@@ -110,6 +116,10 @@ struct GPTConfig {
   int64_t intermediate() const { return intermediate_size > 0 ? intermediate_size : 4 * n_embd; }
   // Every block's linear layers, in the block's order.
   std::vector<BlockLinear> block_linears() const;
+  // Those layers as the block multiplies them, parts that share an input
+  // stacked: q|k|v, the attention output, fc (gate|up under SwiGLU) and the
+  // MLP's output.
+  std::array<MatrixShape, 4> block_matmuls() const;
   // The adapter the block's linear layer `name` ("attn.q") gets: `lora`
   // when a target names it, else none (r 0).
   LoRAConfig adapter(std::string_view name) const;

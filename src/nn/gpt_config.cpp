@@ -212,6 +212,11 @@ std::vector<BlockLinear> GPTConfig::block_linears() const {
   return out;
 }
 
+std::array<MatrixShape, 4> GPTConfig::block_matmuls() const {
+  const int64_t C = n_embd, I = intermediate(), q = q_dim(), kv = kv_heads() * head_dim();
+  return {{{q + 2 * kv, C}, {C, q}, {(mlp == MlpKind::swiglu ? 2 : 1) * I, C}, {C, I}}};
+}
+
 namespace {
 
 // Whether target `t` names block linear `l`: its name, a suffix of it after

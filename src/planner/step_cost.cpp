@@ -85,7 +85,8 @@ double tensor_parallel_param_elements(const GPTConfig& cfg, int tp, const Tensor
   if (grid.ranks() > 1) {
     // Matrices over q^2 (SUMMA) or q^3 (a cube) ranks, vectors over q.
     const double q = grid.q, matrix_parts = grid.cube ? q * q * q : q * q;
-    const double matrices = (Q + 2.0 * KV) * h + h * Q + fc * h + h * I;
+    double matrices = 0.0;
+    for (const MatrixShape& m : cfg.block_matmuls()) matrices += static_cast<double>(m.out * m.in);
     const double table = ceil_div(V, grid.cube ? q * q : q) * h / q;
     return L * (matrices / matrix_parts + (2.0 * norm + entering_bias + leaving_bias) / q) +
            tables * table + (norm + positions) / q;
@@ -123,9 +124,8 @@ double grid_step_elements_sent(const GPTConfig& cfg, int64_t B, int64_t T, int64
   const auto all_reduce = [](double count, int64_t g) { return 2.0 * (g - 1.0) / static_cast<double>(g) * count; };
   const double statistics = cfg.norm == NormKind::layernorm ? 2.0 : 1.0;
   const double norm = statistics * all_reduce(n, q) + all_reduce(2.0 * n, q);
-  const std::pair<int64_t, int64_t> layers[] = {{Q + 2 * KV, C}, {C, Q}, {fc, C}, {C, I}};
   double block = 2.0 * norm;
-  for (const auto& [out, in] : layers) block += grid_linear_elements_sent(out, in, N, grid);
+  for (const MatrixShape& m : cfg.block_matmuls()) block += grid_linear_elements_sent(m.out, m.in, N, grid);
   const int64_t table_group = grid.cube ? q * q : q, vocab_parts = grid.cube ? q * q : q;
   const int64_t padded_vocab = (V + vocab_parts - 1) / vocab_parts * vocab_parts;
   const double embedding = 2.0 * static_cast<double>(table_group - 1) * n * Cq;
@@ -148,7 +148,7 @@ double grid_step_elements_sent(const GPTConfig& cfg, int64_t B, int64_t T, int64
   if (grid.cube && entering_bias > 0.0) step += all_reduce(L * entering_bias, q * q);
   // 2.5D's copies of every matrix and of the token table over the depth.
   if (!grid.cube && grid.depth > 1) {
-    for (const auto& [out, in] : layers) step += L * grid_weight_gradient_elements_sent(out, in, grid);
+    for (const MatrixShape& m : cfg.block_matmuls()) step += L * grid_weight_gradient_elements_sent(m.out, m.in, grid);
     const double table = static_cast<double>((V + q - 1) / q) * Cq * (cfg.tied_embeddings ? 1.0 : 2.0);
     step += all_reduce(table, grid.depth);
   }

@@ -108,12 +108,11 @@ std::pair<Cost, Cost> grid_linear_cost(const Shapes& s, int64_t out, int64_t in,
 std::pair<Cost, Cost> grid_block_cost(const Shapes& s, bool recompute) {
   const GPTConfig& m = s.m;
   const int64_t C = m.n_embd, q = s.grid.q, hs = m.head_dim(), I = m.intermediate();
-  const int64_t kv = m.kv_heads() * hs, n = s.N / (q * s.grid.depth);
+  const int64_t n = s.N / (q * s.grid.depth);
   const bool swiglu = m.mlp == MlpKind::swiglu;
-  const int64_t layers[][2] = {{m.q_dim() + 2 * kv, C}, {C, m.q_dim()}, {(swiglu ? 2 : 1) * I, C}, {C, I}};
   Cost forward, backward;
-  for (const auto& [out, in] : layers) {
-    const auto [f, b] = grid_linear_cost(s, out, in, !m.lora.enabled());
+  for (const MatrixShape& l : m.block_matmuls()) {
+    const auto [f, b] = grid_linear_cost(s, l.out, l.in, !m.lora.enabled());
     forward += f;
     backward += b;
   }
