@@ -386,8 +386,12 @@ struct TrainPlan {
     return dp == 1 && tp == 1 && pp == 1 && options.zero.stage == 0 && options.zero.precision == DType::f32;
   }
 };
+// Who starts the run's ranks: this process (the local backend's threads, or
+// the mpirun that started it), or a supervisor (`loom train --max-restarts`)
+// that starts mpirun itself for each attempt, outside any mpirun.
+enum class Launch : uint8_t { this_process, supervisor };
 // Throws ConfigError naming the field, its origin, the rule and the fix.
-TrainPlan plan_training(const Config& cfg);
+TrainPlan plan_training(const Config& cfg, Launch launch = Launch::this_process);
 // The dp x tp x pp mesh a plan's ranks run on, over `world`; null without
 // tensor or pipeline parallelism (data-parallel ranks then use `world`).
 std::unique_ptr<DeviceMesh> plan_mesh(const TrainPlan& plan, Communicator& world);

@@ -51,8 +51,9 @@ InitSource init_source(const Config& cfg) {
 }
 
 // The launcher parallel.backend names must be able to start `ranks` ranks from
-// how this process was started.
-void check_launcher(const Config& cfg, const std::string& backend, int64_t ranks, int64_t model_ranks) {
+// how this process was started (or, under a supervisor, exist in this build).
+void check_launcher(const Config& cfg, const std::string& backend, int64_t ranks, int64_t model_ranks,
+                    Launch launch) {
   const int64_t started = launched_by_mpirun() ? std::atoll(std::getenv("OMPI_COMM_WORLD_SIZE")) : 1;
   if (backend == "local") {
     if (started > 1)
@@ -65,6 +66,7 @@ void check_launcher(const Config& cfg, const std::string& backend, int64_t ranks
   if (!mpi_available())
     throw ConfigError(cfg, "parallel.backend", "this build of loom has no MPI",
                       "set parallel.backend = \"local\", or install OpenMPI and reconfigure with -DLOOM_WITH_MPI=ON");
+  if (launch == Launch::supervisor) return;
   if (!launched_by_mpirun())
     throw ConfigError(cfg, "parallel.backend",
                       "the mpi backend runs one process per rank, and this process was not started by mpirun",
@@ -411,7 +413,7 @@ std::unique_ptr<DeviceMesh> plan_mesh(const TrainPlan& plan, Communicator& world
   return std::make_unique<DeviceMesh>(world, shape, plan.tensor_grid);
 }
 
-TrainPlan plan_training(const Config& cfg) {
+TrainPlan plan_training(const Config& cfg, Launch launch) {
   TrainPlan p;
   p.model = model_config_from(cfg);
   const InitSource init = init_source(cfg);
@@ -447,7 +449,7 @@ TrainPlan plan_training(const Config& cfg) {
                           nproc % (tp * pp) == 0 ? str(", or parallel.dp = ", nproc / (tp * pp)) : ""));
   p.nproc = static_cast<int>(ranks);
   p.backend = cfg.get<std::string>("parallel.backend");
-  check_launcher(cfg, p.backend, ranks, tp * pp);
+  check_launcher(cfg, p.backend, ranks, tp * pp, launch);
   const double watchdog = cfg.get<double>("train.watchdog_timeout");
   // The watchdog samples every tenth of its timeout: below 0.1 s it would
   // wake more often than every 10 ms and trip on scheduling noise.

@@ -84,18 +84,9 @@ std::string describe(int wait_status) {
 
 bool on_mpi(const Config& cfg) { return cfg.get<std::string>("parallel.backend") == "mpi"; }
 
-// plan_training of an attempt. Under the mpi backend the attempt's ranks run
-// under the mpirun the supervisor starts, so the supervisor, outside mpirun,
-// checks everything but the launcher (as the local backend's would be).
-TrainPlan plan_attempt(const Config& cfg) {
-  if (!on_mpi(cfg)) return plan_training(cfg);
-  if (!mpi_available())
-    throw ConfigError(cfg, "parallel.backend", "this build of loom has no MPI",
-                      "set parallel.backend = \"local\", or install OpenMPI and reconfigure with -DLOOM_WITH_MPI=ON");
-  Config local = cfg;
-  local.set_override("parallel.backend=local");
-  return plan_training(local);
-}
+// plan_training of an attempt, whose ranks the supervisor starts (under the
+// mpi backend, through the mpirun it starts outside any mpirun).
+TrainPlan plan_attempt(const Config& cfg) { return plan_training(cfg, Launch::supervisor); }
 
 // `cfg` on the largest number of data-parallel ranks below its own that
 // plan_training accepts, or nothing when it runs on one.
