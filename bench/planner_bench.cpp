@@ -13,18 +13,23 @@
 // Every layout goes through plan_training (its config is the layout's
 // settings over configs/tiny-test.toml-like keys), so only valid layouts run,
 // and trains the same global batch.
+//
+//   planner_bench --published
+//
+// prints only the what-if table, which the full run ends with: each
+// published large run (published_runs(): Megatron-LM on Selene's A100s)
+// priced with its hardware file, predicted / reported seconds per iteration,
+// and each rank's predicted device peak against the GPU's memory.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "bench_common.h"
-#include "loom/comm.h"
+#include "planned_step.h"
 #include "loom/config.h"
-#include "loom/parallel.h"
 #include "loom/planner.h"
 #include "loom/train.h"
 
@@ -77,40 +82,47 @@ TrainPlan plan_of(const Case& c) {
   return plan_training(cfg);
 }
 
-// The slowest rank's step time, median over the timed steps.
-double measure(const TrainPlan& plan, const std::vector<int32_t>& data, int steps) {
-  std::vector<std::vector<double>> times(static_cast<size_t>(plan.nproc));
-  run_local(plan.nproc, [&](Communicator& world) {
-    const std::unique_ptr<DeviceMesh> mesh = plan_mesh(plan, world);
-    Trainer trainer = mesh ? Trainer(plan.model, plan.options, *mesh) : Trainer(plan.model, plan.options, &world);
-    const int replica = mesh ? mesh->coord(MeshAxis::dp) : world.rank();
-    std::vector<MicroBatch> mbs;
-    for (int64_t m = 0; m < plan.accumulation; ++m) {
-      const int64_t first = (m * plan.dp + replica) * plan.micro_batch;
-      mbs.push_back({data.data() + first * plan.seq_len, data.data() + first * plan.seq_len + 1,
-                     {plan.micro_batch, plan.seq_len}, first});
-    }
-    trainer.step(mbs);  // warm-up: first touches, BLAS buffers
-    for (int i = 0; i < steps; ++i) {
-      world.barrier();
-      const double t0 = bench::now_seconds();
-      trainer.step(mbs);
-      times[static_cast<size_t>(world.rank())].push_back(bench::now_seconds() - t0);
-    }
-  });
-  std::vector<double> slowest;
-  for (int i = 0; i < steps; ++i) {
-    double s = 0;
-    for (const auto& rank : times) s = std::max(s, rank[static_cast<size_t>(i)]);
-    slowest.push_back(s);
+// The what-if table: every published run priced on its machine's hardware
+// file, the step time against the reported one, and whether its largest
+// predicted device peak fits the GPU.
+void print_published_runs() {
+  std::printf("what-if: published runs, predicted from hardware/ files (docs/planning.md)\n");
+  std::printf("%-58s %6s %11s %10s %10s %7s %6s %9s\n", "run", "GPUs", "dp/tp/pp", "reported", "predicted", "ratio",
+              "MFU", "peak GiB");
+  std::vector<double> ratios;
+  for (const PublishedRun& r : published_runs()) {
+    const MachineRates rates = load_machine_rates(str(LOOM_BENCH_SOURCE_DIR, "/hardware/", r.hardware));
+    const StepTimePrediction p = predict_step_time(r.problem, r.layout, r.precision, rates, int64_t(25) << 20);
+    StepMemoryOptions memory;
+    memory.precision = r.precision;
+    double peak = 0.0;
+    for (const RankMemory& m : predict_step_memory(r.problem, r.layout, memory))
+      peak = std::max(peak, m.peak(Tier::device));
+    const double ratio = p.step_s / r.reported_step_s;
+    ratios.push_back(ratio);
+    std::printf("%-58s %6lld %11s %9.2fs %9.2fs %7.3f %5.1f%% %6.1f%s\n", r.name.c_str(),
+                static_cast<long long>(r.layout.dp * r.layout.tp * r.layout.pp),
+                str(r.layout.dp, "/", r.layout.tp, "/", r.layout.pp).c_str(), r.reported_step_s, p.step_s, ratio,
+                100.0 * p.mfu, peak / double(1 << 30), peak > rates.device_memory_bytes ? " over" : "");
   }
-  return median(slowest);
+  std::vector<double> errors;
+  for (double r : ratios) errors.push_back(std::abs(r - 1.0));
+  std::printf("what-if: median |predicted/reported - 1| = %.3f, worst = %.3f over %zu runs\n", median(errors),
+              *std::max_element(errors.begin(), errors.end()), errors.size());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "--published") {
+    print_published_runs();
+    return 0;
+  }
   const int steps = argc > 1 ? std::atoi(argv[1]) : 5;
+  if (steps < 1) {
+    std::fprintf(stderr, "usage: planner_bench [steps >= 1] [calibration.json] | planner_bench --published\n");
+    return 2;
+  }
   MachineRates rates;
   if (argc > 2) {
     rates = load_machine_rates(argv[2]);
@@ -122,9 +134,7 @@ int main(int argc, char** argv) {
   }
   std::printf("rates: %s\n\n", rates.description.c_str());
 
-  std::vector<int32_t> data(static_cast<size_t>(16 * 128 + 1));
-  std::mt19937 rng(1);
-  for (int32_t& t : data) t = static_cast<int32_t>(rng() % 4096);
+  const std::vector<int32_t> data = bench::random_tokens(16, 128, 4096);
 
   std::printf("%-22s %10s %10s %7s | predicted: %8s %8s %8s %8s\n", "layout", "predicted", "measured", "ratio",
               "compute", "comm", "bubble", "optim");
@@ -134,7 +144,7 @@ int main(int argc, char** argv) {
     const LayoutProblem problem{.model = plan.model, .global_batch = plan.global_batch, .seq_len = plan.seq_len};
     const StepTimePrediction p =
         predict_step_time(problem, c.layout, c.precision, rates, plan.options.zero.bucket_bytes);
-    const double measured = measure(plan, data, steps);
+    const double measured = bench::measure_planned_step(plan, data, steps);
     const double ratio = p.step_s / measured;
     errors.push_back(std::abs(ratio - 1.0));
     std::printf("%-22s %8.1fms %8.1fms %7.3f | %8.1fms %6.1fms %6.1fms %6.1fms\n", c.name.c_str(), p.step_s * 1e3,
@@ -145,5 +155,7 @@ int main(int argc, char** argv) {
   std::printf("\nstep time: median |predicted/measured - 1| = %.3f (target <= 0.10), worst = %.3f (target <= 0.20) "
               "over %zu layouts\n",
               median(errors), *std::max_element(errors.begin(), errors.end()), errors.size());
+  std::printf("\n");
+  print_published_runs();
   return 0;
 }

@@ -125,7 +125,8 @@ struct GPTConfig {
   LoRAConfig adapter(std::string_view name) const;
 
   // "tiny", "gpt2" (124M), "gpt2-medium", "gpt2-large", "gpt2-xl";
-  // "llama-tiny" (tests), "llama3.2-1b", "llama2-7b", "llama3-8b".
+  // "llama-tiny" (tests), "llama3.2-1b", "llama2-7b", "llama3-8b",
+  // "llama2-70b", "llama3-70b".
   static GPTConfig preset(std::string_view name);
   static std::vector<std::string> preset_names();
   // The model a Hugging Face config.json describes (a head_dim other than

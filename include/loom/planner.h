@@ -215,6 +215,22 @@ struct AttentionSample {
   double forward_s = 0.0, backward_s = 0.0;
 };
 
+// Where the ranks of a collective sit: `size` ranks inside one aligned block
+// of `span` consecutive world ranks (DeviceMesh order: pp outermost, then
+// dp, tp innermost; a grid's tp rank t sits at layer t / q^2, row
+// (t / q) % q, column t % q). A node holds ranks_per_node consecutive world
+// ranks, so the group stays on one node when its span divides
+// ranks_per_node, and crosses nodes otherwise.
+struct RankGroup {
+  int size = 1;
+  int64_t span = 1;
+  // `size` consecutive ranks: a tensor-parallel group, a grid's row.
+  static RankGroup consecutive(int size) { return {size, size}; }
+  // `size` ranks `stride` apart: a data-parallel group (stride tp), a grid's
+  // column (stride q).
+  static RankGroup strided(int size, int64_t stride) { return {size, size * stride}; }
+};
+
 // A collective over `group` ranks, its cost fitted against the bytes of each
 // rank's buffer (all_reduce: the buffer; reduce_scatter: the input;
 // all_gather: the output; send_recv: the message).
@@ -260,15 +276,21 @@ struct MachineRates {
   // backward: interpolated like GEMMs between the measured (seq_len,
   // head_dim), or at the rate of a (seq_len, seq_len, head_dim) GEMM.
   double attention_seconds(int64_t seq_len, int64_t head_dim, bool backward, DType precision = DType::f32) const;
-  // Seconds of a collective over `group` ranks moving a buffer of `bytes`
-  // per rank: the measured fit for that op and group where there is one,
-  // else a ring over the intra-node link (group <= ranks_per_node) or the
-  // inter-node link: all_reduce 2 (g-1) (a + b / (g B)), reduce_scatter and
-  // all_gather (g-1) (a + b / (g B)), send_recv a + b / B. For send_recv,
-  // `group` is the number of ranks exchanging messages at once (a message
-  // waits longer when they outnumber the cores), and the measurement with
-  // the nearest count is used.
-  double collective_seconds(Collective op, double bytes, int group) const;
+  // Seconds of a collective over `group` moving a buffer of `bytes` per
+  // rank: the measured fit for that op and group size where there is one
+  // (a calibration measures ranks on this one machine), else a ring over the
+  // intra-node link when the group stays on one node, or the inter-node link
+  // when it crosses nodes (each rank with its own port, as in the hardware
+  // files: the ring runs at one port's bandwidth): all_reduce
+  // 2 (g-1) (a + b / (g B)), reduce_scatter and all_gather
+  // (g-1) (a + b / (g B)), send_recv a + b / B. For send_recv, `group.size`
+  // is the number of ranks exchanging messages at once (a message waits
+  // longer when they outnumber the cores; the measurement with the nearest
+  // count is used) and `group.span` the block holding a sender and its
+  // receiver.
+  double collective_seconds(Collective op, double bytes, RankGroup group) const;
+  // Whether a group's ranks share one node.
+  bool within_node(RankGroup group) const;
 };
 
 struct CalibrationOptions {
@@ -340,6 +362,28 @@ struct StepTimePrediction {
 // transfer time: the time model does not yet follow chunk traffic.
 StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout& layout, DType precision,
                                      const MachineRates& rates, int64_t bucket_bytes);
+
+// A training run a publication reports, to hold the time model's what-if
+// against: the model and layout as published, the machine (a file in
+// hardware/), and the seconds per iteration reported, or implied by a
+// reported per-GPU throughput and the paper's own FLOP count.
+struct PublishedRun {
+  std::string name;         // "GPT-3 175B, sequence parallel + selective recompute"
+  std::string source;       // "Korthikanti et al. 2022, Tables 3 and 5"
+  std::string hardware;     // "a100-sxm-80gb.json"
+  LayoutProblem problem;
+  Layout layout;
+  DType precision = DType::bf16;
+  double reported_step_s = 0.0;
+  std::string assumptions;  // what the publication leaves open and loom assumes
+};
+// Megatron-LM's runs on Selene (A100 80GB, 8 per node, one 200 Gb/s HDR port
+// per GPU): Narayanan et al. 2021 (Table 2, GPT-3 175B and 530B under PTD
+// parallelism and under ZeRO-3), Korthikanti et al. 2022 (Table 5, 22B to 1T
+// with full recompute, and with sequence parallelism and selective
+// recompute, which loom's attention, keeping only its log-sum-exp, does
+// without recomputing anything).
+std::vector<PublishedRun> published_runs();
 
 // JSON, written atomically. load_machine_rates reads what save wrote and
 // hardware description files alike, and throws Error naming the file and

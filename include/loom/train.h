@@ -460,9 +460,15 @@ struct PlanCommandOptions {
   bool search = false;
   int64_t top = 5;    // layouts --search prints
   int64_t ranks = 0;  // the search's world size; 0: parallel.dp * tp * pp
+  // Machines of the hardware file (its ranks_per_node ranks each) the run
+  // spans; 0: as many as the layout's ranks fill. Sets the search's world
+  // size, and the config's layout must fill them.
+  int64_t nodes = 0;
 };
 // `loom plan`: without search, the config (validated by plan_training) with
 // its per-rank memory peaks and step time; with search, the best layouts.
+// Error (before anything is priced) when --nodes comes without a hardware
+// file, with --ranks, or does not match the config's layout.
 void run_plan(const Config& cfg, const PlanCommandOptions& options, std::ostream& out);
 
 // Checkpoints: <root>/step_XXXXXXXX/, committed atomically, then

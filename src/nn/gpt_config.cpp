@@ -67,6 +67,8 @@ const std::vector<Preset>& presets() {
         {"llama3.2-1b", llama_shape({16, 32, 8, 2048, 8192, 128256, 131072, 500000.0, true}, llama3)},
         {"llama2-7b", llama_shape({32, 32, 32, 4096, 11008, 32000, 4096, 10000.0, false})},
         {"llama3-8b", llama_shape({32, 32, 8, 4096, 14336, 128256, 8192, 500000.0, false})},
+        {"llama2-70b", llama_shape({80, 64, 8, 8192, 28672, 32000, 4096, 10000.0, false})},
+        {"llama3-70b", llama_shape({80, 64, 8, 8192, 28672, 128256, 8192, 500000.0, false})},
     };
   }();
   return table;

@@ -141,20 +141,24 @@ double MachineRates::attention_seconds(int64_t seq_len, int64_t head_dim, bool b
   return flops / interpolate_rate(attention_points(attention), rates, {seq_len, head_dim});
 }
 
-double MachineRates::collective_seconds(Collective op, double bytes, int group) const {
-  if (group <= 1) return 0.0;
+bool MachineRates::within_node(RankGroup group) const {
+  return group.span <= ranks_per_node && ranks_per_node % group.span == 0;
+}
+
+double MachineRates::collective_seconds(Collective op, double bytes, RankGroup group) const {
+  if (group.size <= 1) return 0.0;
   for (const CollectiveCost& c : collectives)
-    if (c.op == op && c.group == group) return c.cost.seconds(bytes);
+    if (c.op == op && c.group == group.size) return c.cost.seconds(bytes);
   // A message's cost depends on how many ranks share the machine, not on a
   // group: the measurement with the nearest number of ranks.
   const CollectiveCost* nearest = nullptr;
   for (const CollectiveCost& c : collectives)
     if (c.op == Collective::send_recv && op == Collective::send_recv &&
-        (!nearest || std::abs(c.group - group) < std::abs(nearest->group - group)))
+        (!nearest || std::abs(c.group - group.size) < std::abs(nearest->group - group.size)))
       nearest = &c;
   if (nearest) return nearest->cost.seconds(bytes);
-  const LinkCost& link = group <= ranks_per_node ? intra_node : inter_node;
-  const double g = group;
+  const LinkCost& link = within_node(group) ? intra_node : inter_node;
+  const double g = group.size;
   switch (op) {
     case Collective::all_reduce: return 2.0 * (g - 1) * link.seconds(bytes / g);
     case Collective::reduce_scatter:

@@ -2,8 +2,11 @@
 // order loom's modules, stores and pipeline executor make them. Each
 // function below names the code whose tensors it accounts for.
 #include <algorithm>
+#include <cstring>
+#include <array>
 #include <limits>
 #include <map>
+#include <unordered_map>
 #include <memory>
 
 #include "loom/planner.h"
@@ -24,6 +27,11 @@ constexpr double kF32 = 4.0;
 // of its size class or a new one, and gives it back to the cache, so the
 // tier's reserved bytes only grow; bytes accounted without memory
 // (Allocator::reserve, IoBuffer and NvmeFile) are reserved as they are.
+//
+// A search replays thousands of layouts, so the hot path does no string
+// work: terms are interned by their (static) name, the phase is a name and
+// a suffix kept by pointer, and both become strings only when a peak is
+// read.
 class Timeline {
  public:
   int alloc(Tier tier, const char* term, double bytes) { return bytes <= 0.0 ? -1 : add(tier, term, bytes, false); }
@@ -49,7 +57,13 @@ class Timeline {
     for (int& id : ids) free(id);
     ids.clear();
   }
-  void set_phase(std::string phase) { phase_ = std::move(phase); }
+  // The phase is `name` then `suffix`; both must outlive the replay.
+  void set_phase(const char* name, const char* suffix = "") {
+    phase_name_ = name;
+    phase_suffix_ = suffix;
+  }
+  void set_phase(const std::string& name, const char* suffix) { set_phase(name.c_str(), suffix); }
+  void set_phase(std::string&&, const char*) = delete;
   // Allocator::reset_peak: the high-water marks start again from what is live.
   void reset_peaks() {
     for (int t = 0; t < 3; ++t) {
@@ -57,17 +71,46 @@ class Timeline {
       peak_[t].reserved = reserved_[t];
     }
   }
-  const TierPeak& peak(Tier tier) const { return peak_[static_cast<int>(tier)]; }
+  TierPeak peak(Tier tier) const {
+    const Peak& p = peak_[static_cast<int>(tier)];
+    TierPeak out{.bytes = p.bytes, .reserved = p.reserved, .phase = str(p.phase_name, p.phase_suffix), .terms = {}};
+    // In name order, as they were kept before terms were interned.
+    std::vector<size_t> order(p.terms.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return std::strcmp(term_names_[a], term_names_[b]) < 0; });
+    for (size_t i : order)
+      if (p.terms[i] > 0.0) out.terms.push_back({term_names_[i], p.terms[i]});
+    return out;
+  }
 
  private:
   struct Entry {
     Tier tier;
-    const char* term;
+    int term;
     double bytes;
     size_t block;
     bool raw;
     bool live;
   };
+  // A peak as the replay keeps it: bytes per interned term.
+  struct Peak {
+    double bytes = 0.0, reserved = 0.0;
+    const char* phase_name = "start of step";
+    const char* phase_suffix = "";
+    std::vector<double> terms;
+  };
+  // The term's index: by pointer first (the names are constants), else by
+  // text, so one name spelt in two places is still one term.
+  int intern(const char* term) {
+    for (size_t i = 0; i < term_names_.size(); ++i)
+      if (term_names_[i] == term) return static_cast<int>(i);
+    for (size_t i = 0; i < term_names_.size(); ++i)
+      if (std::strcmp(term_names_[i], term) == 0) return static_cast<int>(i);
+    term_names_.push_back(term);
+    for (std::vector<double>& bytes : by_term_) bytes.push_back(0.0);
+    return static_cast<int>(term_names_.size()) - 1;
+  }
   int add(Tier tier, const char* term, double bytes, bool raw) {
     const int t = static_cast<int>(tier);
     const size_t block = raw ? 0 : detail::size_class(static_cast<size_t>(bytes));
@@ -78,27 +121,29 @@ class Timeline {
     } else {
       reserved_[t] += static_cast<double>(block);
     }
-    entries_.push_back({tier, term, bytes, block, raw, true});
+    const int term_id = intern(term);
     live_[t] += bytes;
-    by_term_[t][term] += bytes;
+    by_term_[t][static_cast<size_t>(term_id)] += bytes;
     if (live_[t] > peak_[t].bytes) snapshot(t);
     peak_[t].reserved = std::max(peak_[t].reserved, reserved_[t]);
+    entries_.push_back({tier, term_id, bytes, block, raw, true});
     return static_cast<int>(entries_.size()) - 1;
   }
   void snapshot(int t) {
-    TierPeak& p = peak_[t];
+    Peak& p = peak_[t];
     p.bytes = live_[t];
-    p.phase = phase_;
-    p.terms.clear();
-    for (const auto& [term, bytes] : by_term_[t])
-      if (bytes > 0.0) p.terms.push_back({term, bytes});
+    p.phase_name = phase_name_;
+    p.phase_suffix = phase_suffix_;
+    p.terms = by_term_[t];
   }
   std::vector<Entry> entries_;
   double live_[3] = {0.0, 0.0, 0.0}, reserved_[3] = {0.0, 0.0, 0.0};
-  std::map<std::string, double> by_term_[3];
-  std::map<size_t, int> cached_[3];  // free blocks by size
-  TierPeak peak_[3];
-  std::string phase_ = "start of step";
+  std::vector<const char*> term_names_;
+  std::vector<double> by_term_[3];
+  std::unordered_map<size_t, int> cached_[3];  // free blocks by size
+  Peak peak_[3];
+  const char* phase_name_ = "start of step";
+  const char* phase_suffix_ = "";
 };
 
 // Term names: model state, then what a step adds to it.
@@ -426,6 +471,14 @@ RankModel rank_model(const Geometry& geo, const std::vector<LayerRange>& chunks,
 // and the optimizer's staging.
 // ---------------------------------------------------------------------------
 
+// Budgets that hold every chunk on the device: the planner's assumption for
+// auto placement (predict_step_memory's comment).
+TierBytes unlimited_tiers() {
+  TierBytes b;
+  for (int t = 0; t < kNumTiers; ++t) b.bytes[static_cast<size_t>(t)] = std::numeric_limits<int64_t>::max() / 4;
+  return b;
+}
+
 class ChunkModel {
  public:
   ChunkModel(Timeline& tl, const ParamLayout& layout, const MemoryOptions& opts, DType precision, int ranks, int rank)
@@ -436,7 +489,7 @@ class ChunkModel {
         precision_(precision),
         ranks_(ranks),
         rank_(rank),
-        plan_(plan_memory(layout, opts, precision, ranks, 0, unlimited())),
+        plan_(plan_memory(layout, opts, precision, ranks, 0, unlimited_tiers())),
         chunks_(layout, plan_.search.chunk_numel, ranks),
         cs_(static_cast<size_t>(chunks_.num_chunks())),
         group_refs_(static_cast<size_t>(layout.num_groups()), 0),
@@ -603,11 +656,6 @@ class ChunkModel {
     int grad = -1, reduced = -1;
     bool write_pending = false;
   };
-  static TierBytes unlimited() {
-    TierBytes b;
-    for (int t = 0; t < kNumTiers; ++t) b.bytes[static_cast<size_t>(t)] = std::numeric_limits<int64_t>::max() / 4;
-    return b;
-  }
   double shard() const { return static_cast<double>(chunks_.shard_numel()); }
   double chunk_numel() const { return static_cast<double>(chunks_.chunk_numel()); }
   double optim_bytes() const { return static_cast<double>(optim_payload_bytes(chunks_.shard_numel())); }
@@ -751,6 +799,31 @@ class ChunkModel {
 // The ZeRO stores (zero/*.cpp, store/frozen.cpp) over the trainable groups.
 // ---------------------------------------------------------------------------
 
+// The trainable layout of a rank's groups (FrozenParams::trainable): groups
+// with a trainable element, in order; one flat parameter per group stands
+// for its elements. to_trainable maps each group to its trainable group, or
+// -1.
+ParamLayout trainable_groups(const RankModel& m, std::vector<int>& to_trainable) {
+  ParamLayout trainable;
+  for (size_t g = 0; g < m.groups.size(); ++g) {
+    const int64_t n = static_cast<int64_t>(m.groups[g].trainable);
+    if (n == 0) {
+      to_trainable.push_back(-1);
+      continue;
+    }
+    to_trainable.push_back(trainable.add_group(m.groups[g].name));
+    trainable.add(m.groups[g].name, {n}, ParamInit::constant(0.0f), false, to_trainable.back());
+  }
+  return trainable;
+}
+
+// Trainer::build_zero_stores' buckets: stage 3 gathers one group per bucket.
+ZeroPartition zero_partition(const ParamLayout& trainable, int stage, DType precision, int64_t bucket_bytes,
+                             int ranks, int rank) {
+  const int64_t bucket_numel = stage == 3 ? 0 : std::max<int64_t>(1, bucket_bytes / int64_t(dtype_size(precision)));
+  return ZeroPartition(trainable, ranks, rank, bucket_numel);
+}
+
 class StoreModel {
  public:
   // chunks: under a memory policy, the trainable layout the chunk stores
@@ -759,22 +832,8 @@ class StoreModel {
              const ParamLayout* chunks, const MemoryOptions& memory)
       : tl_(tl), m_(m), stage_(stage), w_(precision), wsize_(static_cast<double>(dtype_size(precision))),
         chunked_(chunks != nullptr || memory.policy != MemoryPolicy::none) {
-    // The trainable layout (FrozenParams::trainable): groups with a trainable
-    // element, in order; one flat parameter per group stands for its elements.
-    ParamLayout trainable;
-    for (size_t g = 0; g < m.groups.size(); ++g) {
-      const int64_t n = static_cast<int64_t>(m.groups[g].trainable);
-      if (n == 0) {
-        to_trainable_.push_back(-1);
-        continue;
-      }
-      to_trainable_.push_back(trainable.add_group(m.groups[g].name));
-      trainable.add(m.groups[g].name, {n}, ParamInit::constant(0.0f), false, to_trainable_.back());
-    }
-    layout_ = std::make_unique<ParamLayout>(std::move(trainable));
-    // Trainer::build_zero_stores: stage 3 gathers one group per bucket.
-    const int64_t bucket_numel = stage == 3 ? 0 : std::max<int64_t>(1, bucket_bytes / int64_t(dtype_size(precision)));
-    part_ = std::make_unique<ZeroPartition>(*layout_, ranks, rank, bucket_numel);
+    layout_ = std::make_unique<ParamLayout>(trainable_groups(m, to_trainable_));
+    part_ = std::make_unique<ZeroPartition>(zero_partition(*layout_, stage, precision, bucket_bytes, ranks, rank));
     const ZeroPartition& p = *part_;
     resident_.resize(static_cast<size_t>(layout_->num_groups()));
     scratch_.assign(p.buckets().size(), -1);
@@ -1010,7 +1069,13 @@ class StoreModel {
 class ModelReplay {
  public:
   ModelReplay(Timeline& tl, StoreModel& st, const Geometry& geo, const RankModel& m, bool recompute)
-      : tl_(tl), st_(st), geo_(geo), m_(m), recompute_(recompute) {}
+      : tl_(tl),
+        st_(st),
+        geo_(geo),
+        m_(m),
+        recompute_(recompute),
+        linears_(geo.on_grid() ? std::vector<LinearShape>{} : geo.block_linears()),
+        grid_linears_(geo.on_grid() ? geo.grid_block_linears() : std::vector<GridLinearShape>{}) {}
 
   // Per micro-batch: the tensors a forward keeps for its backward.
   struct State {
@@ -1037,7 +1102,7 @@ class ModelReplay {
     int x = input;
     if (chunk == 0 && m_.first) x = embedding_forward();
     for (int g : m_.chunks[static_cast<size_t>(chunk)]) {
-      tl_.set_phase(m_.groups[static_cast<size_t>(g)].name + " forward");
+      tl_.set_phase(m_.groups[static_cast<size_t>(g)].name, " forward");
       st_.acquire(g);
       x = block_forward(s.blocks[static_cast<size_t>(g)], x);
       st_.release(g);
@@ -1054,7 +1119,7 @@ class ModelReplay {
     int dres = chunk + 1 == static_cast<int>(m_.chunks.size()) && m_.last ? head_backward(s) : grad_output;
     const std::vector<int>& blocks = m_.chunks[static_cast<size_t>(chunk)];
     for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
-      tl_.set_phase(m_.groups[static_cast<size_t>(*it)].name + " backward");
+      tl_.set_phase(m_.groups[static_cast<size_t>(*it)].name, " backward");
       st_.acquire(*it);
       block_backward(*it, s.blocks[static_cast<size_t>(*it)]);
       st_.release(*it);
@@ -1251,24 +1316,24 @@ class ModelReplay {
   // 1D's column- and row-parallel ones or a grid's. `term` names what an
   // entering layer's output is to the caller.
   int layer_forward(int which, const char* term) {
-    if (geo_.on_grid()) return grid_forward(geo_.grid_block_linears()[static_cast<size_t>(which)], term);
-    const LinearShape l = geo_.block_linears()[static_cast<size_t>(which)];
+    if (geo_.on_grid()) return grid_forward(grid_linears_[static_cast<size_t>(which)], term);
+    const LinearShape l = linears_[static_cast<size_t>(which)];
     return which % 2 == 0 ? column_forward(l, term) : row_forward(l);
   }
   int layer_backward(int which) {
-    if (geo_.on_grid()) return grid_backward(geo_.grid_block_linears()[static_cast<size_t>(which)]);
-    const LinearShape l = geo_.block_linears()[static_cast<size_t>(which)];
+    if (geo_.on_grid()) return grid_backward(grid_linears_[static_cast<size_t>(which)]);
+    const LinearShape l = linears_[static_cast<size_t>(which)];
     return which % 2 == 0 ? column_backward(l) : row_backward(l);
   }
   // A layer's output features on this rank, and its trainable parameters in
   // ParamLayout order.
   double layer_out(int which) const {
-    return static_cast<double>(geo_.on_grid() ? geo_.grid_block_linears()[static_cast<size_t>(which)].out()
-                                              : geo_.block_linears()[static_cast<size_t>(which)].out());
+    return static_cast<double>(geo_.on_grid() ? grid_linears_[static_cast<size_t>(which)].out()
+                                              : linears_[static_cast<size_t>(which)].out());
   }
   int layer_params(int which) const {
-    if (!geo_.on_grid()) return linear_params(geo_.block_linears()[static_cast<size_t>(which)]);
-    const GridLinearShape l = geo_.grid_block_linears()[static_cast<size_t>(which)];
+    if (!geo_.on_grid()) return linear_params(linears_[static_cast<size_t>(which)]);
+    const GridLinearShape l = grid_linears_[static_cast<size_t>(which)];
     return static_cast<int>(l.pieces.size()) * (l.bias ? 2 : 1);
   }
   // Norm::backward's row sums, all-reduced over a grid's hidden group.
@@ -1474,6 +1539,9 @@ class ModelReplay {
   const Geometry& geo_;
   const RankModel& m_;
   bool recompute_;
+  // The block's four linear layers (1D's, or a grid's), shaped once.
+  const std::vector<LinearShape> linears_;
+  const std::vector<GridLinearShape> grid_linears_;
   // The parameters whose gradients the next linear layer's backward writes.
   struct {
     int group = 0, first = 0, count = 0;
@@ -1527,10 +1595,19 @@ void replay_step(Timeline& tl, StoreModel& st, const RankSetup& r) {
     const int virtual_stages = r.pp * r.chunks;
     std::vector<std::vector<PipelineAction>> orders;
     for (int s = 0; s < r.pp; ++s) orders.push_back(pipeline_actions(r.schedule, r.pp, s, n, r.chunks));
+    // Where each (kind, chunk, micro-batch) falls in its rank's order.
+    const auto action_index = [&](PipelineAction::Kind kind, int chunk, int mb) {
+      return static_cast<size_t>(((kind == PipelineAction::Kind::forward ? 0 : 1) * r.chunks + chunk) * n + mb);
+    };
+    std::vector<std::vector<int>> positions(static_cast<size_t>(r.pp));
+    for (int s = 0; s < r.pp; ++s) {
+      positions[static_cast<size_t>(s)].assign(static_cast<size_t>(2 * r.chunks * n), -1);
+      const std::vector<PipelineAction>& o = orders[static_cast<size_t>(s)];
+      for (size_t i = 0; i < o.size(); ++i)
+        positions[static_cast<size_t>(s)][action_index(o[i].kind, o[i].chunk, o[i].micro_batch)] = static_cast<int>(i);
+    }
     const auto position = [&](int vs, PipelineAction::Kind kind, int mb) {
-      const std::vector<PipelineAction>& o = orders[static_cast<size_t>(vs % r.pp)];
-      const PipelineAction a{kind, vs / r.pp, mb};
-      return static_cast<int>(std::find(o.begin(), o.end(), a) - o.begin());
+      return positions[static_cast<size_t>(vs % r.pp)][action_index(kind, vs / r.pp, mb)];
     };
     struct Send {
       int tensor, stage, receive_at;
@@ -1638,20 +1715,30 @@ std::vector<RankMemory> replay_ranks(const LayoutProblem& problem, const Layout&
   std::vector<int> first_layer{0};
   for (int n : layers) first_layer.push_back(first_layer.back() + n);
 
-  std::vector<RankMemory> out;
-  for (int rank = 0; rank < pp * dp * tp; ++rank) {
-    RankMemory mem;
-    mem.pp_stage = rank / (dp * tp);
-    mem.dp_rank = rank / tp % dp;
-    mem.tp_rank = rank % tp;
-    RankSetup r;
+  // The chunks a memory policy packs, as ChunkModel places them, for the
+  // ranks' shares of them.
+  std::unique_ptr<ChunkLayout> placed_chunks;
+  if (chunk_layout)
+    placed_chunks = std::make_unique<ChunkLayout>(
+        *chunk_layout,
+        plan_memory(*chunk_layout, memory, options.precision, dp, 0, unlimited_tiers()).search.chunk_numel, dp);
+
+  // A replay reads nothing of a rank's place in its stage but the elements
+  // it owns of each ZeRO bucket or chunk (the model's groups are the same on
+  // every tensor-parallel rank), so the ranks of a stage with the same
+  // shares have the same peaks: each such class is replayed once. A search
+  // over hundreds of ranks then replays a handful.
+  std::vector<RankSetup> stages(static_cast<size_t>(pp));
+  std::vector<ParamLayout> trainable(static_cast<size_t>(pp));
+  for (int stage = 0; stage < pp; ++stage) {
+    RankSetup& r = stages[static_cast<size_t>(stage)];
     r.geo.cfg = cfg;
     r.geo.tp = tp;
     r.geo.sp = layout.sequence_parallel && tp > 1;
     r.geo.grid = tensor_grid_shape(layout.tp_mode, layout.tp, layout.tp_depth);
     r.geo.B = layout.micro_batch;
     r.geo.T = problem.seq_len;
-    r.stage = mem.pp_stage;
+    r.stage = stage;
     r.pp = pp;
     r.chunks = chunks;
     r.schedule = layout.schedule;
@@ -1660,20 +1747,49 @@ std::vector<RankMemory> replay_ranks(const LayoutProblem& problem, const Layout&
     r.recompute = layout.recompute;
     std::vector<LayerRange> ranges;
     for (int c = 0; c < chunks; ++c) {
-      const size_t k = static_cast<size_t>(c * pp + mem.pp_stage);
+      const size_t k = static_cast<size_t>(c * pp + stage);
       ranges.push_back({first_layer[k], first_layer[k + 1]});
     }
-    r.model = rank_model(r.geo, ranges, mem.pp_stage == 0, mem.pp_stage == pp - 1, pp);
+    r.model = rank_model(r.geo, ranges, stage == 0, stage == pp - 1, pp);
     r.defer = pp > 1 || (tp > 1 && !partial_elements(r.model.groups).empty());
+    std::vector<int> unused;
+    trainable[static_cast<size_t>(stage)] = trainable_groups(r.model, unused);
+  }
+  const auto shares = [&](int stage, int dp_rank) {
+    std::vector<int64_t> owned{stage};
+    if (placed_chunks) {
+      for (int c = 0; c < placed_chunks->num_chunks(); ++c) owned.push_back(placed_chunks->owned(c, dp_rank).numel());
+    } else if (memory.policy == MemoryPolicy::none) {
+      const ZeroPartition part = zero_partition(trainable[static_cast<size_t>(stage)], layout.zero_stage,
+                                                options.precision, options.bucket_bytes, dp, dp_rank);
+      for (const ZeroBucket& b : part.buckets()) owned.push_back(part.owned(b).numel());
+    }
+    return owned;
+  };
 
-    Timeline tl;
-    StoreModel st(tl, r.model, layout.zero_stage, options.precision, options.bucket_bytes, dp, mem.dp_rank,
-                  chunk_layout.get(), memory);
-    // The first step learns ZeRO-3's order; the second is the steady state.
-    replay_step(tl, st, r);
-    tl.reset_peaks();
-    replay_step(tl, st, r);
-    for (Tier t : {Tier::device, Tier::host, Tier::nvme}) mem.tiers[static_cast<int>(t)] = tl.peak(t);
+  std::map<std::vector<int64_t>, std::array<TierPeak, kNumTiers>> replayed;
+  std::vector<RankMemory> out;
+  for (int rank = 0; rank < pp * dp * tp; ++rank) {
+    RankMemory mem;
+    mem.pp_stage = rank / (dp * tp);
+    mem.dp_rank = rank / tp % dp;
+    mem.tp_rank = rank % tp;
+    const std::vector<int64_t> key = shares(mem.pp_stage, mem.dp_rank);
+    auto found = replayed.find(key);
+    if (found == replayed.end()) {
+      const RankSetup& r = stages[static_cast<size_t>(mem.pp_stage)];
+      Timeline tl;
+      StoreModel st(tl, r.model, layout.zero_stage, options.precision, options.bucket_bytes, dp, mem.dp_rank,
+                    chunk_layout.get(), memory);
+      // The first step learns ZeRO-3's order; the second is the steady state.
+      replay_step(tl, st, r);
+      tl.reset_peaks();
+      replay_step(tl, st, r);
+      std::array<TierPeak, kNumTiers> peaks;
+      for (Tier t : {Tier::device, Tier::host, Tier::nvme}) peaks[static_cast<size_t>(t)] = tl.peak(t);
+      found = replayed.emplace(key, std::move(peaks)).first;
+    }
+    for (int t = 0; t < kNumTiers; ++t) mem.tiers[t] = found->second[static_cast<size_t>(t)];
     out.push_back(std::move(mem));
   }
   return out;

@@ -9,6 +9,7 @@
 // SUMMA and cube layers), the collectives the ones the layers and stores
 // issue.
 #include <algorithm>
+#include <array>
 
 #include "loom/planner.h"
 
@@ -53,8 +54,18 @@ struct Shapes {
 
 // A tensor-parallel collective of the whole [N, C] activation.
 double tp_collective(const Shapes& s, Collective op) {
-  return s.rates.collective_seconds(op, kF32 * static_cast<double>(s.N * s.m.n_embd), static_cast<int>(s.tp));
+  return s.rates.collective_seconds(op, kF32 * static_cast<double>(s.N * s.m.n_embd),
+                                    RankGroup::consecutive(static_cast<int>(s.tp)));
 }
+
+// A grid's groups (TensorGrid; a cube's depth is q): a row of q consecutive
+// ranks (hidden), a column of a layer (weight: q ranks q apart), the layers
+// at one position (depth: q^2 apart), and a column over every layer (token:
+// q * depth ranks spanning the grid).
+RankGroup grid_row(const TensorGridShape& g) { return RankGroup::consecutive(g.q); }
+RankGroup grid_column(const TensorGridShape& g) { return RankGroup::strided(g.q, g.q); }
+RankGroup grid_depth(const TensorGridShape& g) { return RankGroup::strided(g.depth, int64_t{g.q} * g.q); }
+RankGroup grid_token(const TensorGridShape& g) { return {g.q * g.depth, g.ranks()}; }
 
 // Bytes-bound work: read plus written bytes at the device's copy rate, on
 // this rank's share of the device.
@@ -66,38 +77,50 @@ double device_seconds(const Shapes& s, double seconds) { return s.share * second
 // token rows (SummaLinear, CubeLinear): forward and backward GEMMs and
 // collectives, each collective priced by its whole buffer over the q ranks
 // of its group.
-std::pair<Cost, Cost> grid_linear_cost(const Shapes& s, int64_t out, int64_t in, bool weight_gradient) {
+std::pair<Cost, Cost> grid_linear_cost(const Shapes& s, int64_t out, int64_t in, bool weight_gradient,
+                                       GridSide side) {
   const int64_t q = s.grid.q, n = s.N / (q * s.grid.depth);
-  const auto collective = [&](Collective op, double elements) {
-    return s.rates.collective_seconds(op, kF32 * elements, static_cast<int>(q));
+  const auto over = [&](RankGroup group) {
+    return [&s, group](Collective op, double elements) {
+      return s.rates.collective_seconds(op, kF32 * elements, group);
+    };
   };
   const double o = static_cast<double>(out), i = static_cast<double>(in), rows = static_cast<double>(n);
   Cost f, b;
   if (!s.grid.cube) {
-    // SUMMA: q GEMMs against the column's panels; the panels gathered, the
-    // partial outputs scattered; backward gathers dy and the panels and
-    // scatters dW.
-    const double panels = collective(Collective::all_gather, o * i / static_cast<double>(q));
+    // SUMMA: q GEMMs against the column's panels; the panels gathered over
+    // the column, the partial outputs scattered over the row; backward
+    // gathers dy over the row and the panels again, and scatters dW over
+    // the column.
+    const auto row = over(grid_row(s.grid)), column = over(grid_column(s.grid));
+    const double panels = column(Collective::all_gather, o * i / static_cast<double>(q));
     f.compute_s = device_seconds(s, static_cast<double>(q) * s.rates.gemm_seconds(n, out / q, in / q, s.precision));
-    f.communication_s = panels + collective(Collective::reduce_scatter, rows * o);
+    f.communication_s = panels + row(Collective::reduce_scatter, rows * o);
     b.compute_s = device_seconds(s, static_cast<double>(q) * (s.rates.gemm_seconds(n, in / q, out / q, s.precision) +
                                                               (weight_gradient ? s.rates.gemm_seconds(out / q, in / q, n, s.precision) : 0.0)));
-    b.communication_s = collective(Collective::all_gather, rows * o) + panels +
-                        collective(Collective::reduce_scatter, o * i / static_cast<double>(q));
+    b.communication_s = row(Collective::all_gather, rows * o) + panels +
+                        column(Collective::reduce_scatter, o * i / static_cast<double>(q));
     return {f, b};
   }
-  // The cube: one GEMM on the gathered input and weight; x and W gathered,
-  // the output scattered; backward gathers dy, W and x and scatters dx and
-  // dW.
-  const double weight = collective(Collective::all_gather, o * i / static_cast<double>(q * q));
+  // The cube: one GEMM on the gathered input and weight; x gathered over the
+  // axis splitting the input features, W over the depth, the output
+  // scattered over the axis splitting the output features (an entering
+  // layer's input is split over the columns and its output over the rows; a
+  // leaving layer's the other way); backward gathers dy, W and x and
+  // scatters dx and dW.
+  const bool entering = side == GridSide::entering;
+  const auto input_axis = over(entering ? grid_row(s.grid) : grid_column(s.grid));
+  const auto output_axis = over(entering ? grid_column(s.grid) : grid_row(s.grid));
+  const auto depth = over(grid_depth(s.grid));
+  const double weight = depth(Collective::all_gather, o * i / static_cast<double>(q * q));
   f.compute_s = device_seconds(s, s.rates.gemm_seconds(q * n, out / q, in / q, s.precision));
   f.communication_s =
-      collective(Collective::all_gather, rows * i) + weight + collective(Collective::reduce_scatter, rows * o);
+      input_axis(Collective::all_gather, rows * i) + weight + output_axis(Collective::reduce_scatter, rows * o);
   b.compute_s = device_seconds(s, s.rates.gemm_seconds(q * n, in / q, out / q, s.precision) +
                                       (weight_gradient ? s.rates.gemm_seconds(out / q, in / q, q * n, s.precision) : 0.0));
-  b.communication_s = collective(Collective::all_gather, rows * o) + weight + collective(Collective::all_gather, rows * i) +
-                      collective(Collective::reduce_scatter, rows * i) +
-                      collective(Collective::reduce_scatter, o * i / static_cast<double>(q * q));
+  b.communication_s = output_axis(Collective::all_gather, rows * o) + weight +
+                      input_axis(Collective::all_gather, rows * i) + input_axis(Collective::reduce_scatter, rows * i) +
+                      depth(Collective::reduce_scatter, o * i / static_cast<double>(q * q));
   return {f, b};
 }
 
@@ -111,8 +134,12 @@ std::pair<Cost, Cost> grid_block_cost(const Shapes& s, bool recompute) {
   const int64_t n = s.N / (q * s.grid.depth);
   const bool swiglu = m.mlp == MlpKind::swiglu;
   Cost forward, backward;
-  for (const MatrixShape& l : m.block_matmuls()) {
-    const auto [f, b] = grid_linear_cost(s, l.out, l.in, !m.lora.enabled());
+  // block_matmuls alternates entering (q|k|v, fc) and leaving layers.
+  const std::array<MatrixShape, 4> matmuls = m.block_matmuls();
+  for (size_t i = 0; i < matmuls.size(); ++i) {
+    const MatrixShape& l = matmuls[i];
+    const auto [f, b] = grid_linear_cost(s, l.out, l.in, !m.lora.enabled(),
+                                         i % 2 == 0 ? GridSide::entering : GridSide::leaving);
     forward += f;
     backward += b;
   }
@@ -124,8 +151,10 @@ std::pair<Cost, Cost> grid_block_cost(const Shapes& s, bool recompute) {
   backward.compute_s += device_seconds(s, sequences_heads * s.rates.attention_seconds(s.T, hs, true, s.precision)) +
                         memory_seconds(s, 2.0 * elementwise);
   const double statistics = m.norm == NormKind::layernorm ? 2.0 : 1.0;
-  forward.communication_s += 2.0 * statistics * s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, static_cast<int>(q));
-  backward.communication_s += 2.0 * s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * rows, static_cast<int>(q));
+  forward.communication_s +=
+      2.0 * statistics * s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, grid_row(s.grid));
+  backward.communication_s +=
+      2.0 * s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * rows, grid_row(s.grid));
   if (recompute) backward += forward;
   return {forward, backward};
 }
@@ -173,11 +202,13 @@ std::pair<Cost, Cost> block_cost(const Shapes& s, bool recompute) {
 std::pair<Cost, Cost> embedding_cost(const Shapes& s) {
   if (s.grid.ranks() > 1) {
     // Embedding::grid_forward: the table group's rows looked up and
-    // reduce-scattered; backward gathers them.
-    const int64_t q = s.grid.q, n = s.N / (q * s.grid.depth), group = s.grid.cube ? q * q : q;
-    const double gathered = kF32 * static_cast<double>(group * n * (s.m.n_embd / q));
-    Cost forward{memory_seconds(s, 2.0 * gathered), s.rates.collective_seconds(Collective::reduce_scatter, gathered, static_cast<int>(group))};
-    Cost backward{memory_seconds(s, 2.0 * gathered), s.rates.collective_seconds(Collective::all_gather, gathered, static_cast<int>(group))};
+    // reduce-scattered; backward gathers them. The table group is a layer's
+    // column on 2D/2.5D, a column over every layer on a cube.
+    const RankGroup table = s.grid.cube ? grid_token(s.grid) : grid_column(s.grid);
+    const int64_t q = s.grid.q, n = s.N / (q * s.grid.depth);
+    const double gathered = kF32 * static_cast<double>(table.size * n * (s.m.n_embd / q));
+    Cost forward{memory_seconds(s, 2.0 * gathered), s.rates.collective_seconds(Collective::reduce_scatter, gathered, table)};
+    Cost backward{memory_seconds(s, 2.0 * gathered), s.rates.collective_seconds(Collective::all_gather, gathered, table)};
     return {forward, backward};
   }
   const double bytes = kF32 * 2.0 * static_cast<double>(s.N * s.m.n_embd);
@@ -195,13 +226,16 @@ std::pair<Cost, Cost> head_cost(const Shapes& s) {
     // splitting the vocabulary.
     const int64_t q = s.grid.q, n = s.N / (q * s.grid.depth);
     const double V = static_cast<double>(GridLinear::local_features(s.m.vocab_size, s.grid));
-    auto [forward, backward] = grid_linear_cost(s, static_cast<int64_t>(V) * q, s.m.n_embd, !s.m.lora.enabled());
+    auto [forward, backward] =
+        grid_linear_cost(s, static_cast<int64_t>(V) * q, s.m.n_embd, !s.m.lora.enabled(), GridSide::entering);
     const double rows = static_cast<double>(n);
     const double bytes = kF32 * (3.0 * rows * V + 2.0 * rows * static_cast<double>(s.m.n_embd / q));
     forward.compute_s += memory_seconds(s, bytes);
     backward.compute_s += memory_seconds(s, bytes);
-    forward.communication_s += s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, static_cast<int>(q)) +
-                               s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * rows, static_cast<int>(q));
+    // The vocabulary is split over the columns on 2D/2.5D, the rows on a cube.
+    const RankGroup vocabulary = s.grid.cube ? grid_column(s.grid) : grid_row(s.grid);
+    forward.communication_s += s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, vocabulary) +
+                               s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * rows, vocabulary);
     return {forward, backward};
   }
   const int64_t C = s.m.n_embd, V = (s.m.vocab_size + s.tp - 1) / s.tp;
@@ -214,10 +248,9 @@ std::pair<Cost, Cost> head_cost(const Shapes& s) {
   Cost backward{device_seconds(s, head.backward(s.rates, s.N, s.precision, trained)) + memory_seconds(s, bytes), 0.0};
   // Vocabulary-parallel cross-entropy: the rows' max [N], then their sums
   // [N, 2].
-  if (s.tp > 1)
-    forward.communication_s =
-        s.rates.collective_seconds(Collective::all_reduce, kF32 * static_cast<double>(s.N), static_cast<int>(s.tp)) +
-        s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * static_cast<double>(s.N), static_cast<int>(s.tp));
+  const RankGroup tp = RankGroup::consecutive(static_cast<int>(s.tp));
+  forward.communication_s = s.rates.collective_seconds(Collective::all_reduce, kF32 * static_cast<double>(s.N), tp) +
+                            s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * static_cast<double>(s.N), tp);
   return {forward, backward};
 }
 
@@ -275,8 +308,10 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
       kF32 * static_cast<double>(s.N * m.n_embd) /
       (s.grid.ranks() > 1 ? static_cast<double>(s.grid.ranks())
                           : layout.sequence_parallel ? static_cast<double>(layout.tp) : 1.0);
-  // Every pipeline pair exchanges at once.
-  costs.transfer_s = rates.collective_seconds(Collective::send_recv, activation_bytes, static_cast<int>(world));
+  // Every pipeline pair exchanges at once; a stage's neighbour is dp * tp
+  // ranks on.
+  costs.transfer_s = rates.collective_seconds(Collective::send_recv, activation_bytes,
+                                              {static_cast<int>(world), 2 * layout.dp * layout.tp});
   p.pipeline = simulate_pipeline(layout.pp > 1 ? layout.schedule : PipelineSchedule::gpipe,
                                  static_cast<int>(layout.pp), static_cast<int>(accumulation),
                                  static_cast<int>(layout.virtual_stages), costs);
@@ -296,18 +331,20 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
       static_cast<double>(layout.pp);
   const double element = static_cast<double>(dtype_size(precision));
   const int dp = static_cast<int>(layout.dp);
+  const RankGroup dp_group = RankGroup::strided(dp, layout.tp);
   double reduction = 0.0, gathers = 0.0;
   if (dp > 1) {
     const double grad_bytes = trainable * element;
-    reduction = layout.zero_stage == 0 ? rates.collective_seconds(Collective::all_reduce, grad_bytes, dp)
-                                       : rates.collective_seconds(Collective::reduce_scatter, grad_bytes, dp);
+    reduction = layout.zero_stage == 0 ? rates.collective_seconds(Collective::all_reduce, grad_bytes, dp_group)
+                                       : rates.collective_seconds(Collective::reduce_scatter, grad_bytes, dp_group);
     // Stages 1-2 publish the updated shards once a step; stage 3 gathers
     // each group before its forward and again before its backward, every
     // micro-batch.
     if (layout.zero_stage == 1 || layout.zero_stage == 2)
-      gathers = rates.collective_seconds(Collective::all_gather, grad_bytes, dp);
+      gathers = rates.collective_seconds(Collective::all_gather, grad_bytes, dp_group);
     if (layout.zero_stage == 3)
-      gathers = 2.0 * static_cast<double>(accumulation) * rates.collective_seconds(Collective::all_gather, grad_bytes, dp);
+      gathers = 2.0 * static_cast<double>(accumulation) *
+                rates.collective_seconds(Collective::all_gather, grad_bytes, dp_group);
   }
   // Gradient buckets reduce while the last micro-batch's backward runs; what
   // outlasts it, and at least the last bucket, is exposed.
@@ -322,7 +359,7 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
   if (s.grid.ranks() > 1 && !s.grid.cube && s.grid.depth > 1) {
     const double q = s.grid.q;
     const double matrices = static_cast<double>(m.n_layer) * layer_matmul_weights(m) / (q * q);
-    depth_reduction = rates.collective_seconds(Collective::all_reduce, kF32 * matrices, s.grid.depth);
+    depth_reduction = rates.collective_seconds(Collective::all_reduce, kF32 * matrices, grid_depth(s.grid));
   }
   p.communication_s += depth_reduction;
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <limits>
 #include <map>
 #include <ostream>
@@ -188,6 +189,7 @@ LayoutSearch search_layouts(const Config& cfg, const MachineRates& rates, int64_
   s.candidates = static_cast<int64_t>(candidates.size());
   std::map<std::string, RuleRejections> by_rule;
   s.too_large_least_peak = std::numeric_limits<double>::infinity();
+  std::vector<const Layout*> valid;
   for (const Layout& layout : candidates) {
     if (const std::optional<LayoutViolation> broken = check_layout(problem, layout)) {
       RuleRejections& r = by_rule[broken->rule];
@@ -199,16 +201,38 @@ LayoutSearch search_layouts(const Config& cfg, const MachineRates& rates, int64_
       ++s.equivalent;
       continue;
     }
-    const StepMemoryOptions memory = step_memory_options(cfg, problem, layout);
-    const double peak = worst_device_peak(predict_step_memory(problem, layout, memory));
-    if (peak > device_budget) {
+    valid.push_back(&layout);
+  }
+  // The valid layouts are priced independently, on every thread (a cluster's
+  // search prices thousands of them over hundreds of ranks), and taken in
+  // candidate order, so the result does not depend on the thread count.
+  struct Priced {
+    double peak = 0.0;
+    StepTimePrediction time;
+  };
+  std::vector<Priced> priced(valid.size());
+  std::exception_ptr failure;
+#pragma omp parallel for schedule(dynamic)
+  for (size_t i = 0; i < valid.size(); ++i) {
+    try {
+      const Layout& layout = *valid[i];
+      const StepMemoryOptions memory = step_memory_options(cfg, problem, layout);
+      priced[i].peak = worst_device_peak(predict_step_memory(problem, layout, memory));
+      if (priced[i].peak <= device_budget)
+        priced[i].time = predict_step_time(problem, layout, memory.precision, rates, memory.bucket_bytes);
+    } catch (...) {
+#pragma omp critical
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+  for (size_t i = 0; i < valid.size(); ++i) {
+    if (priced[i].peak > device_budget) {
       ++s.too_large;
-      s.too_large_least_peak = std::min(s.too_large_least_peak, peak);
+      s.too_large_least_peak = std::min(s.too_large_least_peak, priced[i].peak);
       continue;
     }
-    s.ranked.push_back({.layout = layout,
-                        .time = predict_step_time(problem, layout, memory.precision, rates, memory.bucket_bytes),
-                        .device_peak = peak});
+    s.ranked.push_back({.layout = *valid[i], .time = priced[i].time, .device_peak = priced[i].peak});
   }
   for (const LayoutRule& rule : layout_rules())
     if (auto it = by_rule.find(rule.name); it != by_rule.end()) {
@@ -223,15 +247,34 @@ LayoutSearch search_layouts(const Config& cfg, const MachineRates& rates, int64_
 }
 
 void run_plan(const Config& cfg, const PlanCommandOptions& options, std::ostream& out) {
+  const int64_t layout_ranks =
+      cfg.get<int64_t>("parallel.dp") * cfg.get<int64_t>("parallel.tp") * cfg.get<int64_t>("parallel.pp");
+  if (options.nodes > 0 && options.rates.hardware.empty())
+    throw Error("plan: --nodes plans for several machines of a hardware file (its ranks_per_node and inter_node "
+                "link); a calibration describes this machine alone: pass --hardware FILE (e.g. "
+                "hardware/h100-sxm.json)");
+  if (options.nodes > 0 && options.ranks > 0)
+    throw Error("plan: give the world size once: --nodes N (N * ranks_per_node ranks) or --ranks N, not both");
   const MachineRates rates = find_machine_rates(options.rates);
+  const int64_t node_ranks = options.nodes * rates.ranks_per_node;
+  if (options.nodes > 0 && !options.search && layout_ranks != node_ranks) {
+    const int64_t model_ranks = cfg.get<int64_t>("parallel.tp") * cfg.get<int64_t>("parallel.pp");
+    throw Error(str("plan: --nodes ", options.nodes, " of ", rates.ranks_per_node, " ranks (",
+                    options.rates.hardware.string(), ") hold ", node_ranks,
+                    " ranks, but the layout uses parallel.dp * parallel.tp * parallel.pp = ", layout_ranks,
+                    ": set the layout to fill them",
+                    node_ranks % model_ranks == 0 ? str(" (parallel.dp = ", node_ranks / model_ranks, ")") : "",
+                    ", or add --search to find the best layout of ", node_ranks, " ranks"));
+  }
   const double budget = plan_device_budget(cfg, options.rates, rates);
+  if (options.nodes > 0)
+    out << "machines: " << options.nodes << " x " << rates.ranks_per_node << " ranks = " << node_ranks
+        << " ranks\n";
   if (!options.search) {
     print_config_plan(cfg, rates, budget, out);
     return;
   }
-  const int64_t world = options.ranks > 0 ? options.ranks
-                                          : cfg.get<int64_t>("parallel.dp") * cfg.get<int64_t>("parallel.tp") *
-                                                cfg.get<int64_t>("parallel.pp");
+  const int64_t world = options.nodes > 0 ? node_ranks : options.ranks > 0 ? options.ranks : layout_ranks;
   print_search(search_layouts(cfg, rates, world, budget), options.top, out);
 }
 

@@ -123,6 +123,8 @@ TEST(LlamaConfig, PresetsHaveThePublishedSizes) {
   EXPECT_EQ(billions("llama2-7b"), 6.74);
   EXPECT_EQ(billions("llama3-8b"), 8.03);
   EXPECT_EQ(billions("llama3.2-1b"), 1.24);
+  EXPECT_EQ(billions("llama2-70b"), 68.98);
+  EXPECT_EQ(billions("llama3-70b"), 70.55);
 }
 
 TEST(LlamaModel, ActivationCheckpointingGivesBitIdenticalGradients) {

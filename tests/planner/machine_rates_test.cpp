@@ -75,20 +75,40 @@ TEST(MachineRates, AttentionTimeIsMeasuredOrPricedAtItsProductsRate) {
 
 TEST(MachineRates, CollectivesUseTheMeasuredFitElseARingOverTheRightLink) {
   const MachineRates r = synthetic();
-  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::all_reduce, 1e6, 2), 2e-6 + 1e6 / 4e9);
-  EXPECT_EQ(r.collective_seconds(Collective::all_reduce, 1e6, 1), 0.0);
+  const auto ranks = RankGroup::consecutive;
+  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::all_reduce, 1e6, ranks(2)), 2e-6 + 1e6 / 4e9);
+  EXPECT_EQ(r.collective_seconds(Collective::all_reduce, 1e6, ranks(1)), 0.0);
   // Not measured on 4 ranks: a ring on the intra-node link.
-  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::all_reduce, 1e6, 4), 2 * 3 * (1e-6 + 0.25e6 / 1e10));
-  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::all_gather, 1e6, 4), 3 * (1e-6 + 0.25e6 / 1e10));
+  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::all_reduce, 1e6, ranks(4)), 2 * 3 * (1e-6 + 0.25e6 / 1e10));
+  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::all_gather, 1e6, ranks(4)), 3 * (1e-6 + 0.25e6 / 1e10));
   // Past a node: the inter-node link.
-  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::reduce_scatter, 8e6, 8), 7 * (5e-6 + 1e6 / 1e9));
-  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::send_recv, 1e6, 8), 5e-6 + 1e6 / 1e9);
+  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::reduce_scatter, 8e6, ranks(8)), 7 * (5e-6 + 1e6 / 1e9));
+  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::send_recv, 1e6, ranks(8)), 5e-6 + 1e6 / 1e9);
   // Measured messages: the measurement with the nearest number of ranks.
   MachineRates m = r;
   m.collectives = {{Collective::send_recv, 2, {1e-6, 1e10}}, {Collective::send_recv, 4, {1e-3, 5e9}}};
-  EXPECT_DOUBLE_EQ(m.collective_seconds(Collective::send_recv, 1e6, 2), 1e-6 + 1e6 / 1e10);
-  EXPECT_DOUBLE_EQ(m.collective_seconds(Collective::send_recv, 1e6, 3), 1e-6 + 1e6 / 1e10);
-  EXPECT_DOUBLE_EQ(m.collective_seconds(Collective::send_recv, 1e6, 8), 1e-3 + 1e6 / 5e9);
+  EXPECT_DOUBLE_EQ(m.collective_seconds(Collective::send_recv, 1e6, ranks(2)), 1e-6 + 1e6 / 1e10);
+  EXPECT_DOUBLE_EQ(m.collective_seconds(Collective::send_recv, 1e6, ranks(3)), 1e-6 + 1e6 / 1e10);
+  EXPECT_DOUBLE_EQ(m.collective_seconds(Collective::send_recv, 1e6, ranks(8)), 1e-3 + 1e6 / 5e9);
+}
+
+// The link follows where a group's ranks sit, not how many there are: on
+// nodes of 4, two ranks 4 apart (a data-parallel pair under tp 4) cross
+// nodes, and a column of a 2 x 2 grid (2 ranks 2 apart) does not; a block
+// that does not divide the node (3 ranks) crosses it somewhere.
+TEST(MachineRates, ALinkIsChosenByWhereTheGroupsRanksSit) {
+  MachineRates r = synthetic();
+  r.collectives.clear();
+  EXPECT_TRUE(r.within_node(RankGroup::strided(2, 2)));
+  EXPECT_FALSE(r.within_node(RankGroup::strided(2, 4)));
+  EXPECT_FALSE(r.within_node(RankGroup::consecutive(3)));
+  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::all_reduce, 1e6, RankGroup::strided(2, 2)),
+                   2 * (1e-6 + 0.5e6 / 1e10));
+  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::all_reduce, 1e6, RankGroup::strided(2, 4)),
+                   2 * (5e-6 + 0.5e6 / 1e9));
+  // A pipeline pair dp * tp = 2 ranks apart among 8 exchanging at once.
+  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::send_recv, 1e6, {8, 4}), 1e-6 + 1e6 / 1e10);
+  EXPECT_DOUBLE_EQ(r.collective_seconds(Collective::send_recv, 1e6, {8, 8}), 5e-6 + 1e6 / 1e9);
 }
 
 TEST(MachineRates, FileRoundTripsEveryField) {
@@ -133,7 +153,7 @@ TEST(MachineRates, ShippedHardwareFilesLoad) {
     EXPECT_TRUE(r.gemm.empty());
     ++files;
   }
-  EXPECT_GE(files, 2);
+  EXPECT_GE(files, 5);
 }
 
 TEST(MachineRates, BadFilesNameTheFileAndTheField) {

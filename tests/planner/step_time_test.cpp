@@ -81,12 +81,13 @@ TEST(StepTime, TensorParallelCollectivesFollowTheLayers) {
     // Per block and micro-batch, forward and backward: two all-reduces, or
     // two all-gathers and two reduce-scatters; the embedding's all-reduce and
     // the cross-entropy's of N and 2 N floats.
-    const double block = sp ? 2 * (r.collective_seconds(Collective::all_gather, act, 2) +
-                                   r.collective_seconds(Collective::reduce_scatter, act, 2))
-                            : 2 * r.collective_seconds(Collective::all_reduce, act, 2);
-    const double per_micro_batch = 4 * 2 * block + r.collective_seconds(Collective::all_reduce, act, 2) +
-                                   r.collective_seconds(Collective::all_reduce, 4.0 * rows, 2) +
-                                   r.collective_seconds(Collective::all_reduce, 8.0 * rows, 2);
+    const RankGroup tp = RankGroup::consecutive(2);
+    const double block = sp ? 2 * (r.collective_seconds(Collective::all_gather, act, tp) +
+                                   r.collective_seconds(Collective::reduce_scatter, act, tp))
+                            : 2 * r.collective_seconds(Collective::all_reduce, act, tp);
+    const double per_micro_batch = 4 * 2 * block + r.collective_seconds(Collective::all_reduce, act, tp) +
+                                   r.collective_seconds(Collective::all_reduce, 4.0 * rows, tp) +
+                                   r.collective_seconds(Collective::all_reduce, 8.0 * rows, tp);
     EXPECT_NEAR(p.communication_s / (4 * per_micro_batch), 1.0, 1e-12) << "sp " << sp;
     EXPECT_NEAR(sum_of_parts(p) / p.step_s, 1.0, 1e-12);
   }
@@ -168,6 +169,28 @@ TEST(StepTime, DataParallelReductionAndZeroGathers) {
   // Stage 3 gathers every group twice per micro-batch; stages 1-2 once a step.
   EXPECT_GT(comm[3], comm[1]);
   EXPECT_EQ(comm[1], comm[2]);
+}
+
+// On nodes of 4, dp2 x tp4 keeps each tp group on a node and puts its dp
+// pairs (4 ranks apart) on two: the tp collectives stay on the intra-node
+// link and the data-parallel reduce-scatter and all-gather move to the
+// inter-node one. With free latency and one bucket (all of the reduction
+// exposed), each sends b / 2 of b gradient bytes per rank.
+TEST(StepTime, ACollectiveCrossingNodesRunsOnTheInterNodeLink) {
+  const LayoutProblem pr = problem();
+  MachineRates one_node = flat_rates();
+  one_node.intra_node = {0.0, 1e10};
+  one_node.inter_node = {0.0, 1e9};
+  MachineRates nodes_of_4 = one_node;
+  nodes_of_4.ranks_per_node = 4;
+  const Layout tp4{.tp = 4, .micro_batch = 2};
+  EXPECT_EQ(predict_step_time(pr, tp4, DType::f32, nodes_of_4, 1 << 30).communication_s,
+            predict_step_time(pr, tp4, DType::f32, one_node, 1 << 30).communication_s);
+  const Layout hybrid{.dp = 2, .tp = 4, .micro_batch = 2, .zero_stage = 1};
+  const double b = 4.0 * static_cast<double>(pr.model.num_trainable_params()) / 4;
+  const double crossing = predict_step_time(pr, hybrid, DType::f32, nodes_of_4, 1 << 30).communication_s -
+                          predict_step_time(pr, hybrid, DType::f32, one_node, 1 << 30).communication_s;
+  EXPECT_NEAR(crossing / (2 * (b / 2) * (1 / 1e9 - 1 / 1e10)), 1.0, 1e-9);
 }
 
 TEST(StepTime, LocalRanksSharingTheDeviceEachGetAShare) {

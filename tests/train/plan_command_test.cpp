@@ -169,6 +169,33 @@ TEST(PlanCommand, SearchAccountsForEveryCandidateAndRanksWhatFitsByTime) {
   EXPECT_EQ(out.find("  4. "), std::string::npos);
 }
 
+// --nodes plans a cluster of a hardware file's machines: the config's layout
+// must fill them, the search covers all their ranks, and what the file does
+// not describe (a calibration's machine alone) is refused.
+TEST(PlanCommand, NodesPlansACluster) {
+  const RatesSource h100_file{.hardware = LOOM_SOURCE_DIR "/hardware/h100-sxm.json"};
+  const Config filled = tiny({"parallel.dp=8", "parallel.tp=2", "train.batch_size=16", "train.micro_batch_size=2"});
+  const std::string out = plan_output(filled, {.rates = h100_file, .nodes = 2});
+  EXPECT_CONTAINS(out, "machines: 2 x 8 ranks = 16 ranks");
+  EXPECT_CONTAINS(out, "ranks [0-15] (pipeline stage 0)");
+
+  const std::string search = plan_output(tiny({"train.batch_size=16"}), {.rates = h100_file, .search = true, .nodes = 2});
+  EXPECT_CONTAINS(search, "layouts of 16 ranks");
+
+  std::string e = error_of([&] { plan_output(tiny({"parallel.dp=2"}), {.rates = h100_file, .nodes = 2}); });
+  EXPECT_CONTAINS(e, "--nodes 2 of 8 ranks");
+  EXPECT_CONTAINS(e, "hold 16 ranks, but the layout uses parallel.dp * parallel.tp * parallel.pp = 2");
+  EXPECT_CONTAINS(e, "(parallel.dp = 16)");  // tp = pp = 1
+  EXPECT_CONTAINS(e, "--search");
+  e = error_of([&] { plan_output(filled, {.rates = h100_file, .search = true, .ranks = 16, .nodes = 2}); });
+  EXPECT_CONTAINS(e, "not both");
+  TempDir dir;
+  save_machine_rates(h100(), dir / "rates.json");
+  e = error_of([&] { plan_output(filled, {.rates = {.rates = dir / "rates.json"}, .nodes = 2}); });
+  EXPECT_CONTAINS(e, "--nodes");
+  EXPECT_CONTAINS(e, "pass --hardware FILE");
+}
+
 TEST(PlanCommand, MissingRatesSayToCalibrateOrPassAHardwareFile) {
   TempDir dir;
   const testing::ScopedEnv home("XDG_CACHE_HOME", dir.path().string());

@@ -336,6 +336,9 @@ int main(int argc, char** argv) {
   plan->add_option("--top", plan_options.top, "with --search: the layouts to print")->capture_default_str();
   plan->add_option("--ranks", plan_options.ranks,
                    "with --search: the world size (default: parallel.dp * parallel.tp * parallel.pp)");
+  plan->add_option("--nodes", plan_options.nodes,
+                   "with --hardware: plan for this many machines of the file's ranks_per_node ranks each "
+                   "(collectives crossing machines run on its inter_node link)");
 
   CLI11_PARSE(app, argc, argv);
   try {

@@ -1,0 +1,142 @@
+// Does the layout search choose well? On a problem small enough to measure
+// every layout it considers:
+//
+//   planner_search_bench [ranks] [steps] [calibration.json]
+//
+// calibrates this machine (unless a calibration is given), searches every
+// layout of `ranks` local ranks (default 8) for a small GPT, first without a
+// budget and then under a device budget that the median layout's predicted
+// peak sets (so about half the valid layouts are predicted not to fit), and
+// trains every layout the search says fits, `steps` timed steps each (the
+// slowest rank's median) under that budget. It prints:
+// - the layouts predicted to fit that ran out of memory (target: none);
+// - the measured step time of the search's first choice over the fastest
+//   measured one (target: within 10%), and where the first choice ranks
+//   among the measured;
+// - the ten fastest by prediction and by measurement, each with the other's
+//   rank.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "planned_step.h"
+#include "loom/config.h"
+#include "loom/planner.h"
+#include "loom/train.h"
+
+using namespace loom;
+
+namespace {
+
+const std::vector<std::string> kModel = {
+    "model.preset=custom", "model.n_layer=4",  "model.n_head=4",     "model.n_embd=128", "model.vocab_size=1024",
+    "model.block_size=64", "data.vocab_size=1024", "train.seq_len=64", "train.batch_size=16", "model.dropout=0"};
+
+struct Measured {
+  const RankedLayout* ranked;
+  double seconds = 0.0;  // infinity: it did not run
+  std::string failure;
+};
+
+std::string settings_of(const Layout& layout) {
+  std::string line;
+  for (const std::string& s : layout_settings(layout)) line += (line.empty() ? "" : " ") + s;
+  return line;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t ranks = argc > 1 ? std::atoll(argv[1]) : 8;
+  const int steps = argc > 2 ? std::atoi(argv[2]) : 3;
+  if (ranks < 1 || steps < 1) {
+    std::fprintf(stderr, "usage: planner_search_bench [ranks >= 1] [steps >= 1] [calibration.json]\n");
+    return 2;
+  }
+  MachineRates rates;
+  if (argc > 3) {
+    rates = load_machine_rates(argv[3]);
+  } else {
+    std::printf("calibrating this machine\n");
+    CalibrationOptions o;
+    o.progress = [](const std::string& line) { std::printf("  %s\n", line.c_str()); };
+    rates = calibrate_machine(o);
+  }
+
+  Config cfg(loom_schema());
+  for (const std::string& s : kModel) cfg.set_override(s);
+  const LayoutSearch unlimited = search_layouts(cfg, rates, ranks, std::numeric_limits<double>::infinity());
+  std::vector<double> peaks;
+  for (const RankedLayout& r : unlimited.ranked) peaks.push_back(r.device_peak);
+  const double budget = std::floor(bench::median(peaks));
+  cfg.set_override(str("memory.device_budget=", static_cast<int64_t>(budget)));
+  const LayoutSearch search = search_layouts(cfg, rates, ranks, budget);
+  std::printf("search: %lld layouts of %lld ranks, %zu valid; under a device budget of %s, %zu predicted to fit, "
+              "%lld not\n",
+              static_cast<long long>(search.candidates), static_cast<long long>(ranks), unlimited.ranked.size(),
+              format_bytes(budget).c_str(), search.ranked.size(), static_cast<long long>(search.too_large));
+
+  const GPTConfig model = model_config_from(cfg);
+  const std::vector<int32_t> data =
+      bench::random_tokens(cfg.get<int64_t>("train.batch_size"), cfg.get<int64_t>("train.seq_len"), model.vocab_size);
+  std::vector<Measured> measured;
+  for (const RankedLayout& r : search.ranked) {
+    Config c = cfg;
+    for (const std::string& s : layout_settings(r.layout)) c.set_override(s);
+    Measured m{&r, std::numeric_limits<double>::infinity(), ""};
+    try {
+      m.seconds = bench::measure_planned_step(plan_training(c), data, steps);
+    } catch (const std::exception& e) {
+      m.failure = e.what();
+    }
+    measured.push_back(m);
+    if (measured.size() % 20 == 0 || measured.size() == search.ranked.size()) {
+      std::printf("  measured %zu of %zu\n", measured.size(), search.ranked.size());
+      std::fflush(stdout);
+    }
+  }
+
+  int failures = 0;
+  for (const Measured& m : measured)
+    if (!m.failure.empty()) {
+      ++failures;
+      std::printf("FAILED (predicted peak %s): %s\n  %s\n", format_bytes(m.ranked->device_peak).c_str(),
+                  settings_of(m.ranked->layout).c_str(), m.failure.c_str());
+    }
+  std::printf("layouts predicted to fit that failed to run (out of memory or otherwise): %d of %zu (target: 0)\n",
+              failures, measured.size());
+
+  // Ranks by prediction (the search's order) and by measurement.
+  std::vector<size_t> by_measured(measured.size());
+  for (size_t i = 0; i < by_measured.size(); ++i) by_measured[i] = i;
+  std::stable_sort(by_measured.begin(), by_measured.end(),
+                   [&](size_t a, size_t b) { return measured[a].seconds < measured[b].seconds; });
+  std::vector<size_t> measured_rank(measured.size());
+  for (size_t k = 0; k < by_measured.size(); ++k) measured_rank[by_measured[k]] = k;
+  if (measured.empty() || std::isinf(measured[by_measured[0]].seconds)) return 1;
+  const double fastest = measured[by_measured[0]].seconds;
+  std::printf("the search's first choice: measured %.2f ms, %.3f x the fastest measured (%.2f ms) (target <= 1.10); "
+              "it ranks %zu of %zu by measurement\n",
+              measured[0].seconds * 1e3, measured[0].seconds / fastest, fastest * 1e3, measured_rank[0] + 1,
+              measured.size());
+
+  const size_t shown = std::min<size_t>(10, measured.size());
+  std::printf("\nfastest by prediction:\n%6s %11s %11s %9s  %s\n", "rank", "predicted", "measured", "measured#",
+              "layout");
+  for (size_t i = 0; i < shown; ++i)
+    std::printf("%6zu %9.2fms %9.2fms %9zu  %s\n", i + 1, measured[i].ranked->time.step_s * 1e3,
+                measured[i].seconds * 1e3, measured_rank[i] + 1, settings_of(measured[i].ranked->layout).c_str());
+  std::printf("\nfastest by measurement:\n%6s %11s %11s %10s  %s\n", "rank", "measured", "predicted", "predicted#",
+              "layout");
+  for (size_t k = 0; k < shown; ++k) {
+    const size_t i = by_measured[k];
+    std::printf("%6zu %9.2fms %9.2fms %10zu  %s\n", k + 1, measured[i].seconds * 1e3,
+                measured[i].ranked->time.step_s * 1e3, i + 1, settings_of(measured[i].ranked->layout).c_str());
+  }
+  return failures == 0 ? 0 : 1;
+}
