@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <mutex>
 
@@ -206,8 +208,21 @@ MachineRates calibrate_machine(const CalibrationOptions& options) {
              "calibration needs GEMM sizes, rank groups and a copy buffer");
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
+  // Rates measured on a busy machine are too slow, often by far (OpenMP
+  // threads that lose their cores wait for each other at every barrier), so
+  // a calibration says how busy the machine was when it began.
+  double load = 0.0;
+  const bool have_load = ::getloadavg(&load, 1) == 1;
+  const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+  char load_text[32];
+  std::snprintf(load_text, sizeof load_text, "%.2f", load);
   MachineRates rates;
-  rates.description = str("calibrated on ", host, " (", cpu_description(), ")");
+  rates.description = str("calibrated on ", host, " (", cpu_description(), ")",
+                          have_load ? str(", load average ", load_text, " on ", cores, " cores at the start")
+                                    : std::string());
+  if (have_load && load > 0.5 * static_cast<double>(cores))
+    report(options, str("warning: the load average is ", load_text, " on ", cores,
+                        " cores, so these rates will be too slow; calibrate again when the machine is quiet"));
   rates.gemm = measure_gemms(options);
   for (const GemmSample& g : rates.gemm) rates.peak_flops_fp32 = std::max(rates.peak_flops_fp32, g.flops_per_s);
   rates.attention = measure_attention(options);
