@@ -15,6 +15,7 @@
 #include "loom/memory.h"
 #include "loom/nn.h"
 #include "loom/parallel.h"
+#include "loom/trace.h"
 
 namespace loom {
 
@@ -353,15 +354,75 @@ struct StepTimePrediction {
   PipelineTimeline pipeline;
 };
 
+// One collective of a predicted step: the ranks of its group, and its
+// seconds.
+struct PredictedCollective {
+  Collective op = Collective::all_reduce;
+  int group = 1;
+  double seconds = 0.0;
+};
+
+// One module's forward or backward for one micro-batch on one rank, named as
+// the model's parameter groups are ("embedding", "h.<layer>", "head"): its
+// compute, and the collectives it issues inside, in order (their seconds sum
+// to communication_s).
+struct PredictedModule {
+  std::string name;
+  double compute_s = 0.0, communication_s = 0.0;
+  std::vector<PredictedCollective> collectives;
+};
+
+// The pieces predict_step_time sums to a step, for its timeline
+// (predict_step_trace).
+struct StepPieces {
+  // Per virtual stage, one micro-batch's modules in the order they run
+  // (forward: embedding, blocks, head; backward the reverse). A virtual
+  // stage's forward_s / backward_s in the pipeline is their sum.
+  std::vector<std::vector<PredictedModule>> forward, backward;
+  double transfer_s = 0.0;  // an activation (or its gradient) to the next pipeline rank
+  // ZeRO's parameter gathers over the data-parallel ranks: stages 1-2 once
+  // a step, stage 3 before every micro-batch's forward and its backward.
+  std::optional<PredictedCollective> step_gather, pass_gather;
+  // After the pipeline, in order: 2.5D's depth reduction, and what the
+  // data-parallel gradient reduction leaves exposed.
+  std::vector<PredictedCollective> after_pipeline;
+  // StepTimePrediction::optimizer_s: the gradient norm's read of the
+  // gradients, then the update.
+  double gradient_check_s = 0.0, update_s = 0.0;
+};
+
 // Prices every piece of a step with `rates`: each GEMM by its rank-local
 // shape, attention by MachineRates::attention_seconds, memory-bound
 // kernels by the bytes they read and write, each collective by its alpha-beta
 // cost over its group, and the pipeline by simulating its schedule. Local
 // ranks that share the device (rates.shared_by_local_ranks) get 1 / ranks of
 // it each. Offloaded state (memory.policy static/auto) is priced at zero
-// transfer time: the time model does not yet follow chunk traffic.
+// transfer time: the time model does not yet follow chunk traffic. With
+// `pieces`, also the pieces it sums, one by one.
 StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout& layout, DType precision,
-                                     const MachineRates& rates, int64_t bucket_bytes);
+                                     const MachineRates& rates, int64_t bucket_bytes, StepPieces* pieces = nullptr);
+
+// The predicted step as a timeline of every world rank (DeviceMesh order: pp
+// outermost, then dp, tp innermost), in the measured trace's terms
+// (trace.h, `trace.path`) so the two open side by side: from time 0, the
+// step span "step 1" of StepTimePrediction::step_s; inside it, in order,
+// ZeRO-1/2's gather, the rank's pipeline actions as simulate_pipeline
+// places them (each a module span "<module> forward" / "<module> backward"
+// per module of its virtual stage, with the module's collectives
+// "<op> (<group size>)" inside, spread evenly through its compute; ZeRO-3's
+// gather before each; the time a rank waits for a neighbour's activation or
+// gradient idle, its last PipelineCosts::transfer_s "recv (<pp>)"), then,
+// from the pipeline's makespan on every rank, 2.5D's depth reduction, the
+// exposed data-parallel reduction, and the optimizer's "gradient check" and
+// "clip and update". Ranks of one pipeline stage share their spans.
+struct PredictedTrace {
+  StepTimePrediction prediction;
+  std::vector<std::vector<TraceSpan>> ranks;  // per world rank, in ticks
+  double ticks_per_us = 1e3;                  // fine enough for pieces well under a nanosecond
+  std::string json() const { return chrome_trace_json(ranks, ticks_per_us); }
+};
+PredictedTrace predict_step_trace(const LayoutProblem& problem, const Layout& layout, DType precision,
+                                  const MachineRates& rates, int64_t bucket_bytes);
 
 // A training run a publication reports, to hold the time model's what-if
 // against: the model and layout as published, the machine (a file in

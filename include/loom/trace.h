@@ -31,7 +31,7 @@ const char* trace_category_name(TraceCategory category);
 struct TraceSpan {
   std::string name;
   TraceCategory category = TraceCategory::compute;
-  int64_t begin_ns = 0;  // steady clock
+  int64_t begin_ns = 0;  // steady clock (a predicted span: chrome_trace_json's ticks)
   int64_t end_ns = 0;
   int depth = 0;         // 0: a step span; 1: directly inside it; ...
 };
@@ -104,8 +104,11 @@ class TraceStep {
 // times in microseconds from the earliest span, an "M" event naming each pid
 // "rank N", and the gaps between a step's direct children as `idle` events,
 // so each rank's depth-1 events tile its step spans. Each "X" event's
-// args.depth is its nesting depth (0: the step).
-std::string chrome_trace_json(const std::vector<std::vector<TraceSpan>>& ranks);
+// args.depth is its nesting depth (0: the step). The spans' times are in
+// ticks of 1 / ticks_per_us microseconds: nanoseconds for a measured trace,
+// finer for a predicted one (planner.h's predicted_step_trace), whose pieces
+// may be shorter than a nanosecond.
+std::string chrome_trace_json(const std::vector<std::vector<TraceSpan>>& ranks, double ticks_per_us = 1e3);
 
 // Gathers every rank's spans of `world` to its rank 0 (collective; null world:
 // this rank alone), which writes the trace to `path` atomically.

@@ -464,11 +464,16 @@ struct PlanCommandOptions {
   // spans; 0: as many as the layout's ranks fill. Sets the search's world
   // size, and the config's layout must fill them.
   int64_t nodes = 0;
+  // Where to write the predicted step's timeline (predict_step_trace) of the
+  // config's layout, or with search of the best one; empty: none. Like
+  // trace.path, a new file in an existing directory.
+  std::filesystem::path trace = {};
 };
 // `loom plan`: without search, the config (validated by plan_training) with
 // its per-rank memory peaks and step time; with search, the best layouts.
 // Error (before anything is priced) when --nodes comes without a hardware
-// file, with --ranks, or does not match the config's layout.
+// file, with --ranks, or does not match the config's layout, and when
+// `trace` exists or its directory does not.
 void run_plan(const Config& cfg, const PlanCommandOptions& options, std::ostream& out);
 
 // Checkpoints: <root>/step_XXXXXXXX/, committed atomically, then

@@ -31,15 +31,54 @@ struct Linear {
 
 // What one micro-batch costs on one rank, split the way the prediction
 // reports it.
-struct Cost {
+struct Split {
   double compute_s = 0.0, communication_s = 0.0;
-  Cost& operator+=(const Cost& o) {
+  template <typename Part>
+  Split& operator+=(const Part& o) {
     compute_s += o.compute_s;
     communication_s += o.communication_s;
     return *this;
   }
   double total() const { return compute_s + communication_s; }
 };
+
+// One module's forward or backward for one micro-batch: its split, and the
+// collectives inside it in the order it issues them (their seconds sum to
+// communication_s), which a predicted trace shows (StepPieces).
+struct Cost {
+  double compute_s = 0.0, communication_s = 0.0;
+  std::vector<PredictedCollective> collectives;
+  Cost& operator+=(const Cost& o) {
+    compute_s += o.compute_s;
+    communication_s += o.communication_s;
+    collectives.insert(collectives.end(), o.collectives.begin(), o.collectives.end());
+    return *this;
+  }
+  double total() const { return compute_s + communication_s; }
+  // Records `times` issues of a collective over `group` ranks taking
+  // `seconds` each (none over a group of one, which costs nothing) and
+  // returns `seconds`, for the caller's sum.
+  double issue(Collective op, int64_t group, double seconds, int times = 1) {
+    if (group > 1)
+      for (int k = 0; k < times; ++k) collectives.push_back({op, static_cast<int>(group), seconds});
+    return seconds;
+  }
+  // Records each in order; returns their seconds summed left to right (as
+  // `a + b + c` sums them).
+  double issue(std::initializer_list<PredictedCollective> list) {
+    double sum = 0.0;
+    for (const PredictedCollective& c : list) sum += issue(c.op, c.group, c.seconds);
+    return sum;
+  }
+};
+
+// `backward` after the forward it recomputes first (activation
+// checkpointing): the recompute's collectives come before the backward's.
+void add_recompute(Cost& backward, const Cost& forward) {
+  backward.compute_s += forward.compute_s;
+  backward.communication_s += forward.communication_s;
+  backward.collectives.insert(backward.collectives.begin(), forward.collectives.begin(), forward.collectives.end());
+}
 
 struct Shapes {
   const GPTConfig& m;
@@ -95,11 +134,15 @@ std::pair<Cost, Cost> grid_linear_cost(const Shapes& s, int64_t out, int64_t in,
     const auto row = over(grid_row(s.grid)), column = over(grid_column(s.grid));
     const double panels = column(Collective::all_gather, o * i / static_cast<double>(q));
     f.compute_s = device_seconds(s, static_cast<double>(q) * s.rates.gemm_seconds(n, out / q, in / q, s.precision));
-    f.communication_s = panels + row(Collective::reduce_scatter, rows * o);
+    const int R = grid_row(s.grid).size, K = grid_column(s.grid).size;
+    f.communication_s = f.issue({{Collective::all_gather, K, panels},
+                                 {Collective::reduce_scatter, R, row(Collective::reduce_scatter, rows * o)}});
     b.compute_s = device_seconds(s, static_cast<double>(q) * (s.rates.gemm_seconds(n, in / q, out / q, s.precision) +
                                                               (weight_gradient ? s.rates.gemm_seconds(out / q, in / q, n, s.precision) : 0.0)));
-    b.communication_s = row(Collective::all_gather, rows * o) + panels +
-                        column(Collective::reduce_scatter, o * i / static_cast<double>(q));
+    b.communication_s =
+        b.issue({{Collective::all_gather, R, row(Collective::all_gather, rows * o)},
+                 {Collective::all_gather, K, panels},
+                 {Collective::reduce_scatter, K, column(Collective::reduce_scatter, o * i / static_cast<double>(q))}});
     return {f, b};
   }
   // The cube: one GEMM on the gathered input and weight; x gathered over the
@@ -114,13 +157,20 @@ std::pair<Cost, Cost> grid_linear_cost(const Shapes& s, int64_t out, int64_t in,
   const auto depth = over(grid_depth(s.grid));
   const double weight = depth(Collective::all_gather, o * i / static_cast<double>(q * q));
   f.compute_s = device_seconds(s, s.rates.gemm_seconds(q * n, out / q, in / q, s.precision));
-  f.communication_s =
-      input_axis(Collective::all_gather, rows * i) + weight + output_axis(Collective::reduce_scatter, rows * o);
+  const int In = (entering ? grid_row(s.grid) : grid_column(s.grid)).size;
+  const int Out = (entering ? grid_column(s.grid) : grid_row(s.grid)).size;
+  const int D = grid_depth(s.grid).size;
+  f.communication_s = f.issue({{Collective::all_gather, In, input_axis(Collective::all_gather, rows * i)},
+                               {Collective::all_gather, D, weight},
+                               {Collective::reduce_scatter, Out, output_axis(Collective::reduce_scatter, rows * o)}});
   b.compute_s = device_seconds(s, s.rates.gemm_seconds(q * n, in / q, out / q, s.precision) +
                                       (weight_gradient ? s.rates.gemm_seconds(out / q, in / q, q * n, s.precision) : 0.0));
-  b.communication_s = output_axis(Collective::all_gather, rows * o) + weight +
-                      input_axis(Collective::all_gather, rows * i) + input_axis(Collective::reduce_scatter, rows * i) +
-                      depth(Collective::reduce_scatter, o * i / static_cast<double>(q * q));
+  b.communication_s =
+      b.issue({{Collective::all_gather, Out, output_axis(Collective::all_gather, rows * o)},
+               {Collective::all_gather, D, weight},
+               {Collective::all_gather, In, input_axis(Collective::all_gather, rows * i)},
+               {Collective::reduce_scatter, In, input_axis(Collective::reduce_scatter, rows * i)},
+               {Collective::reduce_scatter, D, depth(Collective::reduce_scatter, o * i / static_cast<double>(q * q))}});
   return {f, b};
 }
 
@@ -152,10 +202,14 @@ std::pair<Cost, Cost> grid_block_cost(const Shapes& s, bool recompute) {
                         memory_seconds(s, 2.0 * elementwise);
   const double statistics = m.norm == NormKind::layernorm ? 2.0 : 1.0;
   forward.communication_s +=
-      2.0 * statistics * s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, grid_row(s.grid));
+      2.0 * statistics *
+      forward.issue(Collective::all_reduce, grid_row(s.grid).size,
+                    s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, grid_row(s.grid)),
+                    static_cast<int>(2.0 * statistics));
   backward.communication_s +=
-      2.0 * s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * rows, grid_row(s.grid));
-  if (recompute) backward += forward;
+      2.0 * backward.issue(Collective::all_reduce, grid_row(s.grid).size,
+                           s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * rows, grid_row(s.grid)), 2);
+  if (recompute) add_recompute(backward, forward);
   return {forward, backward};
 }
 
@@ -186,14 +240,24 @@ std::pair<Cost, Cost> block_cost(const Shapes& s, bool recompute) {
   // Attention's and the MLP's outputs are summed over the tensor-parallel
   // ranks; under sequence parallelism their inputs are all-gathered and the
   // outputs reduce-scattered instead.
-  forward.communication_s =
-      s.sp ? 2.0 * (tp_collective(s, Collective::all_gather) + tp_collective(s, Collective::reduce_scatter))
-           : 2.0 * tp_collective(s, Collective::all_reduce);
+  if (s.sp) {
+    const double gather = tp_collective(s, Collective::all_gather), scatter = tp_collective(s, Collective::reduce_scatter);
+    forward.communication_s = 2.0 * (gather + scatter);
+    for (int k = 0; k < 2; ++k) {
+      forward.issue(Collective::all_gather, s.tp, gather);
+      forward.issue(Collective::reduce_scatter, s.tp, scatter);
+    }
+  } else {
+    forward.communication_s = 2.0 * forward.issue(Collective::all_reduce, s.tp, tp_collective(s, Collective::all_reduce), 2);
+  }
   Cost backward;
   for (const Linear& l : layers) backward.compute_s += device_seconds(s, l.backward(s.rates, s.N, s.precision, trained));
   backward.compute_s += device_seconds(s, attention_backward) + memory_seconds(s, 2.0 * elementwise);
+  // Each collective's backward is its dual (an all-gather's a
+  // reduce-scatter), the same buffers in reverse order.
   backward.communication_s = forward.communication_s;
-  if (recompute) backward += forward;
+  backward.collectives = forward.collectives;
+  if (recompute) add_recompute(backward, forward);
   return {forward, backward};
 }
 
@@ -207,14 +271,17 @@ std::pair<Cost, Cost> embedding_cost(const Shapes& s) {
     const RankGroup table = s.grid.cube ? grid_token(s.grid) : grid_column(s.grid);
     const int64_t q = s.grid.q, n = s.N / (q * s.grid.depth);
     const double gathered = kF32 * static_cast<double>(table.size * n * (s.m.n_embd / q));
-    Cost forward{memory_seconds(s, 2.0 * gathered), s.rates.collective_seconds(Collective::reduce_scatter, gathered, table)};
-    Cost backward{memory_seconds(s, 2.0 * gathered), s.rates.collective_seconds(Collective::all_gather, gathered, table)};
+    Cost forward{memory_seconds(s, 2.0 * gathered), 0.0, {}}, backward{memory_seconds(s, 2.0 * gathered), 0.0, {}};
+    forward.communication_s = forward.issue(Collective::reduce_scatter, table.size,
+                                            s.rates.collective_seconds(Collective::reduce_scatter, gathered, table));
+    backward.communication_s = backward.issue(Collective::all_gather, table.size,
+                                              s.rates.collective_seconds(Collective::all_gather, gathered, table));
     return {forward, backward};
   }
   const double bytes = kF32 * 2.0 * static_cast<double>(s.N * s.m.n_embd);
-  Cost forward{memory_seconds(s, bytes), 0.0}, backward{memory_seconds(s, bytes), 0.0};
+  Cost forward{memory_seconds(s, bytes), 0.0, {}}, backward{memory_seconds(s, bytes), 0.0, {}};
   // A vocabulary-parallel lookup sums the ranks' rows.
-  forward.communication_s = tp_collective(s, Collective::all_reduce);
+  forward.communication_s = forward.issue(Collective::all_reduce, s.tp, tp_collective(s, Collective::all_reduce));
   return {forward, backward};
 }
 
@@ -234,8 +301,10 @@ std::pair<Cost, Cost> head_cost(const Shapes& s) {
     backward.compute_s += memory_seconds(s, bytes);
     // The vocabulary is split over the columns on 2D/2.5D, the rows on a cube.
     const RankGroup vocabulary = s.grid.cube ? grid_column(s.grid) : grid_row(s.grid);
-    forward.communication_s += s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, vocabulary) +
-                               s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * rows, vocabulary);
+    forward.communication_s += forward.issue(
+        {{Collective::all_reduce, vocabulary.size, s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, vocabulary)},
+         {Collective::all_reduce, vocabulary.size,
+          s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * rows, vocabulary)}});
     return {forward, backward};
   }
   const int64_t C = s.m.n_embd, V = (s.m.vocab_size + s.tp - 1) / s.tp;
@@ -244,20 +313,28 @@ std::pair<Cost, Cost> head_cost(const Shapes& s) {
   // Logits written, then read by the softmax and overwritten by their
   // gradient; the final norm's 2 C per row.
   const double bytes = kF32 * (3.0 * static_cast<double>(s.N * V) + 2.0 * static_cast<double>(s.N * C));
-  Cost forward{device_seconds(s, head.forward(s.rates, s.N, s.precision)) + memory_seconds(s, bytes), 0.0};
-  Cost backward{device_seconds(s, head.backward(s.rates, s.N, s.precision, trained)) + memory_seconds(s, bytes), 0.0};
+  Cost forward{device_seconds(s, head.forward(s.rates, s.N, s.precision)) + memory_seconds(s, bytes), 0.0, {}};
+  Cost backward{device_seconds(s, head.backward(s.rates, s.N, s.precision, trained)) + memory_seconds(s, bytes), 0.0, {}};
   // Vocabulary-parallel cross-entropy: the rows' max [N], then their sums
   // [N, 2].
   const RankGroup tp = RankGroup::consecutive(static_cast<int>(s.tp));
-  forward.communication_s = s.rates.collective_seconds(Collective::all_reduce, kF32 * static_cast<double>(s.N), tp) +
-                            s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * static_cast<double>(s.N), tp);
+  forward.communication_s = forward.issue(
+      {{Collective::all_reduce, tp.size,
+        s.rates.collective_seconds(Collective::all_reduce, kF32 * static_cast<double>(s.N), tp)},
+       {Collective::all_reduce, tp.size,
+        s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * static_cast<double>(s.N), tp)}});
   return {forward, backward};
+}
+
+// A module's cost as StepPieces holds it.
+PredictedModule module_piece(std::string name, const Cost& c) {
+  return {std::move(name), c.compute_s, c.communication_s, c.collectives};
 }
 
 }  // namespace
 
 StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout& layout, DType precision,
-                                     const MachineRates& rates, int64_t bucket_bytes) {
+                                     const MachineRates& rates, int64_t bucket_bytes, StepPieces* pieces) {
   const GPTConfig& m = problem.model;
   const int64_t world = layout.dp * layout.tp * layout.pp;
   const int64_t accumulation = problem.global_batch / (layout.dp * layout.micro_batch);
@@ -281,10 +358,10 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
   const auto [embed_forward, embed_backward] = embedding_cost(s);
   const auto [head_forward, head_backward] = head_cost(s);
   PipelineCosts costs;
-  Cost per_micro_batch;  // the busiest rank's compute and communication, for the split
-  std::vector<Cost> rank_cost(static_cast<size_t>(layout.pp));
+  Split per_micro_batch;  // the busiest rank's compute and communication, for the split
+  std::vector<Split> rank_cost(static_cast<size_t>(layout.pp));
   for (int v = 0; v < V; ++v) {
-    Cost f, b;
+    Split f, b;
     for (int l = 0; l < layers[static_cast<size_t>(v)]; ++l) {
       f += block_forward;
       b += block_backward;
@@ -301,6 +378,27 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
     costs.backward_s.push_back(b.total());
     rank_cost[static_cast<size_t>(v % layout.pp)] += f;
     rank_cost[static_cast<size_t>(v % layout.pp)] += b;
+  }
+  if (pieces) {
+    // The modules of each virtual stage as the stage runs them; the blocks
+    // are named by their layer, as the model's parameter groups are.
+    *pieces = StepPieces{};
+    pieces->forward.resize(static_cast<size_t>(V));
+    pieces->backward.resize(static_cast<size_t>(V));
+    int first_layer = 0;
+    for (int v = 0; v < V; ++v) {
+      std::vector<PredictedModule>& f = pieces->forward[static_cast<size_t>(v)];
+      std::vector<PredictedModule>& b = pieces->backward[static_cast<size_t>(v)];
+      if (v == 0) f.push_back(module_piece("embedding", embed_forward));
+      for (int l = 0; l < layers[static_cast<size_t>(v)]; ++l)
+        f.push_back(module_piece(str("h.", first_layer + l), block_forward));
+      if (v == V - 1) f.push_back(module_piece("head", head_forward));
+      if (v == V - 1) b.push_back(module_piece("head", head_backward));
+      for (int l = layers[static_cast<size_t>(v)]; l-- > 0;)
+        b.push_back(module_piece(str("h.", first_layer + l), block_backward));
+      if (v == 0) b.push_back(module_piece("embedding", embed_backward));
+      first_layer += layers[static_cast<size_t>(v)];
+    }
   }
   // What a pipeline send carries: the rank's token rows (and columns on a
   // grid) of the residual stream.
@@ -333,18 +431,22 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
   const int dp = static_cast<int>(layout.dp);
   const RankGroup dp_group = RankGroup::strided(dp, layout.tp);
   double reduction = 0.0, gathers = 0.0;
+  const Collective reduce = layout.zero_stage == 0 ? Collective::all_reduce : Collective::reduce_scatter;
   if (dp > 1) {
     const double grad_bytes = trainable * element;
-    reduction = layout.zero_stage == 0 ? rates.collective_seconds(Collective::all_reduce, grad_bytes, dp_group)
-                                       : rates.collective_seconds(Collective::reduce_scatter, grad_bytes, dp_group);
+    reduction = rates.collective_seconds(reduce, grad_bytes, dp_group);
     // Stages 1-2 publish the updated shards once a step; stage 3 gathers
     // each group before its forward and again before its backward, every
     // micro-batch.
-    if (layout.zero_stage == 1 || layout.zero_stage == 2)
-      gathers = rates.collective_seconds(Collective::all_gather, grad_bytes, dp_group);
-    if (layout.zero_stage == 3)
-      gathers = 2.0 * static_cast<double>(accumulation) *
-                rates.collective_seconds(Collective::all_gather, grad_bytes, dp_group);
+    const double gather = rates.collective_seconds(Collective::all_gather, grad_bytes, dp_group);
+    if (layout.zero_stage == 1 || layout.zero_stage == 2) {
+      gathers = gather;
+      if (pieces) pieces->step_gather = PredictedCollective{Collective::all_gather, dp, gather};
+    }
+    if (layout.zero_stage == 3) {
+      gathers = 2.0 * static_cast<double>(accumulation) * gather;
+      if (pieces) pieces->pass_gather = PredictedCollective{Collective::all_gather, dp, gather};
+    }
   }
   // Gradient buckets reduce while the last micro-batch's backward runs; what
   // outlasts it, and at least the last bucket, is exposed.
@@ -362,6 +464,12 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
     depth_reduction = rates.collective_seconds(Collective::all_reduce, kF32 * matrices, grid_depth(s.grid));
   }
   p.communication_s += depth_reduction;
+  if (pieces) {
+    pieces->transfer_s = costs.transfer_s;
+    if (depth_reduction > 0.0)
+      pieces->after_pipeline.push_back({Collective::all_reduce, static_cast<int>(s.grid.depth), depth_reduction});
+    if (dp > 1) pieces->after_pipeline.push_back({reduce, dp, exposed_reduction});
+  }
 
   // AdamW over this rank's shard: parameters, gradients and both moments
   // read, the parameters and moments written (fp32, 28 bytes), the working
@@ -369,6 +477,10 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
   const double shard = layout.zero_stage >= 1 ? trainable / static_cast<double>(dp) : trainable;
   const double optimizer_bytes = shard * (28.0 + 4.0 + (precision == DType::f32 ? 0.0 : 2.0 * element));
   p.optimizer_s = memory_seconds(s, optimizer_bytes);
+  if (pieces) {
+    pieces->gradient_check_s = memory_seconds(s, shard * 4.0);
+    pieces->update_s = p.optimizer_s - pieces->gradient_check_s;
+  }
 
   p.step_s = p.pipeline.makespan_s + exposed_reduction + gathers + depth_reduction + p.optimizer_s;
   p.tokens_per_s = static_cast<double>(problem.global_batch * problem.seq_len) / p.step_s;

@@ -57,11 +57,11 @@ std::vector<TraceSpan> spans_from_json(const nlohmann::json& in) {
 
 }  // namespace
 
-std::string chrome_trace_json(const std::vector<std::vector<TraceSpan>>& ranks) {
+std::string chrome_trace_json(const std::vector<std::vector<TraceSpan>>& ranks, double ticks_per_us) {
   int64_t t0 = std::numeric_limits<int64_t>::max();
   for (const auto& spans : ranks)
     for (const TraceSpan& s : spans) t0 = std::min(t0, s.begin_ns);
-  auto us = [](int64_t ns) { return static_cast<double>(ns) / 1e3; };
+  auto us = [ticks_per_us](int64_t ticks) { return static_cast<double>(ticks) / ticks_per_us; };
   nlohmann::json events = nlohmann::json::array();
   for (size_t r = 0; r < ranks.size(); ++r) {
     const int pid = static_cast<int>(r);

@@ -10,6 +10,7 @@
 
 #include "comm/backend.h"
 #include "loom/config.h"
+#include "loom/io.h"
 #include "loom/planner.h"
 #include "loom/train.h"
 
@@ -125,7 +126,33 @@ void print_memory(const std::vector<RankMemory>& ranks, std::ostream& out) {
   }
 }
 
-void print_config_plan(const Config& cfg, const MachineRates& rates, double device_budget, std::ostream& out) {
+// --trace FILE, like trace.path: a new file in an existing directory (the
+// trace never replaces a file silently), checked before anything is priced.
+void check_trace_path(const fs::path& path) {
+  if (path.empty()) return;
+  std::error_code ec;
+  if (fs::exists(path, ec))
+    throw Error(str("plan: --trace '", path.string(), "' already exists: remove it, or pass --trace a new file"));
+  const fs::path dir = path.parent_path();
+  if (!dir.empty() && !fs::is_directory(dir, ec))
+    throw Error(str("plan: --trace '", path.string(), "': its directory '", dir.string(),
+                    "' does not exist: create it, or pass --trace a file in an existing directory"));
+}
+
+// The layout's predicted step as a Chrome trace at `path` (predict_step_trace),
+// and the line saying so.
+void write_predicted_trace(const fs::path& path, const Config& cfg, const LayoutProblem& problem,
+                           const Layout& layout, const MachineRates& rates, const std::string& which,
+                           std::ostream& out) {
+  const StepMemoryOptions memory = step_memory_options(cfg, problem, layout);
+  const PredictedTrace trace = predict_step_trace(problem, layout, memory.precision, rates, memory.bucket_bytes);
+  write_file_atomic(path, trace.json());
+  out << "trace: wrote " << path.string() << ", the predicted step of " << which << " on its "
+      << trace.ranks.size() << " ranks (open it beside a measured trace.path in ui.perfetto.dev)\n";
+}
+
+void print_config_plan(const Config& cfg, const MachineRates& rates, double device_budget, const fs::path& trace,
+                       std::ostream& out) {
   const TrainPlan plan = plan_training(cfg);
   const LayoutProblem problem = layout_problem_of(cfg, plan.model);
   const Layout layout = layout_of(cfg);
@@ -145,6 +172,7 @@ void print_config_plan(const Config& cfg, const MachineRates& rates, double devi
   out << "step time: " << describe_step_time(t) << "\n";
   out << "  compute " << format_seconds(t.compute_s) << ", exposed communication " << format_seconds(t.communication_s)
       << ", bubble " << format_seconds(t.bubble_s) << ", optimizer " << format_seconds(t.optimizer_s) << "\n";
+  if (!trace.empty()) write_predicted_trace(trace, cfg, problem, layout, rates, "the config's layout", out);
 }
 
 void print_search(const LayoutSearch& s, int64_t top, std::ostream& out) {
@@ -247,6 +275,7 @@ LayoutSearch search_layouts(const Config& cfg, const MachineRates& rates, int64_
 }
 
 void run_plan(const Config& cfg, const PlanCommandOptions& options, std::ostream& out) {
+  check_trace_path(options.trace);
   const int64_t layout_ranks =
       cfg.get<int64_t>("parallel.dp") * cfg.get<int64_t>("parallel.tp") * cfg.get<int64_t>("parallel.pp");
   if (options.nodes > 0 && options.rates.hardware.empty())
@@ -271,11 +300,18 @@ void run_plan(const Config& cfg, const PlanCommandOptions& options, std::ostream
     out << "machines: " << options.nodes << " x " << rates.ranks_per_node << " ranks = " << node_ranks
         << " ranks\n";
   if (!options.search) {
-    print_config_plan(cfg, rates, budget, out);
+    print_config_plan(cfg, rates, budget, options.trace, out);
     return;
   }
   const int64_t world = options.nodes > 0 ? node_ranks : options.ranks > 0 ? options.ranks : layout_ranks;
-  print_search(search_layouts(cfg, rates, world, budget), options.top, out);
+  const LayoutSearch search = search_layouts(cfg, rates, world, budget);
+  print_search(search, options.top, out);
+  if (options.trace.empty()) return;
+  if (search.ranked.empty())
+    throw Error(str("plan: no layout of ", world, " ranks fits, so --trace has none to write '",
+                    options.trace.string(), "' for: raise memory.device_budget, or plan for more ranks"));
+  write_predicted_trace(options.trace, cfg, layout_problem_of(cfg, model_config_from(cfg)), search.ranked[0].layout,
+                        rates, "the best layout (1. above)", out);
 }
 
 }  // namespace loom

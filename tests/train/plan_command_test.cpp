@@ -3,12 +3,19 @@
 #include <gtest/gtest.h>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <sstream>
+#include <tuple>
 
 #include "test_util.h"
 #include "loom/config.h"
+#include "loom/data.h"
+#include "loom/io.h"
 #include "loom/planner.h"
 #include "loom/train.h"
 
@@ -215,6 +222,162 @@ TEST(PlanCommand, MissingRatesSayToCalibrateOrPassAHardwareFile) {
   std::filesystem::create_directories(default_calibration_path().parent_path());
   save_machine_rates(h100(), default_calibration_path());
   EXPECT_CONTAINS(plan_output(tiny(), {}), "rates: NVIDIA H100");
+}
+
+// A Chrome trace's spans per pid: (category, name, depth, ts, dur).
+struct TraceEvent {
+  std::string cat, name;
+  int depth = 0;
+  double ts = 0, dur = 0;
+};
+std::map<int, std::vector<TraceEvent>> trace_events(const std::filesystem::path& path) {
+  std::map<int, std::vector<TraceEvent>> out;
+  const nlohmann::json trace = nlohmann::json::parse(read_file(path));
+  for (const nlohmann::json& e : trace.at("traceEvents"))
+    if (e.at("ph") == "X")
+      out[e.at("pid").get<int>()].push_back({e.at("cat").get<std::string>(), e.at("name").get<std::string>(),
+                                             e.at("args").at("depth").get<int>(), e.at("ts").get<double>(),
+                                             e.at("dur").get<double>()});
+  return out;
+}
+
+// The predicted step of the config's layout as `loom plan --trace` writes
+// it: every rank's step span is the printed prediction's step time.
+TEST(PlanCommand, TraceWritesThePredictedStepOfEveryRank) {
+  TempDir dir;
+  save_machine_rates(h100(), dir / "rates.json");
+  const Config cfg = tiny({"parallel.dp=2", "parallel.pp=2", "zero.stage=1", "train.batch_size=8"});
+  const std::filesystem::path path = dir / "predicted.json";
+  const std::string out = plan_output(cfg, {.rates = {.rates = dir / "rates.json"}, .trace = path});
+  EXPECT_CONTAINS(out, "trace: wrote " + path.string() + ", the predicted step of the config's layout on its 4 ranks");
+
+  const TrainPlan plan = plan_training(cfg);
+  const StepTimePrediction t = predict_step_time(layout_problem_of(cfg, plan.model), layout_of(cfg),
+                                                 plan.options.zero.precision, load_machine_rates(dir / "rates.json"),
+                                                 plan.options.zero.bucket_bytes);
+  EXPECT_CONTAINS(out, rate_text(t));
+  const std::map<int, std::vector<TraceEvent>> events = trace_events(path);
+  ASSERT_EQ(events.size(), 4u);
+  for (const auto& [rank, spans] : events) {
+    ASSERT_FALSE(spans.empty());
+    EXPECT_EQ(spans[0].cat, "step");
+    EXPECT_NEAR(spans[0].dur, t.step_s * 1e6, 1e-12 * t.step_s * 1e6) << "rank " << rank;
+  }
+}
+
+// --trace is checked as trace.path is, before anything is priced: an
+// existing file is refused and left as it was, and so is a file in a
+// directory that does not exist.
+TEST(PlanCommand, TraceRefusesAnExistingFileBeforePricing) {
+  TempDir dir;
+  // No rates anywhere: the trace's refusal comes first.
+  const testing::ScopedEnv home("XDG_CACHE_HOME", (dir / "cache").string());
+  const std::filesystem::path taken = dir.write("taken.json", "{\"mine\": 1}");
+  std::string e = error_of([&] { plan_output(tiny(), {.trace = taken}); });
+  EXPECT_CONTAINS(e, "--trace '" + taken.string() + "' already exists");
+  EXPECT_CONTAINS(e, "remove it, or pass --trace a new file");
+  EXPECT_EQ(read_file(taken), "{\"mine\": 1}");
+  e = error_of([&] { plan_output(tiny(), {.search = true, .trace = taken}); });
+  EXPECT_CONTAINS(e, "already exists");
+  EXPECT_EQ(read_file(taken), "{\"mine\": 1}");
+  const std::filesystem::path nowhere = dir / "missing" / "trace.json";
+  e = error_of([&] { plan_output(tiny(), {.trace = nowhere}); });
+  EXPECT_CONTAINS(e, "its directory '" + (dir / "missing").string() + "' does not exist");
+  EXPECT_FALSE(std::filesystem::exists(nowhere));
+}
+
+// With --search the trace is of the best layout, and the output says so.
+TEST(PlanCommand, SearchTracesTheBestLayout) {
+  TempDir dir;
+  save_machine_rates(h100(), dir / "rates.json");
+  const MachineRates rates = load_machine_rates(dir / "rates.json");
+  const Config cfg = tiny({"train.batch_size=8"});
+  const std::filesystem::path path = dir / "best.json";
+  const std::string out =
+      plan_output(cfg, {.rates = {.rates = dir / "rates.json"}, .search = true, .top = 2, .ranks = 4, .trace = path});
+  const LayoutSearch s = search_layouts(cfg, rates, 4, std::numeric_limits<double>::infinity());
+  ASSERT_FALSE(s.ranked.empty());
+  EXPECT_CONTAINS(out, "trace: wrote " + path.string() + ", the predicted step of the best layout (1. above) on its 4 ranks");
+  const std::map<int, std::vector<TraceEvent>> events = trace_events(path);
+  ASSERT_EQ(events.size(), 4u);
+  EXPECT_NEAR(events.at(0)[0].dur, s.ranked[0].time.step_s * 1e6, 1e-12 * s.ranked[0].time.step_s * 1e6);
+}
+
+// The (category, name) pairs of a trace's compute, communication and
+// optimizer spans, at any depth.
+std::set<std::pair<std::string, std::string>> span_names(const std::filesystem::path& path) {
+  std::set<std::pair<std::string, std::string>> out;
+  for (const auto& [rank, spans] : trace_events(path))
+    for (const TraceEvent& e : spans)
+      if (e.cat == "compute" || e.cat == "communication" || e.cat == "optimizer") out.insert({e.cat, e.name});
+  return out;
+}
+
+std::set<std::pair<std::string, std::string>> minus(const std::set<std::pair<std::string, std::string>>& a,
+                                                    const std::set<std::pair<std::string, std::string>>& b) {
+  std::set<std::pair<std::string, std::string>> out;
+  for (const auto& x : a)
+    if (!b.count(x)) out.insert(x);
+  return out;
+}
+
+// A tiny traced training step and the plan's predicted trace of its layout
+// name the same work alike. What a measured trace alone holds is
+// bookkeeping the time model leaves out (besides the data category's "load
+// batch", not compared): the traced step's closing "barrier (<world>)";
+// under a pipeline the sender's wait on a delivered asynchronous "send (2)"
+// (the model's sends cost the sender nothing), the all-reduces of the
+// one-rank data-parallel group (free), and the "all_reduce (2)"s of the
+// stop-signal agreement, the loss and the tied embedding's gradient over the
+// stages. Each rank's modules run in the measured order.
+TEST(PlanCommand, PredictedTraceNamesTheMeasuredTracesSpans) {
+  TempDir dir;
+  std::ifstream in(LOOM_SOURCE_DIR "/data/tinyshakespeare.txt", std::ios::binary);
+  std::string text(80000, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  PrepareOptions po;
+  po.inputs = {dir.write("corpus.txt", text)};
+  po.out_dir = dir / "data";
+  po.vocab_size = 512;
+  po.seq_len = 32;
+  prepare_dataset(po);
+  save_machine_rates(h100(), dir / "rates.json");
+  using Names = std::set<std::pair<std::string, std::string>>;
+  const std::vector<std::tuple<std::string, std::string, Names>> cases = {
+      {"dp2", "parallel.dp=2", Names{{"communication", "barrier (2)"}}},
+      {"pp2", "parallel.pp=2",
+       Names{{"communication", "barrier (2)"},
+             {"communication", "send (2)"},
+             {"communication", "all_reduce (1)"},
+             {"communication", "all_reduce (2)"}}}};
+  for (const auto& [name, layout, measured_only] : cases) {
+    SCOPED_TRACE(name);
+    Config c = tiny({"data.dir=" + (dir / "data").string(), "data.text=" + (dir / "corpus.txt").string(),
+                     "train.out_dir=" + (dir / ("run-" + name)).string(), "train.steps=2",
+                     "train.checkpoint_interval=0", "train.eval_interval=0", "train.sample_tokens=0",
+                     "trace.path=" + (dir / (name + "-measured.json")).string(), "trace.steps=2", layout});
+    RunOptions quiet;
+    quiet.quiet = true;
+    run_training(c, quiet);
+    // The plan of the run's config (whose trace.path, now taken, the plan
+    // would refuse as `loom train` does).
+    Config planned = c;
+    planned.set_override("trace.path=");
+    plan_output(planned, {.rates = {.rates = dir / "rates.json"}, .trace = dir / (name + "-predicted.json")});
+    const Names measured = span_names(dir / (name + "-measured.json"));
+    const Names predicted = span_names(dir / (name + "-predicted.json"));
+    EXPECT_EQ(minus(predicted, measured), Names{});
+    EXPECT_EQ(minus(measured, predicted), measured_only);
+    // Each rank runs its modules in the order the run did.
+    const auto modules = [](const std::filesystem::path& path) {
+      std::map<int, std::vector<std::string>> out;
+      for (const auto& [rank, spans] : trace_events(path))
+        for (const TraceEvent& e : spans)
+          if (e.cat == "compute" && e.depth == 1) out[rank].push_back(e.name);
+      return out;
+    };
+    EXPECT_EQ(modules(dir / (name + "-predicted.json")), modules(dir / (name + "-measured.json")));
+  }
 }
 
 }  // namespace

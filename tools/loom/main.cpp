@@ -339,6 +339,10 @@ int main(int argc, char** argv) {
   plan->add_option("--nodes", plan_options.nodes,
                    "with --hardware: plan for this many machines of the file's ranks_per_node ranks each "
                    "(collectives crossing machines run on its inter_node link)");
+  std::string plan_trace;
+  plan->add_option("--trace", plan_trace,
+                   "write the predicted step of every rank as a Chrome trace to this new file, to open beside "
+                   "a measured trace.path (with --search: of the best layout)");
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -557,6 +561,7 @@ int main(int argc, char** argv) {
       if (data) print_loss_change(before, loss());
     } else if (plan->parsed()) {
       plan_options.rates = {.rates = plan_rates, .hardware = plan_hardware};
+      plan_options.trace = plan_trace;
       run_plan(load_config(plan_config, plan_overrides), plan_options, std::cout);
     } else if (calibrate->parsed()) {
       const fs::path out(calibration_out);
