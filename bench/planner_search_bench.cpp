@@ -138,5 +138,13 @@ int main(int argc, char** argv) {
     std::printf("%6zu %9.2fms %9.2fms %10zu  %s\n", k + 1, measured[i].seconds * 1e3,
                 measured[i].ranked->time.step_s * 1e3, i + 1, settings_of(measured[i].ranked->layout).c_str());
   }
+  std::printf("\nevery layout, in the search's order:\n%6s %11s %11s %7s %9s %9s %9s  %s\n", "rank", "predicted",
+              "measured", "ratio", "compute", "comm", "bubble", "layout");
+  for (size_t i = 0; i < measured.size(); ++i) {
+    const StepTimePrediction& p = measured[i].ranked->time;
+    std::printf("%6zu %9.2fms %9.2fms %7.3f %7.2fms %7.2fms %7.2fms  %s\n", i + 1, p.step_s * 1e3,
+                measured[i].seconds * 1e3, p.step_s / measured[i].seconds, p.compute_s * 1e3,
+                p.communication_s * 1e3, p.bubble_s * 1e3, settings_of(measured[i].ranked->layout).c_str());
+  }
   return failures == 0 ? 0 : 1;
 }

@@ -203,10 +203,13 @@ struct LinkCost {
 enum class Collective : uint8_t { all_reduce, reduce_scatter, all_gather, send_recv };
 const char* collective_name(Collective op);  // "all_reduce", ...
 
-// One fp32 GEMM, C[m, n] = A[m, k] B[k, n], and the rate it ran at.
+// One fp32 GEMM, C[m, n] = A[m, k] B[k, n], and the rate it ran at on
+// `threads` OpenMP threads (0: all of the machine's, as calibrations before
+// thread counts were recorded measured).
 struct GemmSample {
   int64_t m = 0, n = 0, k = 0;
   double flops_per_s = 0.0;
+  int threads = 0;
 };
 
 // Causal attention of one head over one sequence of seq_len tokens, forward
@@ -214,6 +217,7 @@ struct GemmSample {
 struct AttentionSample {
   int64_t seq_len = 0, head_dim = 0;
   double forward_s = 0.0, backward_s = 0.0;
+  int threads = 0;  // as GemmSample's
 };
 
 // Where the ranks of a collective sit: `size` ranks inside one aligned block
@@ -267,16 +271,22 @@ struct MachineRates {
   // Local ranks share this machine's device (a calibrated CPU: ranks are
   // threads dividing its cores), rather than having one each (GPUs).
   bool shared_by_local_ranks = false;
+  // The OpenMP threads a calibration ran with, which local ranks divide
+  // (run_local: each of w ranks gets max(1, threads / w)); 0 when unknown
+  // (a hardware file, or a calibration from before it was recorded).
+  int threads = 0;
 
-  // Seconds of one GEMM in `precision`: interpolated in log space between
-  // the measured shapes (clamped to the grid; the CPU backend computes every
+  // Seconds of one GEMM in `precision` on `threads` threads (0: all):
+  // interpolated in log space between the shapes measured at the thread
+  // count nearest to it (clamped to the grid; the CPU backend computes every
   // precision's GEMMs in fp32, which is what was measured), or, from a
   // hardware file, the precision's peak * gemm_efficiency.
-  double gemm_seconds(int64_t m, int64_t n, int64_t k, DType precision = DType::f32) const;
+  double gemm_seconds(int64_t m, int64_t n, int64_t k, DType precision = DType::f32, int threads = 0) const;
   // Seconds of causal attention of one head over one sequence, forward or
   // backward: interpolated like GEMMs between the measured (seq_len,
   // head_dim), or at the rate of a (seq_len, seq_len, head_dim) GEMM.
-  double attention_seconds(int64_t seq_len, int64_t head_dim, bool backward, DType precision = DType::f32) const;
+  double attention_seconds(int64_t seq_len, int64_t head_dim, bool backward, DType precision = DType::f32,
+                           int threads = 0) const;
   // Seconds of a collective over `group` moving a buffer of `bytes` per
   // rank: the measured fit for that op and group size where there is one
   // (a calibration measures ranks on this one machine), else a ring over the
@@ -296,6 +306,10 @@ struct MachineRates {
 
 struct CalibrationOptions {
   std::vector<int64_t> gemm_sizes{128, 512, 2048};  // each of m, n, k takes every size
+  // The thread counts GEMMs and attention are measured at (local ranks run
+  // on a share of the threads, and small products gain little from more);
+  // empty: 1, 2, 4, ... below the OpenMP threads, and those.
+  std::vector<int> threads;
   std::vector<int64_t> attention_seq_lens{64, 256, 1024}, attention_head_dims{32, 64, 128};
   std::vector<int> groups{2, 4};                     // local ranks the collectives are timed on
   int64_t memory_bytes = int64_t(256) << 20;         // the buffer the copy rate is timed on

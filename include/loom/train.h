@@ -402,6 +402,17 @@ Layout layout_of(const Config& cfg);
 // What a layout of `cfg` is held against: `model` (model_config_from's), the
 // batch, and what the config fixes (parallel.stage_layers, model.preset).
 LayoutProblem layout_problem_of(const Config& cfg, const GPTConfig& model);
+// Whether a memory policy's chunk stores and the rest of the step fit
+// `budgets`, as `loom train` checks before anything is allocated: the chunk
+// manager's closed-form needs under the placement it starts from
+// (plan_memory), beside the memory model's other device bytes, with `freeze`
+// (TrainOptions::freeze) kept out of the chunks. Throws plan_memory's Error
+// naming the tier, or ConfigError for memory.chunk_bytes. The layout search
+// holds its memory-policy candidates to it too, so it proposes none that
+// `loom train` refuses.
+void check_memory_policy_fits(const Config& cfg, const GPTConfig& model, const Layout& layout,
+                              const StepMemoryOptions& step, const std::vector<std::string>& freeze,
+                              const TierBytes& budgets);
 
 // ---------------------------------------------------------------------------
 // `loom plan`: a config's predicted memory and step time, and the search for
@@ -442,6 +453,11 @@ struct LayoutSearch {
   int64_t equivalent = 0;
   int64_t too_large = 0;               // valid, but a rank's device peak exceeds the budget
   double too_large_least_peak = 0.0;   // the smallest such peak
+  // Under a memory policy, within the budget by their peaks but refused by
+  // `loom train`'s check of the chunk stores (check_memory_policy_fits),
+  // which counts the chunk manager's working buffers all at once.
+  int64_t policy_refused = 0;
+  std::string policy_refused_example;  // the first one's error
   double device_budget = 0.0;
   std::vector<RankedLayout> ranked;    // every one that fits, fastest first
 };

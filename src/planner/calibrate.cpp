@@ -15,6 +15,7 @@
 
 #include "loom/comm.h"
 #include "loom/device.h"
+#include "loom/kernels.h"
 #include "loom/memory.h"
 #include "loom/planner.h"
 
@@ -49,7 +50,30 @@ void report(const CalibrationOptions& options, const std::string& line) {
   if (options.progress) options.progress(line);
 }
 
-std::vector<GemmSample> measure_gemms(const CalibrationOptions& options) {
+// The thread counts to measure at: the options', else 1, 2, 4, ... below
+// the OpenMP threads, and those (each of w local ranks runs on
+// max(1, threads / w)).
+std::vector<int> thread_counts(const CalibrationOptions& options) {
+  if (!options.threads.empty()) return options.threads;
+  const int all = omp_get_max_threads();
+  std::vector<int> counts;
+  for (int t = 1; t < all; t *= 2) counts.push_back(t);
+  counts.push_back(all);
+  return counts;
+}
+
+// Runs `measure` with the kernels on `threads` threads, then restores the
+// budget.
+template <typename Measure>
+auto on_threads(int threads, Measure measure) {
+  const int all = cpu::num_threads();
+  cpu::set_num_threads(threads);
+  auto result = measure();
+  cpu::set_num_threads(all);
+  return result;
+}
+
+std::vector<GemmSample> measure_gemms(const CalibrationOptions& options, int threads) {
   const int64_t largest = *std::max_element(options.gemm_sizes.begin(), options.gemm_sizes.end());
   Tensor a = Tensor::empty({largest, largest}), b = Tensor::empty({largest, largest}),
          c = Tensor::empty({largest, largest});
@@ -67,17 +91,18 @@ std::vector<GemmSample> measure_gemms(const CalibrationOptions& options) {
             ops::gemm(false, false, m, n, k, 1.0f, a.data<float>(), k, b.data<float>(), n, 0.0f, c.data<float>(), n);
           ops::synchronize();
         });
-        samples.push_back({m, n, k, flops * reps / s});
+        samples.push_back({m, n, k, flops * reps / s, threads});
       }
   double best = 0.0;
   for (const GemmSample& g : samples) best = std::max(best, g.flops_per_s);
-  report(options, str("gemm: ", samples.size(), " shapes, best ", static_cast<int64_t>(best / 1e9), " GFLOP/s"));
+  report(options, str("gemm on ", threads, threads == 1 ? " thread: " : " threads: ", samples.size(),
+                      " shapes, best ", static_cast<int64_t>(best / 1e9), " GFLOP/s"));
   return samples;
 }
 
 // The attention kernels over 2 sequences of 4 heads at each (seq_len,
 // head_dim), per head and sequence.
-std::vector<AttentionSample> measure_attention(const CalibrationOptions& options) {
+std::vector<AttentionSample> measure_attention(const CalibrationOptions& options, int threads) {
   constexpr int64_t B = 2, NH = 4;
   std::vector<AttentionSample> samples;
   for (int64_t T : options.attention_seq_lens)
@@ -96,9 +121,9 @@ std::vector<AttentionSample> measure_attention(const CalibrationOptions& options
                                 qkv.data<float>(), B, T, C, NH, NH, ops::GradWrite::overwrite);
         ops::synchronize();
       });
-      samples.push_back({T, hs, forward / (B * NH), backward / (B * NH)});
+      samples.push_back({T, hs, forward / (B * NH), backward / (B * NH), threads});
     }
-  report(options, str("attention: ", samples.size(), " shapes"));
+  report(options, str("attention on ", threads, threads == 1 ? " thread: " : " threads: ", samples.size(), " shapes"));
   return samples;
 }
 
@@ -223,9 +248,14 @@ MachineRates calibrate_machine(const CalibrationOptions& options) {
   if (have_load && load > 0.5 * static_cast<double>(cores))
     report(options, str("warning: the load average is ", load_text, " on ", cores,
                         " cores, so these rates will be too slow; calibrate again when the machine is quiet"));
-  rates.gemm = measure_gemms(options);
+  rates.threads = omp_get_max_threads();
+  for (int threads : thread_counts(options))
+    on_threads(threads, [&] {
+      for (const GemmSample& g : measure_gemms(options, threads)) rates.gemm.push_back(g);
+      for (const AttentionSample& a : measure_attention(options, threads)) rates.attention.push_back(a);
+      return 0;
+    });
   for (const GemmSample& g : rates.gemm) rates.peak_flops_fp32 = std::max(rates.peak_flops_fp32, g.flops_per_s);
-  rates.attention = measure_attention(options);
   rates.memory_bytes_per_s = measure_copy_rate(options);
   rates.device_memory_bytes = physical_memory_bytes();
   for (int group : options.groups) {

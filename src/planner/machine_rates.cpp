@@ -96,6 +96,42 @@ std::vector<Point<2>> attention_points(const std::vector<AttentionSample>& sampl
   return points;
 }
 
+// The thread counts samples were measured at, as they are recorded.
+template <typename Sample>
+std::set<int> thread_counts(const std::vector<Sample>& samples) {
+  std::set<int> counts;
+  for (const Sample& s : samples) counts.insert(s.threads);
+  return counts;
+}
+
+// A sample's thread count, 0 (all) read as the machine's.
+int effective_threads(int sample_threads, int machine_threads) {
+  return sample_threads > 0 ? sample_threads : std::max(machine_threads, 1);
+}
+
+// The samples measured at the thread count nearest to `threads` (0: the
+// most), nearest by ratio, the fewer on a tie.
+template <typename Sample>
+std::vector<Sample> at_nearest_threads(const std::vector<Sample>& samples, int threads, int machine_threads) {
+  std::set<int> measured;
+  for (const Sample& s : samples) measured.insert(effective_threads(s.threads, machine_threads));
+  int chosen = *measured.rbegin();
+  if (threads > 0) {
+    double best = 1e300;
+    for (int t : measured) {
+      const double distance = std::abs(std::log(static_cast<double>(t) / threads));
+      if (distance < best - 1e-12) {
+        best = distance;
+        chosen = t;
+      }
+    }
+  }
+  std::vector<Sample> out;
+  for (const Sample& s : samples)
+    if (effective_threads(s.threads, machine_threads) == chosen) out.push_back(s);
+  return out;
+}
+
 }  // namespace
 
 std::filesystem::path default_calibration_path() {
@@ -116,29 +152,32 @@ const char* collective_name(Collective op) {
   return "?";
 }
 
-double MachineRates::gemm_seconds(int64_t m, int64_t n, int64_t k, DType precision) const {
+double MachineRates::gemm_seconds(int64_t m, int64_t n, int64_t k, DType precision, int thread_count) const {
   const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
   if (gemm.empty()) {
     const double peak = precision != DType::f32 && peak_flops_bf16 > 0 ? peak_flops_bf16 : peak_flops_fp32;
     return flops / (peak * gemm_efficiency);
   }
+  const std::vector<GemmSample> samples = at_nearest_threads(gemm, thread_count, threads);
   std::vector<double> rates;
-  for (const GemmSample& g : gemm) rates.push_back(g.flops_per_s);
-  return flops / interpolate_rate(gemm_points(gemm), rates, {m, n, k});
+  for (const GemmSample& g : samples) rates.push_back(g.flops_per_s);
+  return flops / interpolate_rate(gemm_points(samples), rates, {m, n, k});
 }
 
-double MachineRates::attention_seconds(int64_t seq_len, int64_t head_dim, bool backward, DType precision) const {
+double MachineRates::attention_seconds(int64_t seq_len, int64_t head_dim, bool backward, DType precision,
+                                       int thread_count) const {
   const double flops = (backward ? 2.5 : 1.0) * attention_forward_flops(seq_len, head_dim);
   // Without measurements, at the rate of the (T, T, head_dim) products it
   // consists of.
   if (attention.empty())
-    return flops * gemm_seconds(seq_len, seq_len, head_dim, precision) /
+    return flops * gemm_seconds(seq_len, seq_len, head_dim, precision, thread_count) /
            (2.0 * static_cast<double>(seq_len * seq_len * head_dim));
+  const std::vector<AttentionSample> samples = at_nearest_threads(attention, thread_count, threads);
   std::vector<double> rates;
-  for (const AttentionSample& a : attention)
+  for (const AttentionSample& a : samples)
     rates.push_back((backward ? 2.5 : 1.0) * attention_forward_flops(a.seq_len, a.head_dim) /
                     (backward ? a.backward_s : a.forward_s));
-  return flops / interpolate_rate(attention_points(attention), rates, {seq_len, head_dim});
+  return flops / interpolate_rate(attention_points(samples), rates, {seq_len, head_dim});
 }
 
 bool MachineRates::within_node(RankGroup group) const {
@@ -210,6 +249,14 @@ class Reader {
     if (!v.is_number_integer() || v.get<int64_t>() < 1) fail(name(key), "must be a whole number >= 1");
     return v.get<int64_t>();
   }
+  // A whole number >= 0, `otherwise` when absent.
+  int count_or(const std::string& key, int otherwise) {
+    if (!has(key)) return otherwise;
+    const nlohmann::json& v = take(key);
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > (1 << 20))
+      fail(name(key), "must be a whole number >= 0");
+    return static_cast<int>(v.get<int64_t>());
+  }
   std::string text(const std::string& key) {
     const nlohmann::json& v = take(key);
     if (!v.is_string()) fail(name(key), "must be a string");
@@ -243,6 +290,7 @@ void save_machine_rates(const MachineRates& r, const std::filesystem::path& path
                       {"device_memory_bytes", r.device_memory_bytes},
                       {"ranks_per_node", r.ranks_per_node},
                       {"shared_by_local_ranks", r.shared_by_local_ranks},
+                      {"threads", r.threads},
                       {"intra_node", link_json(r.intra_node)},
                       {"inter_node", link_json(r.inter_node)}};
   if (r.peak_flops_bf16 > 0) j["peak_flops"]["bf16"] = r.peak_flops_bf16;
@@ -250,10 +298,14 @@ void save_machine_rates(const MachineRates& r, const std::filesystem::path& path
   if (r.nvme_read_bytes_per_s > 0)
     j["nvme"] = {{"read_bytes_per_s", r.nvme_read_bytes_per_s}, {"write_bytes_per_s", r.nvme_write_bytes_per_s}};
   for (const GemmSample& g : r.gemm)
-    j["gemm"].push_back({{"m", g.m}, {"n", g.n}, {"k", g.k}, {"flops_per_s", g.flops_per_s}});
+    j["gemm"].push_back(
+        {{"m", g.m}, {"n", g.n}, {"k", g.k}, {"flops_per_s", g.flops_per_s}, {"threads", g.threads}});
   for (const AttentionSample& a : r.attention)
-    j["attention"].push_back(
-        {{"seq_len", a.seq_len}, {"head_dim", a.head_dim}, {"forward_s", a.forward_s}, {"backward_s", a.backward_s}});
+    j["attention"].push_back({{"seq_len", a.seq_len},
+                              {"head_dim", a.head_dim},
+                              {"forward_s", a.forward_s},
+                              {"backward_s", a.backward_s},
+                              {"threads", a.threads}});
   for (const CollectiveCost& c : r.collectives)
     j["collectives"].push_back({{"op", collective_name(c.op)},
                                 {"group", c.group},
@@ -288,6 +340,7 @@ MachineRates load_machine_rates(const std::filesystem::path& path) {
     if (!v.is_boolean()) top.fail("shared_by_local_ranks", "must be true or false");
     r.shared_by_local_ranks = v.get<bool>();
   }
+  r.threads = top.count_or("threads", 0);
   r.intra_node = top.link("intra_node");
   r.inter_node = top.has("inter_node") ? top.link("inter_node") : r.intra_node;
   if (top.has("host_device")) r.host_device = top.link("host_device");
@@ -302,23 +355,28 @@ MachineRates load_machine_rates(const std::filesystem::path& path) {
     if (!list.is_array()) top.fail("gemm", "must be a list of {m, n, k, flops_per_s}");
     for (size_t i = 0; i < list.size(); ++i) {
       Reader g(path, list[i], str("gemm[", i, "]"));
-      r.gemm.push_back({g.integer("m"), g.integer("n"), g.integer("k"), g.number("flops_per_s", true)});
+      r.gemm.push_back(
+          {g.integer("m"), g.integer("n"), g.integer("k"), g.number("flops_per_s", true), g.count_or("threads", 0)});
       g.done();
     }
-    // Interpolation reads every corner of the grid the samples span.
-    if (!full_grid(gemm_points(r.gemm))) top.fail("gemm", "must hold each (m, n, k) of a full grid exactly once");
+    // Interpolation reads every corner of the grid the samples of a thread
+    // count span.
+    for (int t : thread_counts(r.gemm))
+      if (!full_grid(gemm_points(at_nearest_threads(r.gemm, t, r.threads))))
+        top.fail("gemm", str("must hold each (m, n, k) of a full grid exactly once (threads ", t, ")"));
   }
   if (top.has("attention")) {
     const nlohmann::json& list = top.take("attention");
     if (!list.is_array()) top.fail("attention", "must be a list of {seq_len, head_dim, forward_s, backward_s}");
     for (size_t i = 0; i < list.size(); ++i) {
       Reader a(path, list[i], str("attention[", i, "]"));
-      r.attention.push_back(
-          {a.integer("seq_len"), a.integer("head_dim"), a.number("forward_s", true), a.number("backward_s", true)});
+      r.attention.push_back({a.integer("seq_len"), a.integer("head_dim"), a.number("forward_s", true),
+                             a.number("backward_s", true), a.count_or("threads", 0)});
       a.done();
     }
-    if (!full_grid(attention_points(r.attention)))
-      top.fail("attention", "must hold each (seq_len, head_dim) of a full grid exactly once");
+    for (int t : thread_counts(r.attention))
+      if (!full_grid(attention_points(at_nearest_threads(r.attention, t, r.threads))))
+        top.fail("attention", str("must hold each (seq_len, head_dim) of a full grid exactly once (threads ", t, ")"));
   }
   if (top.has("collectives")) {
     const nlohmann::json& list = top.take("collectives");

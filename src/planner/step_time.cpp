@@ -19,16 +19,6 @@ namespace {
 
 constexpr double kF32 = 4.0;  // activations are fp32 in every precision
 
-// One linear layer's GEMMs for N rows: forward (N, out, in), and backward's
-// input gradient (N, in, out) and weight gradient (out, in, N).
-struct Linear {
-  int64_t in = 0, out = 0;
-  double forward(const MachineRates& r, int64_t N, DType p) const { return r.gemm_seconds(N, out, in, p); }
-  double backward(const MachineRates& r, int64_t N, DType p, bool weight_gradient) const {
-    return r.gemm_seconds(N, in, out, p) + (weight_gradient ? r.gemm_seconds(out, in, N, p) : 0.0);
-  }
-};
-
 // What one micro-batch costs on one rank, split the way the prediction
 // reports it.
 struct Split {
@@ -80,15 +70,56 @@ void add_recompute(Cost& backward, const Cost& forward) {
   backward.collectives.insert(backward.collectives.begin(), forward.collectives.begin(), forward.collectives.end());
 }
 
+// How a rank runs on its device. A GPU is each rank's own. A calibrated CPU
+// is shared by the local ranks: each of w runs its kernels on
+// max(1, threads / w) of the calibration's threads (run_local's budget),
+// priced at the rates measured on that many; when w exceeds the threads,
+// each thread gets threads / w of a core. Memory bandwidth is shared w
+// ways. (A calibration that recorded no thread counts prices kernels on all
+// threads, shared w ways.)
+struct DeviceShare {
+  int threads = 0;               // the rank's kernels' threads (0: all)
+  double compute = 1.0;          // times the compute-bound kernels' time on them
+  double memory = 1.0;           // times memory-bound work's time at the whole device's rate
+
+  static DeviceShare of(const MachineRates& rates, int64_t world) {
+    if (!rates.shared_by_local_ranks) return {};
+    const double w = static_cast<double>(world);
+    if (rates.threads <= 0) return {0, w, w};
+    const int threads = static_cast<int>(std::max<int64_t>(1, rates.threads / world));
+    return {threads, std::max(1.0, w * threads / rates.threads), w};
+  }
+};
+
 struct Shapes {
   const GPTConfig& m;
   int64_t B, T, N;  // micro-batch sequences, tokens each, rows
   int64_t tp;
   bool sp;
   TensorGridShape grid;  // ranks() 1: 1D
-  double share;  // how many ranks share the device
+  DeviceShare share;
   DType precision;
   const MachineRates& rates;
+};
+
+// One GEMM, C[m, n] = A[m, k] B[k, n], on this rank's share of the device.
+double gemm(const Shapes& s, int64_t m, int64_t n, int64_t k) {
+  return s.share.compute * s.rates.gemm_seconds(m, n, k, s.precision, s.share.threads);
+}
+// Causal attention of `sequences_heads` (sequence, head) pairs.
+double attention(const Shapes& s, double sequences_heads, bool backward) {
+  return s.share.compute * sequences_heads *
+         s.rates.attention_seconds(s.T, s.m.head_dim(), backward, s.precision, s.share.threads);
+}
+
+// One linear layer's GEMMs for N rows: forward (N, out, in), and backward's
+// input gradient (N, in, out) and weight gradient (out, in, N).
+struct Linear {
+  int64_t in = 0, out = 0;
+  double forward(const Shapes& s, int64_t N) const { return gemm(s, N, out, in); }
+  double backward(const Shapes& s, int64_t N, bool weight_gradient) const {
+    return gemm(s, N, in, out) + (weight_gradient ? gemm(s, out, in, N) : 0.0);
+  }
 };
 
 // A tensor-parallel collective of the whole [N, C] activation.
@@ -108,9 +139,7 @@ RankGroup grid_token(const TensorGridShape& g) { return {g.q * g.depth, g.ranks(
 
 // Bytes-bound work: read plus written bytes at the device's copy rate, on
 // this rank's share of the device.
-double memory_seconds(const Shapes& s, double bytes) { return s.share * bytes / s.rates.memory_bytes_per_s; }
-// Compute-bound work timed on a whole device, on this rank's share of it.
-double device_seconds(const Shapes& s, double seconds) { return s.share * seconds; }
+double memory_seconds(const Shapes& s, double bytes) { return s.share.memory * bytes / s.rates.memory_bytes_per_s; }
 
 // A grid's linear layer of `out` x `in` (global) on its n = N / (q depth)
 // token rows (SummaLinear, CubeLinear): forward and backward GEMMs and
@@ -133,12 +162,11 @@ std::pair<Cost, Cost> grid_linear_cost(const Shapes& s, int64_t out, int64_t in,
     // the column.
     const auto row = over(grid_row(s.grid)), column = over(grid_column(s.grid));
     const double panels = column(Collective::all_gather, o * i / static_cast<double>(q));
-    f.compute_s = device_seconds(s, static_cast<double>(q) * s.rates.gemm_seconds(n, out / q, in / q, s.precision));
+    f.compute_s = static_cast<double>(q) * gemm(s, n, out / q, in / q);
     const int R = grid_row(s.grid).size, K = grid_column(s.grid).size;
     f.communication_s = f.issue({{Collective::all_gather, K, panels},
                                  {Collective::reduce_scatter, R, row(Collective::reduce_scatter, rows * o)}});
-    b.compute_s = device_seconds(s, static_cast<double>(q) * (s.rates.gemm_seconds(n, in / q, out / q, s.precision) +
-                                                              (weight_gradient ? s.rates.gemm_seconds(out / q, in / q, n, s.precision) : 0.0)));
+    b.compute_s = static_cast<double>(q) * (gemm(s, n, in / q, out / q) + (weight_gradient ? gemm(s, out / q, in / q, n) : 0.0));
     b.communication_s =
         b.issue({{Collective::all_gather, R, row(Collective::all_gather, rows * o)},
                  {Collective::all_gather, K, panels},
@@ -156,15 +184,14 @@ std::pair<Cost, Cost> grid_linear_cost(const Shapes& s, int64_t out, int64_t in,
   const auto output_axis = over(entering ? grid_column(s.grid) : grid_row(s.grid));
   const auto depth = over(grid_depth(s.grid));
   const double weight = depth(Collective::all_gather, o * i / static_cast<double>(q * q));
-  f.compute_s = device_seconds(s, s.rates.gemm_seconds(q * n, out / q, in / q, s.precision));
+  f.compute_s = gemm(s, q * n, out / q, in / q);
   const int In = (entering ? grid_row(s.grid) : grid_column(s.grid)).size;
   const int Out = (entering ? grid_column(s.grid) : grid_row(s.grid)).size;
   const int D = grid_depth(s.grid).size;
   f.communication_s = f.issue({{Collective::all_gather, In, input_axis(Collective::all_gather, rows * i)},
                                {Collective::all_gather, D, weight},
                                {Collective::reduce_scatter, Out, output_axis(Collective::reduce_scatter, rows * o)}});
-  b.compute_s = device_seconds(s, s.rates.gemm_seconds(q * n, in / q, out / q, s.precision) +
-                                      (weight_gradient ? s.rates.gemm_seconds(out / q, in / q, q * n, s.precision) : 0.0));
+  b.compute_s = gemm(s, q * n, in / q, out / q) + (weight_gradient ? gemm(s, out / q, in / q, q * n) : 0.0);
   b.communication_s =
       b.issue({{Collective::all_gather, Out, output_axis(Collective::all_gather, rows * o)},
                {Collective::all_gather, D, weight},
@@ -180,7 +207,7 @@ std::pair<Cost, Cost> grid_linear_cost(const Shapes& s, int64_t out, int64_t in,
 // [n] vectors, backward [n, 2]).
 std::pair<Cost, Cost> grid_block_cost(const Shapes& s, bool recompute) {
   const GPTConfig& m = s.m;
-  const int64_t C = m.n_embd, q = s.grid.q, hs = m.head_dim(), I = m.intermediate();
+  const int64_t C = m.n_embd, q = s.grid.q, I = m.intermediate();
   const int64_t n = s.N / (q * s.grid.depth);
   const bool swiglu = m.mlp == MlpKind::swiglu;
   Cost forward, backward;
@@ -196,10 +223,8 @@ std::pair<Cost, Cost> grid_block_cost(const Shapes& s, bool recompute) {
   const double sequences_heads = static_cast<double>(s.B / (q * s.grid.depth) * (m.n_head / q));
   const double rows = static_cast<double>(n);
   const double elementwise = kF32 * rows * (10.0 * static_cast<double>(C / q) + (swiglu ? 3.0 : 2.0) * static_cast<double>(I / q));
-  forward.compute_s += device_seconds(s, sequences_heads * s.rates.attention_seconds(s.T, hs, false, s.precision)) +
-                       memory_seconds(s, elementwise);
-  backward.compute_s += device_seconds(s, sequences_heads * s.rates.attention_seconds(s.T, hs, true, s.precision)) +
-                        memory_seconds(s, 2.0 * elementwise);
+  forward.compute_s += attention(s, sequences_heads, false) + memory_seconds(s, elementwise);
+  backward.compute_s += attention(s, sequences_heads, true) + memory_seconds(s, 2.0 * elementwise);
   const double statistics = m.norm == NormKind::layernorm ? 2.0 : 1.0;
   forward.communication_s +=
       2.0 * statistics *
@@ -226,8 +251,8 @@ std::pair<Cost, Cost> block_cost(const Shapes& s, bool recompute) {
   const Linear layers[] = {{C, q / t + 2 * kv}, {q / t, C}, {C, (swiglu ? 2 : 1) * I / t}, {I / t, C}};
   // Causal attention of this rank's heads over the micro-batch's sequences.
   const double sequences_heads = static_cast<double>(s.B * (m.n_head / t));
-  const double attention_forward = sequences_heads * s.rates.attention_seconds(s.T, hs, false, s.precision);
-  const double attention_backward = sequences_heads * s.rates.attention_seconds(s.T, hs, true, s.precision);
+  const double attention_forward = attention(s, sequences_heads, false);
+  const double attention_backward = attention(s, sequences_heads, true);
   // Memory-bound kernels, fp32 elements read plus written per row: each norm
   // 2 C, each residual add 3 C (on N / tp rows under sequence parallelism),
   // and the MLP's activation (GELU 2 I, SwiGLU 3 I) on this rank's columns.
@@ -235,8 +260,8 @@ std::pair<Cost, Cost> block_cost(const Shapes& s, bool recompute) {
   const double elementwise = kF32 * (rows * 10.0 * static_cast<double>(C) +
                                      static_cast<double>(s.N) * (swiglu ? 3.0 : 2.0) * static_cast<double>(I / t));
   Cost forward;
-  for (const Linear& l : layers) forward.compute_s += device_seconds(s, l.forward(s.rates, s.N, s.precision));
-  forward.compute_s += device_seconds(s, attention_forward) + memory_seconds(s, elementwise);
+  for (const Linear& l : layers) forward.compute_s += l.forward(s, s.N);
+  forward.compute_s += attention_forward + memory_seconds(s, elementwise);
   // Attention's and the MLP's outputs are summed over the tensor-parallel
   // ranks; under sequence parallelism their inputs are all-gathered and the
   // outputs reduce-scattered instead.
@@ -251,8 +276,8 @@ std::pair<Cost, Cost> block_cost(const Shapes& s, bool recompute) {
     forward.communication_s = 2.0 * forward.issue(Collective::all_reduce, s.tp, tp_collective(s, Collective::all_reduce), 2);
   }
   Cost backward;
-  for (const Linear& l : layers) backward.compute_s += device_seconds(s, l.backward(s.rates, s.N, s.precision, trained));
-  backward.compute_s += device_seconds(s, attention_backward) + memory_seconds(s, 2.0 * elementwise);
+  for (const Linear& l : layers) backward.compute_s += l.backward(s, s.N, trained);
+  backward.compute_s += attention_backward + memory_seconds(s, 2.0 * elementwise);
   // Each collective's backward is its dual (an all-gather's a
   // reduce-scatter), the same buffers in reverse order.
   backward.communication_s = forward.communication_s;
@@ -313,8 +338,8 @@ std::pair<Cost, Cost> head_cost(const Shapes& s) {
   // Logits written, then read by the softmax and overwritten by their
   // gradient; the final norm's 2 C per row.
   const double bytes = kF32 * (3.0 * static_cast<double>(s.N * V) + 2.0 * static_cast<double>(s.N * C));
-  Cost forward{device_seconds(s, head.forward(s.rates, s.N, s.precision)) + memory_seconds(s, bytes), 0.0, {}};
-  Cost backward{device_seconds(s, head.backward(s.rates, s.N, s.precision, trained)) + memory_seconds(s, bytes), 0.0, {}};
+  Cost forward{head.forward(s, s.N) + memory_seconds(s, bytes), 0.0, {}};
+  Cost backward{head.backward(s, s.N, trained) + memory_seconds(s, bytes), 0.0, {}};
   // Vocabulary-parallel cross-entropy: the rows' max [N], then their sums
   // [N, 2].
   const RankGroup tp = RankGroup::consecutive(static_cast<int>(s.tp));
@@ -345,7 +370,7 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
                  layout.tp,
                  layout.sequence_parallel,
                  tensor_grid_shape(layout.tp_mode, layout.tp, layout.tp_depth),
-                 rates.shared_by_local_ranks ? static_cast<double>(world) : 1.0,
+                 DeviceShare::of(rates, world),
                  precision,
                  rates};
   StepTimePrediction p;

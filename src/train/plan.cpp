@@ -218,11 +218,11 @@ MemoryOptions plan_memory_options(const Config& cfg, const TrainPlan& p) {
 
 // memory.chunk_bytes against the largest parameter, which a chunk holds
 // whole: the rule is on the capacity plan_memory will use (chunk_capacity).
-void check_chunk_bytes(const Config& cfg, const TrainPlan& p, const ParamLayout& layout) {
-  const int64_t chunk_bytes = p.options.memory.chunk_bytes;
+void check_chunk_bytes(const Config& cfg, const StepMemoryOptions& step, int64_t dp, const ParamLayout& layout) {
+  const int64_t chunk_bytes = step.memory.chunk_bytes;
   if (chunk_bytes == 0) return;
-  const int64_t element = static_cast<int64_t>(dtype_size(p.options.zero.precision));
-  const int64_t capacity = chunk_capacity(chunk_bytes, p.options.zero.precision, static_cast<int>(p.dp));
+  const int64_t element = static_cast<int64_t>(dtype_size(step.precision));
+  const int64_t capacity = chunk_capacity(chunk_bytes, step.precision, static_cast<int>(dp));
   const ParamSpec* largest = &layout.param(0);
   for (const ParamSpec& spec : layout.params())
     if (spec.numel() > largest->numel()) largest = &spec;
@@ -233,28 +233,23 @@ void check_chunk_bytes(const Config& cfg, const TrainPlan& p, const ParamLayout&
                       str("set memory.chunk_bytes >= ", largest->numel() * element, ", or 0 (searched)"));
 }
 
-// Whether the model state and the step fit the memory budgets under the
-// placement the chunk manager will start from, from shapes alone (memory.h,
-// plan_memory): a run that cannot fit fails here, before anything is
-// allocated. Throws plan_memory's Error, which names the tier, what it needs
-// and its budget.
-void check_memory_fits(const Config& cfg, const TrainPlan& p) {
+}  // namespace
+
+void check_memory_policy_fits(const Config& cfg, const GPTConfig& model, const Layout& layout,
+                              const StepMemoryOptions& step, const std::vector<std::string>& freeze,
+                              const TierBytes& budgets) {
   // GPT's constructor declares the layout and allocates no parameters.
-  const GPT whole(p.model);
-  check_chunk_bytes(cfg, p, whole.layout());
+  const GPT whole(model);
+  check_chunk_bytes(cfg, step, layout.dp, whole.layout());
   // What the step holds on the device besides the chunk stores, which
   // plan_memory places itself: the planner's memory model, the one the
   // layout search uses (activations, temporaries, LoRA's frozen base).
-  StepMemoryOptions step;
-  step.precision = p.options.zero.precision;
-  step.bucket_bytes = p.options.zero.bucket_bytes;
-  step.memory = p.options.memory;
-  const double beside_chunks = device_bytes_beside_chunks(layout_problem_of(cfg, p.model), layout_of(cfg), step);
+  const double beside_chunks = device_bytes_beside_chunks(layout_problem_of(cfg, model), layout, step);
   // Parameters train.freeze freezes besides the model's own stay out of the
   // chunks too: on the device in the working precision, and below fp32 two
   // groups of them at a time also in fp32 while acquired (FrozenParamStore).
-  const std::vector<bool> frozen = frozen_params(whole.layout(), p.options.freeze);
-  const int64_t precision_bytes = static_cast<int64_t>(dtype_size(p.options.zero.precision));
+  const std::vector<bool> frozen = frozen_params(whole.layout(), freeze);
+  const int64_t precision_bytes = static_cast<int64_t>(dtype_size(step.precision));
   std::vector<int64_t> frozen_per_group(static_cast<size_t>(whole.layout().num_groups()), 0);
   int64_t frozen_bytes = 0;
   for (size_t id = 0; id < frozen.size(); ++id) {
@@ -264,10 +259,27 @@ void check_memory_fits(const Config& cfg, const TrainPlan& p) {
       frozen_per_group[static_cast<size_t>(param.group)] += param.numel();
     }
   }
-  if (p.options.zero.precision != DType::f32) {
+  if (step.precision != DType::f32) {
     std::sort(frozen_per_group.rbegin(), frozen_per_group.rend());
     for (size_t g = 0; g < std::min<size_t>(2, frozen_per_group.size()); ++g) frozen_bytes += 4 * frozen_per_group[g];
   }
+  const bool any_frozen = std::find(frozen.begin(), frozen.end(), true) != frozen.end();
+  plan_memory(any_frozen ? trainable_layout(whole.layout(), frozen) : whole.layout(), step.memory, step.precision,
+              static_cast<int>(layout.dp), static_cast<int64_t>(std::ceil(beside_chunks)) + frozen_bytes, budgets);
+}
+
+namespace {
+
+// Whether the model state and the step fit the memory budgets under the
+// placement the chunk manager will start from, from shapes alone (memory.h,
+// plan_memory): a run that cannot fit fails here, before anything is
+// allocated. Throws plan_memory's Error, which names the tier, what it needs
+// and its budget.
+void check_memory_fits(const Config& cfg, const TrainPlan& p) {
+  StepMemoryOptions step;
+  step.precision = p.options.zero.precision;
+  step.bucket_bytes = p.options.zero.bucket_bytes;
+  step.memory = p.options.memory;
   auto budget = [&](std::string_view key) {
     return static_cast<int64_t>(std::min(cfg.get_bytes(key), static_cast<size_t>(std::numeric_limits<int64_t>::max())));
   };
@@ -275,10 +287,7 @@ void check_memory_fits(const Config& cfg, const TrainPlan& p) {
   budgets[Tier::device] = budget("memory.device_budget");
   budgets[Tier::host] = budget("memory.host_budget");
   budgets[Tier::nvme] = std::numeric_limits<int64_t>::max();
-  const bool any_frozen = std::find(frozen.begin(), frozen.end(), true) != frozen.end();
-  plan_memory(any_frozen ? trainable_layout(whole.layout(), frozen) : whole.layout(), p.options.memory,
-              p.options.zero.precision, static_cast<int>(p.dp),
-              static_cast<int64_t>(std::ceil(beside_chunks)) + frozen_bytes, budgets);
+  check_memory_policy_fits(cfg, p.model, layout_of(cfg), step, p.options.freeze, budgets);
 }
 
 }  // namespace

@@ -186,6 +186,9 @@ void print_search(const LayoutSearch& s, int64_t top, std::ostream& out) {
   if (s.too_large > 0)
     out << "  " << s.too_large << " do not fit: the smallest of their device peaks is "
         << format_bytes(s.too_large_least_peak) << "\n";
+  if (s.policy_refused > 0)
+    out << "  " << s.policy_refused << " refused by loom train's check of the chunk stores (memory.policy), e.g. "
+        << s.policy_refused_example << "\n";
   out << s.ranked.size() << " fit";
   if (s.ranked.empty()) {
     out << "\n";
@@ -236,8 +239,15 @@ LayoutSearch search_layouts(const Config& cfg, const MachineRates& rates, int64_
   // candidate order, so the result does not depend on the thread count.
   struct Priced {
     double peak = 0.0;
+    std::string policy_refusal;  // check_memory_policy_fits' error
     StepTimePrediction time;
   };
+  TierBytes budgets;
+  budgets[Tier::device] = static_cast<int64_t>(
+      std::min(device_budget, static_cast<double>(std::numeric_limits<int64_t>::max() / 4)));
+  budgets[Tier::host] = static_cast<int64_t>(
+      std::min(cfg.get_bytes("memory.host_budget"), static_cast<size_t>(std::numeric_limits<int64_t>::max())));
+  budgets[Tier::nvme] = std::numeric_limits<int64_t>::max();
   std::vector<Priced> priced(valid.size());
   std::exception_ptr failure;
 #pragma omp parallel for schedule(dynamic)
@@ -246,8 +256,16 @@ LayoutSearch search_layouts(const Config& cfg, const MachineRates& rates, int64_
       const Layout& layout = *valid[i];
       const StepMemoryOptions memory = step_memory_options(cfg, problem, layout);
       priced[i].peak = worst_device_peak(predict_step_memory(problem, layout, memory));
-      if (priced[i].peak <= device_budget)
-        priced[i].time = predict_step_time(problem, layout, memory.precision, rates, memory.bucket_bytes);
+      if (priced[i].peak > device_budget) continue;
+      if (layout.memory_policy != MemoryPolicy::none) {
+        try {
+          check_memory_policy_fits(cfg, problem.model, layout, memory, {}, budgets);
+        } catch (const Error& e) {
+          priced[i].policy_refusal = e.what();
+          continue;
+        }
+      }
+      priced[i].time = predict_step_time(problem, layout, memory.precision, rates, memory.bucket_bytes);
     } catch (...) {
 #pragma omp critical
       if (!failure) failure = std::current_exception();
@@ -258,6 +276,10 @@ LayoutSearch search_layouts(const Config& cfg, const MachineRates& rates, int64_
     if (priced[i].peak > device_budget) {
       ++s.too_large;
       s.too_large_least_peak = std::min(s.too_large_least_peak, priced[i].peak);
+      continue;
+    }
+    if (!priced[i].policy_refusal.empty()) {
+      if (s.policy_refused++ == 0) s.policy_refused_example = priced[i].policy_refusal;
       continue;
     }
     s.ranked.push_back({.layout = *valid[i], .time = priced[i].time, .device_peak = priced[i].peak});

@@ -1,6 +1,7 @@
 // MachineRates: pricing GEMMs and collectives, the rates file (calibrations
 // and the shipped hardware descriptions), and a small real calibration.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -54,6 +55,27 @@ TEST(MachineRates, GemmTimeInterpolatesInLogSpaceAndClampsToTheGrid) {
   hw.gemm.clear();
   hw.gemm_efficiency = 0.5;
   EXPECT_DOUBLE_EQ(hw.gemm_seconds(100, 200, 300), flops(100, 200, 300) / 2.5e11);
+}
+
+// A rank on t threads is priced by the samples measured at the thread count
+// nearest t (by ratio; 0 asks for all of them). Samples without a count
+// (older calibrations) stand for the machine's threads.
+TEST(MachineRates, GemmTimeUsesTheSamplesOfTheNearestThreadCount) {
+  MachineRates r;
+  r.threads = 4;
+  for (int threads : {1, 4})
+    for (int64_t m : {64, 1024})
+      for (int64_t n : {64, 1024})
+        for (int64_t k : {64, 1024}) r.gemm.push_back({m, n, k, 1e9 * threads, threads});
+  const double flops = 2.0 * 100 * 200 * 300;
+  EXPECT_NEAR(r.gemm_seconds(100, 200, 300, DType::f32, 1) * 1e9 / flops, 1.0, 1e-12);
+  EXPECT_NEAR(r.gemm_seconds(100, 200, 300, DType::f32, 4) * 4e9 / flops, 1.0, 1e-12);
+  EXPECT_NEAR(r.gemm_seconds(100, 200, 300) * 4e9 / flops, 1.0, 1e-12);
+  EXPECT_NEAR(r.gemm_seconds(100, 200, 300, DType::f32, 3) * 4e9 / flops, 1.0, 1e-12);  // 4/3 is nearer than 3
+  EXPECT_NEAR(r.gemm_seconds(100, 200, 300, DType::f32, 2) * 1e9 / flops, 1.0, 1e-12);  // a tie goes to the fewer
+  for (GemmSample& g : r.gemm)
+    if (g.threads == 4) g.threads = 0;
+  EXPECT_NEAR(r.gemm_seconds(100, 200, 300, DType::f32, 4) * 4e9 / flops, 1.0, 1e-12);
 }
 
 TEST(MachineRates, AttentionTimeIsMeasuredOrPricedAtItsProductsRate) {
@@ -203,11 +225,16 @@ TEST(Calibration, MeasuresEveryRateOnASmallGrid) {
   o.attention_head_dims = {8, 16};
   o.groups = {2};
   o.memory_bytes = 1 << 20;
+  o.threads = {1, 2};
   std::vector<std::string> lines;
   o.progress = [&](const std::string& line) { lines.push_back(line); };
   const MachineRates r = calibrate_machine(o);
-  ASSERT_EQ(r.gemm.size(), 8u);
-  for (const GemmSample& g : r.gemm) EXPECT_GT(g.flops_per_s, 0.0);
+  ASSERT_EQ(r.gemm.size(), 16u);  // each shape on 1 and on 2 threads
+  for (const GemmSample& g : r.gemm) {
+    EXPECT_GT(g.flops_per_s, 0.0);
+    EXPECT_TRUE(g.threads == 1 || g.threads == 2);
+  }
+  EXPECT_EQ(r.threads, omp_get_max_threads());
   EXPECT_GT(r.peak_flops_fp32, 0.0);
   EXPECT_GT(r.memory_bytes_per_s, 0.0);
   EXPECT_GT(r.device_memory_bytes, 0.0);
@@ -218,20 +245,23 @@ TEST(Calibration, MeasuresEveryRateOnASmallGrid) {
     EXPECT_GE(c.cost.latency_s, 0.0);
   }
   EXPECT_GT(r.intra_node.bytes_per_s, 0.0);
-  ASSERT_EQ(r.attention.size(), 4u);
+  ASSERT_EQ(r.attention.size(), 8u);
   for (const AttentionSample& a : r.attention) {
     EXPECT_GT(a.forward_s, 0.0);
     EXPECT_GT(a.backward_s, 0.0);
   }
-  // gemm, attention, memory, collectives; and a warning when the machine
-  // was busy as it began.
+  // gemm and attention on each thread count, memory, collectives; and a
+  // warning when the machine was busy as it began.
   const auto warnings = std::count_if(lines.begin(), lines.end(),
                                       [](const std::string& l) { return l.starts_with("warning: the load average"); });
-  EXPECT_EQ(lines.size() - static_cast<size_t>(warnings), 4u);
+  EXPECT_EQ(lines.size() - static_cast<size_t>(warnings), 6u);
   // What calibrate measured, the planner reads back.
   testing::TempDir dir;
   save_machine_rates(r, dir.path() / "c.json");
-  EXPECT_EQ(load_machine_rates(dir.path() / "c.json").gemm.size(), 8u);
+  const MachineRates back = load_machine_rates(dir.path() / "c.json");
+  EXPECT_EQ(back.gemm.size(), 16u);
+  EXPECT_EQ(back.threads, r.threads);
+  EXPECT_EQ(back.gemm_seconds(64, 64, 64, DType::f32, 1), r.gemm_seconds(64, 64, 64, DType::f32, 1));
 }
 
 }  // namespace

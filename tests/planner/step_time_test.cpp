@@ -193,6 +193,28 @@ TEST(StepTime, ACollectiveCrossingNodesRunsOnTheInterNodeLink) {
   EXPECT_NEAR(crossing / (2 * (b / 2) * (1 / 1e9 - 1 / 1e10)), 1.0, 1e-9);
 }
 
+// On a calibrated CPU of 2 threads, a single rank runs its kernels on both
+// (here 1.5x one thread's rate); two ranks run on one thread each; four
+// share two threads' worth, half a thread each. Each rank's GEMMs are
+// priced at the rate measured on its own thread count.
+TEST(StepTime, LocalRanksRunOnTheirShareOfTheCalibratedThreads) {
+  const LayoutProblem pr = problem();
+  MachineRates r = flat_rates();
+  r.shared_by_local_ranks = true;
+  r.threads = 2;
+  for (int threads : {1, 2})
+    for (int64_t m : {1, 100000})
+      for (int64_t n : {1, 100000})
+        for (int64_t k : {1, 100000}) r.gemm.push_back({m, n, k, threads == 1 ? 1e9 : 1.5e9, threads});
+  const double single = predict_step_time(pr, Layout{.micro_batch = 2}, DType::f32, r, 1 << 20).compute_s;
+  const double dp2 = predict_step_time(pr, Layout{.dp = 2, .micro_batch = 2}, DType::f32, r, 1 << 20).compute_s;
+  const double dp4 = predict_step_time(pr, Layout{.dp = 4, .micro_batch = 2}, DType::f32, r, 1 << 20).compute_s;
+  // A rank of dp w does 1/w of the work at its rate: 1.5 / w of the single
+  // rank's time at one thread, twice that at half a thread.
+  EXPECT_NEAR(dp2 / single, 1.5 / 2, 1e-12);
+  EXPECT_NEAR(dp4 / single, 1.5 / 4 * 2, 1e-12);
+}
+
 TEST(StepTime, LocalRanksSharingTheDeviceEachGetAShare) {
   const LayoutProblem pr = problem();
   MachineRates r = flat_rates();

@@ -129,7 +129,8 @@ TEST(PlanCommand, SearchAccountsForEveryCandidateAndRanksWhatFitsByTime) {
   EXPECT_GT(s.too_large_least_peak, budget);
   ASSERT_FALSE(s.ranked.empty());
   EXPECT_GT(s.equivalent, 0);
-  EXPECT_EQ(rejected + s.equivalent + s.too_large + static_cast<int64_t>(s.ranked.size()), s.candidates);
+  EXPECT_EQ(rejected + s.equivalent + s.too_large + s.policy_refused + static_cast<int64_t>(s.ranked.size()),
+            s.candidates);
 
   for (size_t i = 0; i < s.ranked.size(); ++i) {
     const RankedLayout& r = s.ranked[i];
@@ -174,6 +175,40 @@ TEST(PlanCommand, SearchAccountsForEveryCandidateAndRanksWhatFitsByTime) {
     EXPECT_CONTAINS(out, rate_text(s.ranked[i].time));
   }
   EXPECT_EQ(out.find("  4. "), std::string::npos);
+}
+
+// A memory policy's chunk stores can fit by the memory model's peak and
+// still be refused by loom train, whose check counts the chunk manager's
+// working buffers all at once (plan_memory). The search holds such layouts
+// to that check, so nothing it ranks is refused: here a statically placed
+// dp2 ZeRO-3 run at its own predicted peak as the budget.
+TEST(PlanCommand, SearchRanksNoMemoryPolicyLayoutThatTrainRefuses) {
+  const Config base = tiny({"model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.vocab_size=1024",
+                            "data.vocab_size=1024", "model.block_size=64", "train.seq_len=64",
+                            "train.batch_size=16"});
+  const Layout chunked{.dp = 2, .micro_batch = 1, .zero_stage = 3, .recompute = true,
+                       .memory_policy = MemoryPolicy::fixed};
+  const LayoutProblem problem = layout_problem_of(base, model_config_from(base));
+  StepMemoryOptions memory;
+  memory.memory.policy = MemoryPolicy::fixed;
+  memory.memory.micro_batches = problem.global_batch / (chunked.dp * chunked.micro_batch);
+  const double budget = std::floor(worst_device_peak(predict_step_memory(problem, chunked, memory)));
+  Config cfg = base;
+  cfg.set_override(str("memory.device_budget=", static_cast<int64_t>(budget)));
+  EXPECT_CONTAINS(error_of([&] { plan_training(with_layout(cfg, chunked)); }), "cannot fit this model");
+
+  const LayoutSearch s = search_layouts(cfg, h100(), 2, budget);
+  EXPECT_GT(s.policy_refused, 0);
+  EXPECT_CONTAINS(s.policy_refused_example, "cannot fit this model");
+  ASSERT_FALSE(s.ranked.empty());
+  for (const RankedLayout& r : s.ranked) {
+    EXPECT_FALSE(layout_settings(r.layout) == layout_settings(chunked));
+    EXPECT_NO_THROW(plan_training(with_layout(cfg, r.layout))) << ::testing::PrintToString(layout_settings(r.layout));
+  }
+  EXPECT_CONTAINS(plan_output(cfg, {.rates = {.hardware = LOOM_SOURCE_DIR "/hardware/h100-sxm.json"},
+                                    .search = true,
+                                    .ranks = 2}),
+                  str(s.policy_refused, " refused by loom train's check of the chunk stores"));
 }
 
 // --nodes plans a cluster of a hardware file's machines: the config's layout
