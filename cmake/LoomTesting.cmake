@@ -8,7 +8,10 @@ include(GoogleTest)
 # ASYNC_STREAMS registers every test case a second time, named
 # `<test>.async_streams` and labelled `async` only, with the CPU backend's streams
 # on worker threads of their own (LOOM_CPU_STREAMS=async): a missing
-# synchronization between the host and the device's work fails there.
+# synchronization between the host and the device's work fails there. The
+# directory's tests also get the label `streams_twinned`, so the test command's
+# whole-suite pass under LOOM_CPU_STREAMS=async can leave out the cases that
+# ran in that mode already.
 function(loom_add_test_suite name)
   cmake_parse_arguments(ARG "ASYNC_STREAMS" "" "SOURCES;LABELS;ENVIRONMENT" ${ARGN})
   add_executable(${name} ${ARG_SOURCES})
@@ -25,5 +28,6 @@ function(loom_add_test_suite name)
                          PROPERTIES LABELS async ENVIRONMENT "${ARG_ENVIRONMENT}"
                                     ENVIRONMENT_MODIFICATION LOOM_CPU_STREAMS=set:async
                          DISCOVERY_TIMEOUT 60)
+    set_property(DIRECTORY APPEND PROPERTY LABELS streams_twinned)
   endif()
 endfunction()

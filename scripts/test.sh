@@ -16,12 +16,16 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WERROR=ON -DLOOM_
 cmake --build build -j "$jobs"
 (cd build && ctest --output-on-failure --no-tests=error -j "$jobs" --timeout 600)
 # The whole suite once more with asynchronous CPU streams (include/loom/device.h):
-# a missing synchronization shows up as a wrong result. Tests already registered
-# in that mode (label async), the MPI launches and the GPU tests are left out.
-(cd build && LOOM_CPU_STREAMS=async ctest --output-on-failure --no-tests=error -j "$jobs" -LE "async|mpi|gpu" --timeout 600)
+# a missing synchronization shows up as a wrong result. Suites that register
+# every case in that mode already (labels async and streams_twinned), the MPI
+# launches and the GPU tests are left out.
+(cd build && LOOM_CPU_STREAMS=async ctest --output-on-failure --no-tests=error -j "$jobs" \
+  -LE "async|streams_twinned|mpi|gpu" --timeout 600)
 
-cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_WERROR=ON -DLOOM_SANITIZE=ON \
-  -DLOOM_BUILD_TESTS=ON -DLOOM_BUILD_BENCH=OFF
+# -O1 with line tables only: the sanitizers need no more to name the line of a
+# fault, and it compiles more than twice as fast as -O2 -g.
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
+  -DLOOM_WERROR=ON -DLOOM_SANITIZE=ON -DLOOM_BUILD_TESTS=ON -DLOOM_BUILD_BENCH=OFF
 cmake --build build-asan -j "$jobs"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --output-on-failure --no-tests=error -j "$jobs" -L unit --timeout 900)

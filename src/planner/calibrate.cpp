@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
 
 #include <omp.h>
 
@@ -222,6 +224,31 @@ std::string cpu_description() {
   return str(model, ", ", omp_get_max_threads(), " threads");
 }
 
+// The share of the CPUs' time spent outside idle over `window`
+// (/proc/stat), before this process starts its own work; nothing where
+// /proc/stat cannot be read.
+std::optional<double> busy_share(std::chrono::milliseconds window) {
+  const auto sample = []() -> std::optional<std::pair<double, double>> {
+    std::ifstream stat("/proc/stat");
+    std::string cpu;
+    double user, nice, system, idle, iowait, irq, softirq, steal;
+    if (!(stat >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal) || cpu != "cpu")
+      return std::nullopt;
+    return std::pair{user + nice + system + idle + iowait + irq + softirq + steal, idle + iowait};
+  };
+  const auto before = sample();
+  std::this_thread::sleep_for(window);
+  const auto after = sample();
+  if (!before || !after || after->first <= before->first) return std::nullopt;
+  return 1.0 - (after->second - before->second) / (after->first - before->first);
+}
+
+std::string percent(double share) {
+  char text[16];
+  std::snprintf(text, sizeof text, "%.0f%%", 100.0 * share);
+  return text;
+}
+
 double physical_memory_bytes() {
   return static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGE_SIZE));
 }
@@ -235,19 +262,15 @@ MachineRates calibrate_machine(const CalibrationOptions& options) {
   ::gethostname(host, sizeof(host) - 1);
   // Rates measured on a busy machine are too slow, often by far (OpenMP
   // threads that lose their cores wait for each other at every barrier), so
-  // a calibration says how busy the machine was when it began.
-  double load = 0.0;
-  const bool have_load = ::getloadavg(&load, 1) == 1;
-  const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
-  char load_text[32];
-  std::snprintf(load_text, sizeof load_text, "%.2f", load);
+  // a calibration says how busy the machine was as it began.
+  const std::optional<double> busy = busy_share(std::chrono::milliseconds(500));
   MachineRates rates;
   rates.description = str("calibrated on ", host, " (", cpu_description(), ")",
-                          have_load ? str(", load average ", load_text, " on ", cores, " cores at the start")
-                                    : std::string());
-  if (have_load && load > 0.5 * static_cast<double>(cores))
-    report(options, str("warning: the load average is ", load_text, " on ", cores,
-                        " cores, so these rates will be too slow; calibrate again when the machine is quiet"));
+                          busy ? str(", ", percent(*busy), " busy with other work at the start") : std::string());
+  if (busy && *busy > 0.25)
+    report(options, str("warning: the CPUs were ", percent(*busy),
+                        " busy with other work, so these rates will be too slow; calibrate again when the machine "
+                        "is quiet"));
   rates.threads = omp_get_max_threads();
   for (int threads : thread_counts(options))
     on_threads(threads, [&] {

@@ -7,9 +7,9 @@
 
 #include <map>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "loom/planner.h"
@@ -31,6 +31,34 @@ MachineRates hand_built_rates() {
   r.intra_node = {1e-5, 1e10};
   r.inter_node = {1e-5, 1e9};
   return r;
+}
+
+// True when `s` is a run of one or more decimal digits.
+bool all_digits(std::string_view s) {
+  return !s.empty() && s.find_first_not_of("0123456789") == std::string_view::npos;
+}
+
+// A compute span is "<module> forward|backward" with module embedding, h.<i>
+// or head (std::regex is avoided: GCC 12 warns inside it under -O2 with
+// sanitizers).
+bool is_compute_name(std::string_view name) {
+  const size_t space = name.rfind(' ');
+  if (space == std::string_view::npos) return false;
+  const std::string_view module = name.substr(0, space), pass = name.substr(space + 1);
+  if (pass != "forward" && pass != "backward") return false;
+  if (module == "embedding" || module == "head") return true;
+  return module.starts_with("h.") && all_digits(module.substr(2));
+}
+
+// A collective span is "<op> (<bytes>)".
+bool is_communication_name(std::string_view name) {
+  const size_t open = name.find(" (");
+  if (open == std::string_view::npos || !name.ends_with(')')) return false;
+  const std::string_view op = name.substr(0, open);
+  if (op != "all_reduce" && op != "reduce_scatter" && op != "all_gather" && op != "recv") {
+    return false;
+  }
+  return all_digits(name.substr(open + 2, name.size() - open - 3));
 }
 
 MachineRates h100() { return load_machine_rates(LOOM_SOURCE_DIR "/hardware/h100-sxm.json"); }
@@ -102,8 +130,6 @@ void check_trace(const LayoutProblem& pr, const Layout& l, const MachineRates& r
   EXPECT_EQ(static_cast<int64_t>(t.events.size()), world);
   EXPECT_EQ(static_cast<int64_t>(t.names.size()), world);
   const double step_us = p.step_s * 1e6, tolerance = 1e-9 * step_us;
-  const std::regex compute(R"((embedding|h\.\d+|head) (forward|backward))");
-  const std::regex communication(R"((all_reduce|reduce_scatter|all_gather|recv) \(\d+\))");
   for (int rank = 0; rank < world; ++rank) {
     SCOPED_TRACE(testing::Message() << "rank " << rank);
     EXPECT_EQ(t.names.at(rank), "rank " + std::to_string(rank));
@@ -146,10 +172,10 @@ void check_trace(const LayoutProblem& pr, const Layout& l, const MachineRates& r
     // The measured trace's names.
     for (const Event& e : events) {
       if (e.cat == "compute") {
-        EXPECT_TRUE(std::regex_match(e.name, compute)) << e.name;
+        EXPECT_TRUE(is_compute_name(e.name)) << e.name;
       }
       if (e.cat == "communication") {
-        EXPECT_TRUE(std::regex_match(e.name, communication)) << e.name;
+        EXPECT_TRUE(is_communication_name(e.name)) << e.name;
       }
       if (e.cat == "optimizer") {
         EXPECT_TRUE(e.name == "gradient check" || e.name == "clip and update") << e.name;
