@@ -1,8 +1,10 @@
 // Shared by the benchmarks: a wall clock and the median of timings; the copy bandwidth and weight
 // bytes per token the decode benchmarks' memory-bandwidth bound is made of; running the PyTorch side
-// of a comparison. The GEMM baseline every ratio is quoted against is cpu::measure_sgemm_gflops
-// (loom/kernels.h).
+// of a comparison; a directory for the NVMe tier. The GEMM baseline every ratio is quoted against is
+// cpu::measure_sgemm_gflops (loom/kernels.h).
 #pragma once
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -10,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -85,5 +88,33 @@ inline double json_number(const std::string& output, const std::string& key) {
   if (at == std::string::npos) throw Error("bench: no " + key + " in the PyTorch side's output:\n" + output);
   return std::strtod(output.c_str() + at + key.size() + 4, nullptr);
 }
+
+// The directory the NVMe tier uses: `arg`, which must exist, or for "-" a
+// fresh ./loom-nvme-bench-<pid>, removed with everything in it at the end.
+class NvmeDir {
+ public:
+  explicit NvmeDir(const std::string& arg) {
+    if (arg != "-") {
+      path_ = arg;
+      if (!std::filesystem::is_directory(path_))
+        throw Error(str("NVMe directory ", path_, " does not exist; create it or pass - for ./loom-nvme-bench-<pid>"));
+      return;
+    }
+    path_ = std::filesystem::current_path() / str("loom-nvme-bench-", ::getpid());
+    std::filesystem::create_directory(path_);
+    owned_ = true;
+  }
+  ~NvmeDir() {
+    std::error_code ec;
+    if (owned_) std::filesystem::remove_all(path_, ec);
+  }
+  NvmeDir(const NvmeDir&) = delete;
+  NvmeDir& operator=(const NvmeDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+  bool owned_ = false;
+};
 
 }  // namespace loom::bench

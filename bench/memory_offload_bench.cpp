@@ -82,34 +82,6 @@ struct Settings {
 
 std::string bytes(double b) { return format_bytes(b); }
 
-// The directory the NVMe tier uses; a default one is made here and removed
-// with everything in it at the end.
-class NvmeDir {
- public:
-  explicit NvmeDir(const std::string& arg) {
-    if (arg != "-") {
-      path_ = arg;
-      if (!fs::is_directory(path_))
-        throw Error(str("NVMe directory ", path_, " does not exist; create it or pass - for ./loom-nvme-bench-<pid>"));
-      return;
-    }
-    path_ = fs::current_path() / str("loom-nvme-bench-", ::getpid());
-    fs::create_directory(path_);
-    owned_ = true;
-  }
-  ~NvmeDir() {
-    std::error_code ec;
-    if (owned_) fs::remove_all(path_, ec);
-  }
-  NvmeDir(const NvmeDir&) = delete;
-  NvmeDir& operator=(const NvmeDir&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-  bool owned_ = false;
-};
-
 // What the budgets are made of, from the model's shapes.
 struct Budgets {
   int num_chunks = 0;
@@ -149,18 +121,6 @@ Budgets budgets_for(const GPTConfig& cfg, const fs::path& nvme_dir) {
   return b;
 }
 
-TierTraffic operator-(const TierTraffic& a, const TierTraffic& b) {
-  TierTraffic d;
-  for (size_t f = 0; f < kNumTiers; ++f)
-    for (size_t t = 0; t < kNumTiers; ++t) d.moved[f][t] = a.moved[f][t] - b.moved[f][t];
-  return d;
-}
-
-void add(TierTraffic& sum, const TierTraffic& d) {
-  for (size_t f = 0; f < kNumTiers; ++f)
-    for (size_t t = 0; t < kNumTiers; ++t) sum.moved[f][t] += d.moved[f][t];
-}
-
 void add_difference(NvmeStats& sum, const NvmeStats& after, const NvmeStats& before) {
   sum.reads += after.reads - before.reads;
   sum.writes += after.writes - before.writes;
@@ -197,7 +157,7 @@ class Run {
     const MemoryReport before = report();
     step_s_.push_back(step(mb));
     const MemoryReport after = report();
-    add(moved_, after.traffic - before.traffic);
+    moved_ += after.traffic - before.traffic;
     add_difference(io_, after.nvme, before.nvme);
   }
   MemoryReport report() const {
@@ -289,7 +249,7 @@ int main(int argc, char** argv) {
     if (s.disk_bytes == 0) throw Error("disk_MiB = 0: the throughput baseline needs at least 1 MiB");
     if (s.B < 1 || s.T < 1) throw Error(str("B = ", s.B, ", T = ", s.T, " must be positive"));
 
-    const NvmeDir nvme(dir_arg);
+    const bench::NvmeDir nvme(dir_arg);
     const Budgets b = budgets_for(s.model, nvme.path());
     const double tokens = static_cast<double>(s.B * s.T);
     std::printf(

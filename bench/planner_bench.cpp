@@ -3,16 +3,20 @@
 //   planner_bench [steps] [calibration.json]
 //
 // Calibrates the machine first (loom calibrate's measurements, in the same
-// run, unless a calibration file is given), then for each layout of a small
-// GPT on local ranks: the predicted step time (predict_step_time) and its
-// split, the measured step time (the slowest rank's, median over `steps`
-// timed steps after a warm-up step), and predicted / measured. The summary
-// is the median and the worst absolute error over the layouts (the issue's
-// targets: median <= 10%, none worse than 20%).
+// run, with the NVMe rates of ./loom-nvme-bench-<pid>, unless a calibration
+// file is given), then for each layout of a small GPT on local ranks: the
+// predicted step time (predict_step_time) and its split, the measured step
+// time (the slowest rank's, median over `steps` timed steps after a warm-up
+// step), and predicted / measured. The summary is the median and the worst
+// absolute error over the layouts (the targets: median <= 10%, none
+// worse than 20%).
 //
 // Every layout goes through plan_training (its config is the layout's
 // settings over configs/tiny-test.toml-like keys), so only valid layouts run,
-// and trains the same global batch.
+// and trains the same global batch. The offloaded layouts (memory.policy)
+// place their chunks on the host, or on NVMe in ./loom-nvme-bench-<pid>
+// (removed at the end; left out when a given calibration has no NVMe
+// rates).
 //
 //   planner_bench --published
 //
@@ -24,6 +28,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -46,10 +51,14 @@ struct Case {
   std::string name;
   Layout layout;
   DType precision = DType::f32;
+  std::vector<std::string> memory = {};  // memory.* settings besides the policy
+  bool nvme = false;                     // memory.nvme_dir: the bench's directory
 };
 
 std::vector<Case> cases() {
   using S = PipelineSchedule;
+  const MemoryPolicy fixed = MemoryPolicy::fixed;
+  const std::vector<std::string> half = {"memory.offload_param_frac=0.5", "memory.offload_optim_frac=0.5"};
   return {
       {"single", {.micro_batch = 2}},
       {"single recompute", {.micro_batch = 2, .recompute = true}},
@@ -71,13 +80,24 @@ std::vector<Case> cases() {
       {"2d tp4", {.tp = 4, .tp_mode = TensorParallelMode::two_d, .micro_batch = 2}},
       {"2.5d tp8", {.tp = 8, .tp_mode = TensorParallelMode::two_and_half_d, .tp_depth = 2, .micro_batch = 4}},
       {"3d tp8", {.tp = 8, .tp_mode = TensorParallelMode::three_d, .micro_batch = 4}},
+      // Offloaded state: half the chunks' parameters and optimizer state
+      // off the device, moved every micro-batch (eight) or once (one).
+      {"offload host", {.micro_batch = 2, .memory_policy = fixed}, DType::f32, half},
+      {"offload host bf16", {.micro_batch = 2, .memory_policy = fixed}, DType::bf16, half},
+      {"offload host mb16", {.micro_batch = 16, .memory_policy = fixed}, DType::f32, half},
+      {"offload nvme", {.micro_batch = 2, .memory_policy = fixed}, DType::f32, half, true},
+      {"offload nvme mb16", {.micro_batch = 16, .memory_policy = fixed}, DType::f32, half, true},
+      {"dp2 offload host", {.dp = 2, .micro_batch = 2, .zero_stage = 3, .memory_policy = fixed}, DType::f32, half},
+      {"offload auto", {.micro_batch = 2, .memory_policy = MemoryPolicy::automatic}},
   };
 }
 
-TrainPlan plan_of(const Case& c) {
+TrainPlan plan_of(const Case& c, const std::filesystem::path& nvme_dir) {
   Config cfg(loom_schema());
   for (const std::string& s : kModel) cfg.set_override(s);
   for (const std::string& s : layout_settings(c.layout)) cfg.set_override(s);
+  for (const std::string& s : c.memory) cfg.set_override(s);
+  if (c.nvme) cfg.set_override(str("memory.nvme_dir=", nvme_dir.string()));
   cfg.set_override(str("precision=", c.precision == DType::f32 ? "fp32" : "bf16"));
   return plan_training(cfg);
 }
@@ -92,9 +112,9 @@ void print_published_runs() {
   std::vector<double> ratios;
   for (const PublishedRun& r : published_runs()) {
     const MachineRates rates = load_machine_rates(str(LOOM_BENCH_SOURCE_DIR, "/hardware/", r.hardware));
-    const StepTimePrediction p = predict_step_time(r.problem, r.layout, r.precision, rates, int64_t(25) << 20);
     StepMemoryOptions memory;
     memory.precision = r.precision;
+    const StepTimePrediction p = predict_step_time(r.problem, r.layout, memory, rates);
     double peak = 0.0;
     for (const RankMemory& m : predict_step_memory(r.problem, r.layout, memory))
       peak = std::max(peak, m.peak(Tier::device));
@@ -123,6 +143,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: planner_bench [steps >= 1] [calibration.json] | planner_bench --published\n");
     return 2;
   }
+  const bench::NvmeDir nvme("-");
   MachineRates rates;
   if (argc > 2) {
     rates = load_machine_rates(argv[2]);
@@ -130,26 +151,35 @@ int main(int argc, char** argv) {
     std::printf("calibrating this machine\n");
     CalibrationOptions o;
     o.progress = [](const std::string& line) { std::printf("  %s\n", line.c_str()); };
+    o.nvme_dir = nvme.path();
     rates = calibrate_machine(o);
   }
   std::printf("rates: %s\n\n", rates.description.c_str());
 
   const std::vector<int32_t> data = bench::random_tokens(16, 128, 4096);
 
-  std::printf("%-22s %10s %10s %7s | predicted: %8s %8s %8s %8s\n", "layout", "predicted", "measured", "ratio",
-              "compute", "comm", "bubble", "optim");
+  std::printf("%-22s %10s %10s %7s | predicted: %8s %8s %8s %8s %8s\n", "layout", "predicted", "measured", "ratio",
+              "compute", "comm", "bubble", "optim", "transfer");
   std::vector<double> errors;
   for (const Case& c : cases()) {
-    const TrainPlan plan = plan_of(c);
+    if (c.nvme && rates.nvme_read_bytes_per_s <= 0.0) {
+      std::printf("%-22s left out: the calibration has no NVMe rates\n", c.name.c_str());
+      continue;
+    }
+    const TrainPlan plan = plan_of(c, nvme.path());
     const LayoutProblem problem{.model = plan.model, .global_batch = plan.global_batch, .seq_len = plan.seq_len};
-    const StepTimePrediction p =
-        predict_step_time(problem, c.layout, c.precision, rates, plan.options.zero.bucket_bytes);
+    const StepMemoryOptions options{.precision = plan.options.zero.precision,
+                                    .bucket_bytes = plan.options.zero.bucket_bytes,
+                                    .memory = plan.options.memory};
+    const StepTimePrediction p = predict_step_time(problem, c.layout, options, rates);
     const double measured = bench::measure_planned_step(plan, data, steps);
     const double ratio = p.step_s / measured;
     errors.push_back(std::abs(ratio - 1.0));
-    std::printf("%-22s %8.1fms %8.1fms %7.3f | %8.1fms %6.1fms %6.1fms %6.1fms\n", c.name.c_str(), p.step_s * 1e3,
-                measured * 1e3, ratio, p.compute_s * 1e3, p.communication_s * 1e3, p.bubble_s * 1e3,
-                p.optimizer_s * 1e3);
+    std::printf("%-22s %8.1fms %8.1fms %7.3f | %8.1fms %6.1fms %6.1fms %6.1fms %6.1fms\n", c.name.c_str(),
+                p.step_s * 1e3, measured * 1e3, ratio, p.compute_s * 1e3, p.communication_s * 1e3,
+                p.bubble_s * 1e3, p.optimizer_s * 1e3, p.transfer_s * 1e3);
+    if (const std::string moved = describe(p.traffic.bytes()); !moved.empty())
+      std::printf("%-22s moves per step and rank: %s\n", "", moved.c_str());
     std::fflush(stdout);
   }
   std::printf("\nstep time: median |predicted/measured - 1| = %.3f (target <= 0.10), worst = %.3f (target <= 0.20) "

@@ -278,7 +278,13 @@ struct TierTraffic {
   std::array<std::array<int64_t, kNumTiers>, kNumTiers> moved{};
   int64_t& at(Tier from, Tier to) { return moved[static_cast<size_t>(from)][static_cast<size_t>(to)]; }
   int64_t at(Tier from, Tier to) const { return moved[static_cast<size_t>(from)][static_cast<size_t>(to)]; }
+  TierTraffic& operator+=(const TierTraffic& o);
+  TierTraffic& operator-=(const TierTraffic& o);
+  friend TierTraffic operator-(TierTraffic a, const TierTraffic& b) { return a -= b; }
+  friend bool operator==(const TierTraffic&, const TierTraffic&) = default;
 };
+// "host->device 12.00 MiB, nvme->host 2.00 MiB": the pairs that moved any.
+std::string describe(const TierTraffic& t);
 
 // Where the bytes of one rank live.
 struct MemoryReport {

@@ -329,6 +329,16 @@ MachineRates calibrate_machine(const CalibrationOptions& options);
 // Step time
 // ---------------------------------------------------------------------------
 
+// What a layout leaves open that changes a step's memory and time.
+struct StepMemoryOptions {
+  DType precision = DType::f32;           // zero.precision
+  int64_t bucket_bytes = int64_t(25) << 20;  // zero.bucket_bytes
+  // Chunk placement (memory.*): its policy is Layout::memory_policy, the
+  // rest (offload fractions, chunk size, prefetch, NVMe directory,
+  // micro_batches) is read from here.
+  MemoryOptions memory;
+};
+
 // One micro-batch's forward and backward seconds on each virtual stage, and
 // the seconds an activation (or its gradient) takes from one rank to the next.
 struct PipelineCosts {
@@ -355,17 +365,58 @@ struct PipelineTimeline {
 PipelineTimeline simulate_pipeline(PipelineSchedule schedule, int stages, int micro_batches, int chunks,
                                    const PipelineCosts& costs);
 
+// Moves between tiers, [from][to]: their bytes, and how many there are
+// (copies and NVMe requests, each paying a latency).
+struct TierMoves {
+  TierTraffic bytes, count;
+};
+
+// One rank's traffic between tiers in one training step under a memory
+// policy, as the chunk manager moves it: its bytes are what the step adds
+// to MemoryReport::traffic, to the byte. Split by phase: forward and
+// backward of every micro-batch (`model`), and the optimizer step with
+// what follows it (`update`: auto's placement after its warm-up step); and
+// by whether the code waits for a move as it issues it (`waited`: a chunk
+// fetched at its acquire, a gradient written out, the update's staging, a
+// copy that an all-gather's issue synchronizes, an NVMe read it blocks on)
+// or starts it ahead of the work that needs it (`ahead`: a prefetched
+// chunk's copy on one rank or its NVMe read, the update's NVMe reads of
+// later chunks, every NVMe write behind).
+struct StepTraffic {
+  struct Phase {
+    TierMoves waited, ahead;
+  };
+  int dp_rank = 0;
+  Phase model, update;
+  TierTraffic bytes() const;  // all four parts' bytes
+};
+
+// Every rank's StepTraffic in step `step` (counted from 1) of a run,
+// counted during the memory model's replay of the chunk stores
+// (predict_step_memory's, with its placement): the first step learns the
+// chunks' order, so nothing is prefetched, and auto places the state after
+// it; the second moves auto's parameters to the device at their first use;
+// from the third on every step moves the same. Under memory.policy =
+// "none" nothing moves (the ZeRO stores keep everything on the device).
+// predict_step_memory's assumption holds here too: auto's budgets hold every
+// chunk on the device, so from its third step nothing moves.
+std::vector<StepTraffic> predict_step_traffic(const LayoutProblem& problem, const Layout& layout,
+                                              const StepMemoryOptions& options, int step);
+
 // The predicted step of a layout on a machine, for its busiest rank.
 struct StepTimePrediction {
   double compute_s = 0.0;        // forward, backward and recompute work
   double communication_s = 0.0;  // exposed: tp/sp collectives, pipeline sends, dp/ZeRO not hidden by compute
   double bubble_s = 0.0;         // pipeline idle, sends included
-  double transfer_s = 0.0;       // host/NVMe traffic of offloaded state
+  double transfer_s = 0.0;       // exposed: host/NVMe traffic of offloaded state
   double optimizer_s = 0.0;      // gradient norm, AdamW and its collectives
   double step_s = 0.0;
   double tokens_per_s = 0.0;
   double mfu = 0.0;  // model FLOPs (planner.h's count) over the step's peak FLOPs
   PipelineTimeline pipeline;
+  // Under a memory policy, the steady step's traffic of the rank whose
+  // transfers are exposed longest (the one transfer_s is of).
+  StepTraffic traffic;
 };
 
 // One collective of a predicted step: the ranks of its group, and its
@@ -386,6 +437,14 @@ struct PredictedModule {
   std::vector<PredictedCollective> collectives;
 };
 
+// Seconds of a memory policy's moves between tiers on the two resources
+// that run them: the copy engine (host <-> device, or memory copies where
+// the device is the host) and the disk (NVMe reads and writes).
+struct TransferSeconds {
+  double copy_s = 0.0, disk_s = 0.0;
+  double total() const { return copy_s + disk_s; }
+};
+
 // The pieces predict_step_time sums to a step, for its timeline
 // (predict_step_trace).
 struct StepPieces {
@@ -403,6 +462,10 @@ struct StepPieces {
   // StepTimePrediction::optimizer_s: the gradient norm's read of the
   // gradients, then the update.
   double gradient_check_s = 0.0, update_s = 0.0;
+  // A memory policy's exposed moves (their sum is
+  // StepTimePrediction::transfer_s): the forward and backward's beyond the
+  // pipeline's work, and the update's beyond the optimizer's.
+  TransferSeconds model_moves, update_moves;
 };
 
 // Prices every piece of a step with `rates`: each GEMM by its rank-local
@@ -410,11 +473,24 @@ struct StepPieces {
 // kernels by the bytes they read and write, each collective by its alpha-beta
 // cost over its group, and the pipeline by simulating its schedule. Local
 // ranks that share the device (rates.shared_by_local_ranks) get 1 / ranks of
-// it each. Offloaded state (memory.policy static/auto) is priced at zero
-// transfer time: the time model does not yet follow chunk traffic. With
-// `pieces`, also the pieces it sums, one by one.
-StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout& layout, DType precision,
-                                     const MachineRates& rates, int64_t bucket_bytes, StepPieces* pieces = nullptr);
+// it each.
+//
+// Offloaded state (memory.policy static/auto) moves what
+// predict_step_traffic gives for a steady step: between the host and the
+// device at rates.host_device (its latency per move), or, where the device
+// is the host (no host_device link: a calibrated CPU), as memory copies
+// that read and write every byte at memory_bytes_per_s on the rank's share;
+// NVMe reads and writes at the NVMe rates, the disk shared by the node's
+// ranks. What the code waits for is exposed; what it starts ahead runs
+// beside its phase's work (forward and backward, or the optimizer) on the
+// copy engine or the disk, and only what outlasts that work is exposed. On
+// a CPU no copy is hidden: the CPU backend's (default, synchronous) streams
+// run a copy on the rank's thread as it is issued; only NVMe I/O overlaps.
+// Throws Error when a layout moves NVMe bytes and the rates have no NVMe
+// figures. With `pieces`, also the pieces it sums, one by one.
+StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout& layout,
+                                     const StepMemoryOptions& options, const MachineRates& rates,
+                                     StepPieces* pieces = nullptr);
 
 // The predicted step as a timeline of every world rank (DeviceMesh order: pp
 // outermost, then dp, tp innermost), in the measured trace's terms
@@ -426,17 +502,20 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
 // "<op> (<group size>)" inside, spread evenly through its compute; ZeRO-3's
 // gather before each; the time a rank waits for a neighbour's activation or
 // gradient idle, its last PipelineCosts::transfer_s "recv (<pp>)"), then,
-// from the pipeline's makespan on every rank, 2.5D's depth reduction, the
-// exposed data-parallel reduction, and the optimizer's "gradient check" and
-// "clip and update". Ranks of one pipeline stage share their spans.
+// from the pipeline's makespan on every rank, a memory policy's exposed
+// moves of the forward and backward (category transfer: the copies'
+// "chunk move", the disk's "nvme read", as the chunk manager names its
+// moves), 2.5D's depth reduction, the exposed data-parallel reduction, and
+// the optimizer's "gradient check", the update's exposed moves and "clip
+// and update". Ranks of one pipeline stage share their spans.
 struct PredictedTrace {
   StepTimePrediction prediction;
   std::vector<std::vector<TraceSpan>> ranks;  // per world rank, in ticks
   double ticks_per_us = 1e3;                  // fine enough for pieces well under a nanosecond
   std::string json() const { return chrome_trace_json(ranks, ticks_per_us); }
 };
-PredictedTrace predict_step_trace(const LayoutProblem& problem, const Layout& layout, DType precision,
-                                  const MachineRates& rates, int64_t bucket_bytes);
+PredictedTrace predict_step_trace(const LayoutProblem& problem, const Layout& layout,
+                                  const StepMemoryOptions& options, const MachineRates& rates);
 
 // A training run a publication reports, to hold the time model's what-if
 // against: the model and layout as published, the machine (a file in
@@ -473,16 +552,6 @@ std::filesystem::path default_calibration_path();
 // ---------------------------------------------------------------------------
 // Memory model
 // ---------------------------------------------------------------------------
-
-// What a layout leaves open that changes a step's memory.
-struct StepMemoryOptions {
-  DType precision = DType::f32;           // zero.precision
-  int64_t bucket_bytes = int64_t(25) << 20;  // zero.bucket_bytes
-  // Chunk placement (memory.*): its policy is Layout::memory_policy, the
-  // rest (offload fractions, chunk size, prefetch, micro_batches) is read
-  // from here.
-  MemoryOptions memory;
-};
 
 // One named part of a peak: the bytes of the tensors of one kind live then.
 struct MemoryTerm {

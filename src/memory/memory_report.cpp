@@ -12,6 +12,30 @@ std::string throughput(int64_t bytes, double seconds) {
 
 }  // namespace
 
+TierTraffic& TierTraffic::operator+=(const TierTraffic& o) {
+  for (size_t f = 0; f < kNumTiers; ++f)
+    for (size_t t = 0; t < kNumTiers; ++t) moved[f][t] += o.moved[f][t];
+  return *this;
+}
+
+TierTraffic& TierTraffic::operator-=(const TierTraffic& o) {
+  for (size_t f = 0; f < kNumTiers; ++f)
+    for (size_t t = 0; t < kNumTiers; ++t) moved[f][t] -= o.moved[f][t];
+  return *this;
+}
+
+std::string describe(const TierTraffic& t) {
+  std::string out;
+  for (int from = 0; from < kNumTiers; ++from)
+    for (int to = 0; to < kNumTiers; ++to) {
+      const int64_t bytes = t.at(static_cast<Tier>(from), static_cast<Tier>(to));
+      if (bytes == 0) continue;
+      out += str(out.empty() ? "" : ", ", tier_name(static_cast<Tier>(from)), "->", tier_name(static_cast<Tier>(to)),
+                 " ", format_bytes(static_cast<double>(bytes)));
+    }
+  return out;
+}
+
 MemoryReport allocator_report() {
   MemoryReport r;
   for (int t = 0; t < kNumTiers; ++t) {
@@ -60,15 +84,7 @@ std::string describe(const MemoryReport& r) {
     if (largest != r.traced_modules.end()) out += str(" (largest at ", largest->first, ")");
     out += "\n";
   }
-  std::string moved;
-  for (int from = 0; from < kNumTiers; ++from)
-    for (int to = 0; to < kNumTiers; ++to) {
-      const int64_t bytes = r.traffic.at(static_cast<Tier>(from), static_cast<Tier>(to));
-      if (bytes == 0) continue;
-      moved += str(moved.empty() ? "" : ", ", tier_name(static_cast<Tier>(from)), "->",
-                   tier_name(static_cast<Tier>(to)), " ", format_bytes(static_cast<double>(bytes)));
-    }
-  if (!moved.empty()) out += str("  moved: ", moved, "\n");
+  if (const std::string moved = describe(r.traffic); !moved.empty()) out += str("  moved: ", moved, "\n");
   std::string io;
   if (r.nvme.reads > 0)
     io = str(r.nvme.reads, " reads of ", format_bytes(static_cast<double>(r.nvme.bytes_read)),

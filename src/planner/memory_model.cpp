@@ -468,7 +468,8 @@ RankModel rank_model(const Geometry& geo, const std::vector<LayerRange>& chunks,
 // The chunk stores of a memory policy (memory/chunk_*.cpp) over the
 // trainable layout: payloads where the placement puts them, whole chunks
 // gathered on the device while acquired and prefetched, gradient chunks,
-// and the optimizer's staging.
+// and the optimizer's staging; and every move between tiers the manager
+// counts (ChunkManager::Impl::count), where it counts it.
 // ---------------------------------------------------------------------------
 
 // Budgets that hold every chunk on the device: the planner's assumption for
@@ -591,6 +592,7 @@ class ChunkModel {
     cursor_ = 0;
     recording_ = order_.empty();
     recorded_.clear();
+    phase_ = &traffic_.model;
   }
   void end_step() {
     if (recording_) order_ = recorded_;
@@ -598,12 +600,16 @@ class ChunkModel {
     for (int c = 0; c < chunks_.num_chunks(); ++c)
       if (cs_[static_cast<size_t>(c)].refs == 0 && !cs_[static_cast<size_t>(c)].aliased) drop(c);
   }
+  // The moves counted since the last reset.
+  const StepTraffic& traffic() const { return traffic_; }
+  void reset_traffic() { traffic_ = {}; }
   // ChunkManager::Impl::step: per chunk, the update where its optimizer
   // state lives, with an fp32 gradient buffer per tier, parameters staged
   // there when they live elsewhere, NVMe state read two ahead and written
   // behind, and the rounded parameters stored back.
   void step() {
-    const double S = shard();
+    phase_ = &traffic_.update;
+    const double S = shard(), P = S * w_;
     int grads[kNumTiers] = {-1, -1, -1}, staged[kNumTiers] = {-1, -1, -1};
     std::vector<int> ahead;
     int next_read = 0;
@@ -611,10 +617,14 @@ class ChunkModel {
     for (int c = 0; c < n; ++c) {
       Chunk& s = cs_[static_cast<size_t>(c)];
       if (chunks_.owned(c, rank_).numel() == 0) continue;
+      // A read issued for the chunk about to be updated is waited for at
+      // once; the others run while earlier chunks update.
       for (; next_read < n && ahead.size() < 2; ++next_read)
         if (cs_[static_cast<size_t>(next_read)].optim_tier == Tier::nvme &&
-            chunks_.owned(next_read, rank_).numel() > 0)
+            chunks_.owned(next_read, rank_).numel() > 0) {
           ahead.push_back(tl_.reserve(Tier::host, kTransient, io_bytes(optim_bytes())));
+          count(Tier::nvme, Tier::host, optim_bytes(), next_read != c);
+        }
       const Tier on = s.optim_tier == Tier::device ? Tier::device : Tier::host;
       int state = -1;
       if (s.optim_tier == Tier::nvme) {
@@ -623,6 +633,8 @@ class ChunkModel {
       }
       int& g = grads[static_cast<int>(on)];
       if (g < 0) g = tl_.alloc(on, kTransient, S * kF32);
+      // load: the gradient in the parameters' payload staged where the
+      // update runs (read from NVMe at once into a host buffer first).
       if (reuse_ && s.param_tier != on) {
         int& st = staged[static_cast<int>(on)];
         if (st < 0) st = tl_.alloc(on, kTransient, S * w_);
@@ -630,14 +642,19 @@ class ChunkModel {
           int read = tl_.reserve(Tier::host, kTransient, io_bytes(S * w_));
           tl_.free(read);
         }
+        load(s.param_tier, on, P);
       }
       // publish: rounded into the payload, or through a zeroed buffer on `on`.
       if (s.param_tier != on) {
         int rounded = tl_.alloc(on, kTransient, S * w_);
         if (s.param_tier == Tier::nvme) write_behind(tl_.reserve(Tier::host, kTransient, io_bytes(S * w_)));
+        store(on, s.param_tier, P);
         tl_.free(rounded);
       }
-      if (state >= 0) write_behind(state);
+      if (state >= 0) {
+        write_behind(state);
+        count(Tier::host, Tier::nvme, optim_bytes(), true);
+      }
     }
     for (int& g : grads) tl_.free(g);
     for (int& st : staged) tl_.free(st);
@@ -674,27 +691,39 @@ class ChunkModel {
   // in place, else copies the shard (an NVMe one read ahead into a host
   // buffer); several ranks stage an off-device shard and all-gather the
   // whole chunk.
+  // A prefetch (wait = false) starts the copy or the NVMe read ahead of
+  // use; an NVMe chunk's copy to the device waits for its use. Several
+  // ranks read an NVMe shard at once (read_now), and the all-gather's issue
+  // synchronizes the rank's streams, so their copies are waited for.
   void materialize(int c, bool wait) {
     Chunk& s = cs_[static_cast<size_t>(c)];
     if (s.full >= 0 || s.aliased) return;
     if (opts_.policy == MemoryPolicy::automatic && steps_seen_ > 0 && s.param_tier == Tier::host) cache(s);
-    const double S = shard();
+    const double S = shard(), P = S * w_;
     if (ranks_ == 1) {
       if (s.param_tier == Tier::device) {
         s.aliased = true;
         return;
       }
       if (s.param_tier == Tier::nvme) {
-        if (s.read_buffer < 0) s.read_buffer = tl_.reserve(Tier::host, kTransient, io_bytes(S * w_));
+        if (s.read_buffer < 0) {
+          s.read_buffer = tl_.reserve(Tier::host, kTransient, io_bytes(P));
+          count(Tier::nvme, Tier::host, P, !wait);
+        }
         if (!wait) return;
-        s.full = tl_.alloc(kGathered, S * w_);
+        s.full = tl_.alloc(kGathered, P);
+        count(Tier::host, Tier::device, P, false);
         tl_.free(s.read_buffer);
         return;
       }
-      s.full = tl_.alloc(kGathered, S * w_);
+      s.full = tl_.alloc(kGathered, P);
+      count(Tier::host, Tier::device, P, !wait);
       return;
     }
-    if (s.param_tier != Tier::device) s.staged = tl_.alloc(kGathered, S * w_);
+    if (s.param_tier != Tier::device) {
+      s.staged = tl_.alloc(kGathered, P);
+      load(s.param_tier, Tier::device, P);
+    }
     s.full = tl_.alloc(kGathered, chunk_numel() * w_);
   }
   void drop(int c) {
@@ -713,11 +742,13 @@ class ChunkModel {
       const int moved = tl_.alloc(kMoments, optim_bytes());
       tl_.free(s.optim);
       s.optim = moved;
+      load(s.optim_tier, Tier::device, optim_bytes());
       s.optim_tier = Tier::device;
       if (s.grad_shard >= 0) {
         const int g = tl_.alloc(kGrads, shard() * kF32);
         tl_.free(s.grad_shard);
         s.grad_shard = g;
+        count(Tier::host, Tier::device, shard() * kF32, false);
       }
     }
   }
@@ -725,6 +756,7 @@ class ChunkModel {
     const int moved = tl_.alloc(kParams, shard() * w_);
     tl_.free(s.param);
     s.param = moved;
+    count(s.param_tier, Tier::device, shard() * w_, false);
     s.param_tier = Tier::device;
   }
   // ChunkManager::Impl::reduce: one rank writes the gradient at once,
@@ -760,13 +792,42 @@ class ChunkModel {
     if (reuse_) {
       int rounded = precision_ != DType::f32 ? tl_.alloc(kTransient, S * w_) : -1;
       if (s.param_tier == Tier::nvme) write_behind(tl_.reserve(Tier::host, kTransient, io_bytes(S * w_)));
+      store(Tier::device, s.param_tier, S * w_);
       tl_.free(rounded);
     } else if (s.optim_tier != Tier::device) {
       int moved = tl_.alloc(Tier::host, kTransient, S * kF32);
+      count(Tier::device, Tier::host, S * kF32, false);
       tl_.free(moved);
     }
     tl_.free(s.grad);
     tl_.free(s.reduced);
+  }
+  // ChunkManager::Impl::count: the bytes of one move between tiers, in the
+  // step's phase, waited for or started ahead of use.
+  void count(Tier from, Tier to, double bytes, bool ahead) {
+    if (from == to) return;
+    TierMoves& m = ahead ? phase_->ahead : phase_->waited;
+    m.bytes.at(from, to) += static_cast<int64_t>(bytes);
+    ++m.count.at(from, to);
+  }
+  // load: a payload on `from` copied to tier `to`, an NVMe one read at once
+  // into a host buffer first; the caller waits for both.
+  void load(Tier from, Tier to, double bytes) {
+    if (from == Tier::nvme) {
+      count(Tier::nvme, Tier::host, bytes, false);
+      from = Tier::host;
+    }
+    count(from, to, bytes, false);
+  }
+  // store: bytes on tier `from` copied into a payload on `to`, one on NVMe
+  // through a host buffer whose write runs behind.
+  void store(Tier from, Tier to, double bytes) {
+    if (to != Tier::nvme) {
+      count(from, to, bytes, false);
+      return;
+    }
+    count(from, Tier::host, bytes, false);
+    count(Tier::host, Tier::nvme, bytes, true);
   }
   // write_behind: one NVMe write's buffer stays in flight.
   void write_behind(int buffer) {
@@ -793,6 +854,8 @@ class ChunkModel {
   size_t cursor_ = 0;
   std::vector<int> in_flight_, writes_;
   int steps_seen_ = 0;
+  StepTraffic traffic_;
+  StepTraffic::Phase* phase_ = &traffic_.model;
 };
 
 // ---------------------------------------------------------------------------
@@ -971,6 +1034,11 @@ class StoreModel {
   }
   int stage() const { return stage_; }
   DType precision() const { return w_; }
+  // The chunk stores' moves since the last reset (none without them).
+  StepTraffic traffic() const { return chunk_ ? chunk_->traffic() : StepTraffic{}; }
+  void reset_traffic() {
+    if (chunk_) chunk_->reset_traffic();
+  }
 
  private:
   struct Resident {
@@ -1685,10 +1753,16 @@ std::string RankMemory::describe(Tier t) const {
 
 namespace {
 
-// Every rank's replayed step: the ZeRO stores, or under a memory policy all
-// but the chunk stores.
-std::vector<RankMemory> replay_ranks(const LayoutProblem& problem, const Layout& layout,
-                                     const StepMemoryOptions& options, bool with_chunks) {
+// One rank's replay: the peaks and the chunk stores' moves of its last step.
+struct ReplayedRank {
+  RankMemory memory;
+  StepTraffic traffic;
+};
+
+// Every rank's replay of `steps` steps: the ZeRO stores, or under a memory
+// policy all but the chunk stores, or all.
+std::vector<ReplayedRank> replay_ranks(const LayoutProblem& problem, const Layout& layout,
+                                       const StepMemoryOptions& options, bool with_chunks, int steps) {
   // A memory policy's chunks pack the trainable parameters whole (GPT's
   // constructor declares the layout and allocates nothing); chunk placement
   // runs on dp alone, so the layout is the whole model's.
@@ -1767,8 +1841,14 @@ std::vector<RankMemory> replay_ranks(const LayoutProblem& problem, const Layout&
     return owned;
   };
 
-  std::map<std::vector<int64_t>, std::array<TierPeak, kNumTiers>> replayed;
-  std::vector<RankMemory> out;
+  // Each class's peaks and the chunk stores' moves of its last step (the
+  // moves, too, follow from the elements a rank owns of each chunk).
+  struct Replayed {
+    std::array<TierPeak, kNumTiers> peaks;
+    StepTraffic traffic;
+  };
+  std::map<std::vector<int64_t>, Replayed> replayed;
+  std::vector<ReplayedRank> out;
   for (int rank = 0; rank < pp * dp * tp; ++rank) {
     RankMemory mem;
     mem.pp_stage = rank / (dp * tp);
@@ -1781,19 +1861,29 @@ std::vector<RankMemory> replay_ranks(const LayoutProblem& problem, const Layout&
       Timeline tl;
       StoreModel st(tl, r.model, layout.zero_stage, options.precision, options.bucket_bytes, dp, mem.dp_rank,
                     chunk_layout.get(), memory);
-      // The first step learns ZeRO-3's order; the second is the steady state.
-      replay_step(tl, st, r);
-      tl.reset_peaks();
-      replay_step(tl, st, r);
-      std::array<TierPeak, kNumTiers> peaks;
-      for (Tier t : {Tier::device, Tier::host, Tier::nvme}) peaks[static_cast<size_t>(t)] = tl.peak(t);
-      found = replayed.emplace(key, std::move(peaks)).first;
+      for (int step = 1; step <= steps; ++step) {
+        if (step == steps) {
+          tl.reset_peaks();
+          st.reset_traffic();
+        }
+        replay_step(tl, st, r);
+      }
+      Replayed done;
+      done.traffic = st.traffic();
+      for (Tier t : {Tier::device, Tier::host, Tier::nvme}) done.peaks[static_cast<size_t>(t)] = tl.peak(t);
+      found = replayed.emplace(key, std::move(done)).first;
     }
-    for (int t = 0; t < kNumTiers; ++t) mem.tiers[t] = found->second[static_cast<size_t>(t)];
-    out.push_back(std::move(mem));
+    for (int t = 0; t < kNumTiers; ++t) mem.tiers[t] = found->second.peaks[static_cast<size_t>(t)];
+    StepTraffic traffic = found->second.traffic;
+    traffic.dp_rank = mem.dp_rank;
+    out.push_back({std::move(mem), traffic});
   }
   return out;
 }
+
+// The first step learns ZeRO-3's order and the chunks'; the second is the
+// steady state of the peaks.
+constexpr int kPeakStep = 2;
 
 }  // namespace
 
@@ -1801,13 +1891,33 @@ double device_bytes_beside_chunks(const LayoutProblem& problem, const Layout& la
                                   const StepMemoryOptions& options) {
   LOOM_CHECK(layout.memory_policy != MemoryPolicy::none, "device_bytes_beside_chunks needs a memory policy");
   double most = 0.0;
-  for (const RankMemory& r : replay_ranks(problem, layout, options, false)) most = std::max(most, r.peak(Tier::device));
+  for (const ReplayedRank& r : replay_ranks(problem, layout, options, false, kPeakStep))
+    most = std::max(most, r.memory.peak(Tier::device));
   return most;
 }
 
 std::vector<RankMemory> predict_step_memory(const LayoutProblem& problem, const Layout& layout,
                                             const StepMemoryOptions& options) {
-  return replay_ranks(problem, layout, options, true);
+  std::vector<RankMemory> out;
+  for (ReplayedRank& r : replay_ranks(problem, layout, options, true, kPeakStep)) out.push_back(std::move(r.memory));
+  return out;
+}
+
+std::vector<StepTraffic> predict_step_traffic(const LayoutProblem& problem, const Layout& layout,
+                                              const StepMemoryOptions& options, int step) {
+  LOOM_CHECK(step >= 1, "steps are counted from 1, not ", step);
+  std::vector<StepTraffic> out;
+  for (const ReplayedRank& r : replay_ranks(problem, layout, options, true, step)) out.push_back(r.traffic);
+  return out;
+}
+
+TierTraffic StepTraffic::bytes() const {
+  TierTraffic sum;
+  for (const Phase* p : {&model, &update}) {
+    sum += p->waited.bytes;
+    sum += p->ahead.bytes;
+  }
+  return sum;
 }
 
 }  // namespace loom

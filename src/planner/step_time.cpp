@@ -3,7 +3,8 @@
 // A rank's step is its pipeline's makespan (every micro-batch's forward and
 // backward through its layers, with the tensor-parallel collectives inside
 // them, scheduled by simulate_pipeline), then what data parallelism leaves
-// exposed of the gradient reduction, then the optimizer. Each piece follows
+// exposed of the gradient reduction, then the optimizer, then what a memory
+// policy's moves between tiers leave exposed. Each piece follows
 // what loom's modules do (src/nn, src/zero): the shapes below are the
 // rank-local GEMM shapes of the column/row-parallel layers (or a grid's
 // SUMMA and cube layers), the collectives the ones the layers and stores
@@ -76,18 +77,21 @@ void add_recompute(Cost& backward, const Cost& forward) {
 // priced at the rates measured on that many; when w exceeds the threads,
 // each thread gets threads / w of a core. Memory bandwidth is shared w
 // ways. (A calibration that recorded no thread counts prices kernels on all
-// threads, shared w ways.)
+// threads, shared w ways.) A node's disk serves its ranks' NVMe reads and
+// writes: every local rank of a calibrated CPU, or the GPUs of one node.
 struct DeviceShare {
   int threads = 0;               // the rank's kernels' threads (0: all)
   double compute = 1.0;          // times the compute-bound kernels' time on them
   double memory = 1.0;           // times memory-bound work's time at the whole device's rate
+  double disk = 1.0;             // times NVMe I/O's time at the disk's rate
 
   static DeviceShare of(const MachineRates& rates, int64_t world) {
-    if (!rates.shared_by_local_ranks) return {};
+    if (!rates.shared_by_local_ranks)
+      return {.disk = static_cast<double>(std::min<int64_t>(world, rates.ranks_per_node))};
     const double w = static_cast<double>(world);
-    if (rates.threads <= 0) return {0, w, w};
+    if (rates.threads <= 0) return {0, w, w, w};
     const int threads = static_cast<int>(std::max<int64_t>(1, rates.threads / world));
-    return {threads, std::max(1.0, w * threads / rates.threads), w};
+    return {threads, std::max(1.0, w * threads / rates.threads), w, w};
   }
 };
 
@@ -356,10 +360,53 @@ PredictedModule module_piece(std::string name, const Cost& c) {
   return {std::move(name), c.compute_s, c.communication_s, c.collectives};
 }
 
+// Offloaded state: the seconds moves take on the copy engine and the disk.
+TransferSeconds transfer_seconds(const Shapes& s, const TierMoves& m) {
+  const auto both = [](const TierTraffic& t, Tier a, Tier b) { return static_cast<double>(t.at(a, b) + t.at(b, a)); };
+  const double copied = both(m.bytes, Tier::host, Tier::device);
+  TransferSeconds t;
+  if (s.rates.host_device.bytes_per_s > 0.0) {
+    t.copy_s = both(m.count, Tier::host, Tier::device) * s.rates.host_device.latency_s +
+               copied / s.rates.host_device.bytes_per_s;
+  } else {
+    // The device is the host: a move is a memory copy, every byte read and
+    // written.
+    t.copy_s = memory_seconds(s, 2.0 * copied);
+  }
+  const double read = static_cast<double>(m.bytes.at(Tier::nvme, Tier::host) + m.bytes.at(Tier::nvme, Tier::device));
+  const double written = static_cast<double>(m.bytes.at(Tier::host, Tier::nvme) + m.bytes.at(Tier::device, Tier::nvme));
+  if (read + written > 0.0)
+    t.disk_s = s.share.disk * (read / s.rates.nvme_read_bytes_per_s + written / s.rates.nvme_write_bytes_per_s);
+  return t;
+}
+
+// The exposed seconds of one phase's moves beside `work` seconds of its
+// computation: what the code waits for, and what it started ahead beyond
+// the work that hides it (the copy engine and the disk run beside the
+// computation and each other), counted on the resource that runs longer.
+TransferSeconds exposed_transfers(const Shapes& s, const StepTraffic::Phase& phase, double work) {
+  TransferSeconds waited = transfer_seconds(s, phase.waited);
+  TransferSeconds ahead = transfer_seconds(s, phase.ahead);
+  if (s.rates.host_device.bytes_per_s <= 0.0) {
+    // The CPU backend's synchronous streams run a copy on the rank's thread
+    // as it is issued, prefetch or not.
+    waited.copy_s += ahead.copy_s;
+    ahead.copy_s = 0.0;
+  }
+  const double beyond = std::max(0.0, std::max(ahead.copy_s, ahead.disk_s) - work);
+  (ahead.copy_s >= ahead.disk_s ? waited.copy_s : waited.disk_s) += beyond;
+  return waited;
+}
+
+// From the third step on every step moves the same (predict_step_traffic).
+constexpr int kSteadyStep = 3;
+
 }  // namespace
 
-StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout& layout, DType precision,
-                                     const MachineRates& rates, int64_t bucket_bytes, StepPieces* pieces) {
+StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout& layout,
+                                     const StepMemoryOptions& options, const MachineRates& rates,
+                                     StepPieces* pieces) {
+  const DType precision = options.precision;
   const GPTConfig& m = problem.model;
   const int64_t world = layout.dp * layout.tp * layout.pp;
   const int64_t accumulation = problem.global_batch / (layout.dp * layout.micro_batch);
@@ -476,7 +523,7 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
   // Gradient buckets reduce while the last micro-batch's backward runs; what
   // outlasts it, and at least the last bucket, is exposed.
   const double last_backward = costs.backward_s[busiest];
-  const double buckets = std::max(1.0, trainable * element / static_cast<double>(bucket_bytes));
+  const double buckets = std::max(1.0, trainable * element / static_cast<double>(options.bucket_bytes));
   const double exposed_reduction =
       dp > 1 ? std::max(reduction / buckets, reduction - last_backward) : 0.0;
   p.communication_s += exposed_reduction + gathers;
@@ -507,7 +554,34 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
     pieces->update_s = p.optimizer_s - pieces->gradient_check_s;
   }
 
-  p.step_s = p.pipeline.makespan_s + exposed_reduction + gathers + depth_reduction + p.optimizer_s;
+  // A memory policy's moves between tiers: the forward and backward's
+  // beside the pipeline's work, the update's beside the optimizer's; the
+  // rank that waits longest.
+  if (layout.memory_policy != MemoryPolicy::none) {
+    for (const StepTraffic& t : predict_step_traffic(problem, layout, options, kSteadyStep)) {
+      const TierTraffic bytes = t.bytes();
+      if ((bytes.at(Tier::nvme, Tier::host) + bytes.at(Tier::host, Tier::nvme) > 0) &&
+          (rates.nvme_read_bytes_per_s <= 0.0 || rates.nvme_write_bytes_per_s <= 0.0))
+        throw Error(str("memory.nvme_dir places model state on NVMe, and the machine rates have no NVMe figures "
+                        "to price its reads and writes: run `loom calibrate --nvme-dir DIR` with DIR on the disk "
+                        "of memory.nvme_dir (or give the hardware file an \"nvme\" entry with read_bytes_per_s "
+                        "and write_bytes_per_s)"));
+      const TransferSeconds model = exposed_transfers(s, t.model, p.pipeline.makespan_s);
+      const TransferSeconds update = exposed_transfers(s, t.update, p.optimizer_s);
+      const double exposed = model.total() + update.total();
+      if (exposed >= p.transfer_s) {
+        p.transfer_s = exposed;
+        p.traffic = t;
+        if (pieces) {
+          pieces->model_moves = model;
+          pieces->update_moves = update;
+        }
+      }
+    }
+  }
+
+  p.step_s =
+      p.pipeline.makespan_s + exposed_reduction + gathers + depth_reduction + p.optimizer_s + p.transfer_s;
   p.tokens_per_s = static_cast<double>(problem.global_batch * problem.seq_len) / p.step_s;
   const double peak = (precision != DType::f32 && rates.peak_flops_bf16 > 0 ? rates.peak_flops_bf16
                                                                              : rates.peak_flops_fp32) *

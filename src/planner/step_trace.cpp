@@ -2,8 +2,8 @@
 // model sums (StepPieces), placed where the step runs them and named as a
 // measured trace names the same work (TraceScope's call sites: the modules'
 // "<group> forward" / "<group> backward", the collectives' "<op> (<n>)", the
-// pipeline's receives, the optimizer's two spans), so that a predicted and a
-// measured trace open side by side.
+// pipeline's receives, the optimizer's two spans, the chunk manager's moves
+// between tiers), so that a predicted and a measured trace open side by side.
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -59,6 +59,17 @@ void add_action(std::vector<Span>& out, const std::vector<PredictedModule>& modu
   }
 }
 
+// A phase's exposed moves between tiers from `t` on, which they advance:
+// the model sums a phase's moves rather than placing each, so they show
+// where the phase ends, one span per resource that any time is exposed on.
+void add_moves(std::vector<Span>& out, const TransferSeconds& moves, double& t) {
+  for (const auto& [name, seconds] : {std::pair{"chunk move", moves.copy_s}, std::pair{"nvme read", moves.disk_s}}) {
+    if (seconds <= 0.0) continue;
+    out.push_back({name, TraceCategory::transfer, t, t + seconds, 1});
+    t += seconds;
+  }
+}
+
 // A pipeline action as a rank runs it: when, and how long.
 struct Placed {
   PipelineAction action;
@@ -81,11 +92,11 @@ std::vector<PipelineAction> single_stage_order(const Layout& layout, int micro_b
 
 }  // namespace
 
-PredictedTrace predict_step_trace(const LayoutProblem& problem, const Layout& layout, DType precision,
-                                  const MachineRates& rates, int64_t bucket_bytes) {
+PredictedTrace predict_step_trace(const LayoutProblem& problem, const Layout& layout,
+                                  const StepMemoryOptions& options, const MachineRates& rates) {
   PredictedTrace trace;
   StepPieces pieces;
-  trace.prediction = predict_step_time(problem, layout, precision, rates, bucket_bytes, &pieces);
+  trace.prediction = predict_step_time(problem, layout, options, rates, &pieces);
   const StepTimePrediction& p = trace.prediction;
   const int pp = static_cast<int>(layout.pp);
   const int micro_batches = static_cast<int>(problem.global_batch / (layout.dp * layout.micro_batch));
@@ -142,6 +153,7 @@ PredictedTrace predict_step_trace(const LayoutProblem& problem, const Layout& la
     // Every rank goes on from the makespan: the gradient reductions and the
     // optimizer's norm wait for the slowest stage.
     t = pipeline_end;
+    add_moves(out, pieces.model_moves, t);
     for (const PredictedCollective& c : pieces.after_pipeline) {
       const double end = t + c.seconds;
       out.push_back({collective_span_name(c), TraceCategory::communication, t, end, 1});
@@ -149,7 +161,9 @@ PredictedTrace predict_step_trace(const LayoutProblem& problem, const Layout& la
     }
     const double checked = t + pieces.gradient_check_s;
     out.push_back({"gradient check", TraceCategory::optimizer, t, checked, 1});
-    out.push_back({"clip and update", TraceCategory::optimizer, checked, std::max(checked, p.step_s), 1});
+    t = checked;
+    add_moves(out, pieces.update_moves, t);
+    out.push_back({"clip and update", TraceCategory::optimizer, t, std::max(t, p.step_s), 1});
   }
 
   // Ticks of 1e-15 of the step: far below any piece the model prices.

@@ -145,7 +145,7 @@ void write_predicted_trace(const fs::path& path, const Config& cfg, const Layout
                            const Layout& layout, const MachineRates& rates, const std::string& which,
                            std::ostream& out) {
   const StepMemoryOptions memory = step_memory_options(cfg, problem, layout);
-  const PredictedTrace trace = predict_step_trace(problem, layout, memory.precision, rates, memory.bucket_bytes);
+  const PredictedTrace trace = predict_step_trace(problem, layout, memory, rates);
   write_file_atomic(path, trace.json());
   out << "trace: wrote " << path.string() << ", the predicted step of " << which << " on its "
       << trace.ranks.size() << " ranks (open it beside a measured trace.path in ui.perfetto.dev)\n";
@@ -158,7 +158,7 @@ void print_config_plan(const Config& cfg, const MachineRates& rates, double devi
   const Layout layout = layout_of(cfg);
   const StepMemoryOptions memory = step_memory_options(cfg, problem, layout);
   const std::vector<RankMemory> ranks = predict_step_memory(problem, layout, memory);
-  const StepTimePrediction t = predict_step_time(problem, layout, memory.precision, rates, memory.bucket_bytes);
+  const StepTimePrediction t = predict_step_time(problem, layout, memory, rates);
   out << "layout: " << settings_line(layout) << "\n";
   out << "rates: " << first_sentence(rates.description) << "\n";
   const size_t host = cfg.get_bytes("memory.host_budget");
@@ -171,7 +171,10 @@ void print_config_plan(const Config& cfg, const MachineRates& rates, double devi
     out << "  does not fit: the largest device peak " << format_bytes(worst) << " exceeds the budget\n";
   out << "step time: " << describe_step_time(t) << "\n";
   out << "  compute " << format_seconds(t.compute_s) << ", exposed communication " << format_seconds(t.communication_s)
-      << ", bubble " << format_seconds(t.bubble_s) << ", optimizer " << format_seconds(t.optimizer_s) << "\n";
+      << ", bubble " << format_seconds(t.bubble_s) << ", optimizer " << format_seconds(t.optimizer_s)
+      << ", exposed transfers " << format_seconds(t.transfer_s) << "\n";
+  if (const std::string moved = describe(t.traffic.bytes()); !moved.empty())
+    out << "  offloaded state moves per step (data-parallel rank " << t.traffic.dp_rank << "): " << moved << "\n";
   if (!trace.empty()) write_predicted_trace(trace, cfg, problem, layout, rates, "the config's layout", out);
 }
 
@@ -265,7 +268,7 @@ LayoutSearch search_layouts(const Config& cfg, const MachineRates& rates, int64_
           continue;
         }
       }
-      priced[i].time = predict_step_time(problem, layout, memory.precision, rates, memory.bucket_bytes);
+      priced[i].time = predict_step_time(problem, layout, memory, rates);
     } catch (...) {
 #pragma omp critical
       if (!failure) failure = std::current_exception();

@@ -1,7 +1,9 @@
 // predict_step_memory held to the allocators' high-water marks: each layout
 // trains a tiny model on local ranks for two steps, and the second step's
 // peak per rank and tier (the first learns ZeRO-3's acquisition order and
-// the auto policy's trace) is compared with the prediction.
+// the auto policy's trace) is compared with the prediction. And
+// predict_step_traffic held to the chunk manager's byte counters: each of
+// the first three steps' bytes per rank and pair of tiers, exactly.
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -29,6 +31,7 @@ struct Case {
   bool nvme = false;                                // offloaded payloads on NVMe (memory.nvme_dir)
   float dropout = 0.0f;                             // model.dropout, and LoRA's
   int64_t head_size = 0;                            // model.head_dim
+  int prefetch = 2;                                 // memory.prefetch
 };
 
 // small_gpt's odd vocabulary pads the token table under tp and the ZeRO
@@ -72,6 +75,7 @@ StepMemoryOptions options_of(const Case& c) {
   o.memory.offload_param_frac = c.offload_param;
   o.memory.offload_optim_frac = c.offload_optim;
   o.memory.micro_batches = c.micro_batches;
+  o.memory.prefetch = c.prefetch;
   return o;
 }
 
@@ -308,6 +312,96 @@ TEST_P(MemoryModel, PredictedPeaksAreWithinTwoPercentOfTheAllocators) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MemoryModel, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return test_name(info.param); });
+
+// Each rank's bytes moved between tiers in each of `steps` steps: the
+// chunk manager's cumulative count (MemoryReport::traffic), differenced.
+std::vector<std::vector<TierTraffic>> measure_traffic(const Case& c, int steps) {
+  const Layout& l = c.layout;
+  const GPTConfig cfg = model_of(c);
+  const int world_size = static_cast<int>(l.dp);
+  std::vector<std::vector<TierTraffic>> moved(static_cast<size_t>(world_size));
+  const std::vector<int32_t> data = testing::random_tokens(l.micro_batch * kT + 1, cfg.vocab_size, 7);
+  std::vector<MicroBatch> mbs;
+  for (int64_t m = 0; m < c.micro_batches; ++m) mbs.push_back({data.data(), data.data() + 1, {l.micro_batch, kT}, 0});
+  const TrainOptions opts = train_options(c);
+  run_local(world_size, [&](Communicator& world) {
+    Trainer trainer(cfg, opts, &world);
+    TierTraffic before;
+    for (int step = 0; step < steps; ++step) {
+      trainer.step(mbs);
+      const TierTraffic now = trainer.memory_report().traffic;
+      moved[static_cast<size_t>(world.rank())].push_back(now - before);
+      before = now;
+    }
+  });
+  return moved;
+}
+
+// The chunk stores' layouts, sharded as ZeRO-3 over dp: parameters and
+// optimizer state partly on the host or on NVMe, in fp32 and bf16, with one
+// micro-batch (the gradients overwrite the parameters) or several (gradient
+// shards of their own), prefetching or not; auto, whose warm-up step moves
+// everything through the host and whose second step brings the parameters
+// to the device.
+std::vector<Case> traffic_cases() {
+  std::vector<Case> out;
+  Layout l = dp_layout(1, 3);
+  l.memory_policy = MemoryPolicy::fixed;
+  for (DType precision : {DType::f32, DType::bf16}) {
+    const std::string p = precision == DType::f32 ? " fp32" : " bf16";
+    out.push_back({.name = "static host" + p, .layout = l, .precision = precision, .offload_param = 0.5,
+                   .offload_optim = 0.5});
+    out.push_back({.name = "static nvme" + p, .layout = l, .precision = precision, .offload_param = 0.5,
+                   .offload_optim = 0.5, .nvme = true});
+  }
+  out.push_back({.name = "static host no prefetch", .layout = l, .offload_param = 1.0, .prefetch = 0});
+  out.push_back({.name = "static nvme no prefetch", .layout = l, .offload_param = 1.0, .offload_optim = 1.0,
+                 .nvme = true, .prefetch = 0});
+  out.push_back({.name = "static host accumulate", .layout = l, .offload_param = 0.5, .offload_optim = 1.0,
+                 .micro_batches = 2});
+  out.push_back({.name = "static nvme accumulate bf16", .layout = l, .precision = DType::bf16,
+                 .offload_param = 1.0, .offload_optim = 0.5, .micro_batches = 2, .nvme = true});
+  l.dp = 2;
+  out.push_back({.name = "static dp2 host bf16", .layout = l, .precision = DType::bf16, .offload_param = 0.5,
+                 .offload_optim = 1.0});
+  out.push_back({.name = "static dp2 nvme", .layout = l, .offload_param = 0.5, .offload_optim = 0.5, .nvme = true});
+  l.memory_policy = MemoryPolicy::automatic;
+  out.push_back({.name = "auto dp2 bf16", .layout = l, .precision = DType::bf16});
+  l.dp = 1;
+  out.push_back({.name = "auto fp32", .layout = l});
+  out.push_back({.name = "auto accumulate", .layout = l, .micro_batches = 2});
+  return out;
+}
+
+class ChunkTraffic : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ChunkTraffic, PredictedBytesPerTierPairAreTheManagersToTheByte) {
+  const Case c = GetParam();
+  constexpr int kSteps = 3;
+  const std::vector<std::vector<TierTraffic>> measured = measure_traffic(c, kSteps);
+  for (int step = 1; step <= kSteps; ++step) {
+    const std::vector<StepTraffic> predicted = predict_step_traffic(problem_of(c), c.layout, options_of(c), step);
+    ASSERT_EQ(predicted.size(), measured.size());
+    for (size_t r = 0; r < measured.size(); ++r) {
+      const TierTraffic& m = measured[r][static_cast<size_t>(step - 1)];
+      const TierTraffic p = predicted[r].bytes();
+      std::printf("%-30s rank %zu step %d: predicted %s; measured %s\n", c.name.c_str(), r, step,
+                  describe(p).c_str(), describe(m).c_str());
+      EXPECT_EQ(predicted[r].dp_rank, static_cast<int>(r));
+      EXPECT_TRUE(p == m) << c.name << ", rank " << r << ", step " << step << ": predicted " << describe(p)
+                          << ", measured " << describe(m);
+    }
+  }
+  // Something moves: every layout offloads in its warm-up step, and a
+  // static one in every step.
+  EXPECT_FALSE(measured[0][0] == TierTraffic{});
+  if (c.layout.memory_policy == MemoryPolicy::fixed) {
+    EXPECT_FALSE(measured[0][kSteps - 1] == TierTraffic{});
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ChunkTraffic, ::testing::ValuesIn(traffic_cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return test_name(info.param); });
 
 }  // namespace

@@ -36,7 +36,8 @@ TEST(PublishedRuns, ModelParallelRunsArePredictedWithinAQuarterOfTheirReportedTi
   int checked = 0;
   for (const PublishedRun& r : published_runs()) {
     if (r.layout.zero_stage == 3) continue;
-    const StepTimePrediction p = predict_step_time(r.problem, r.layout, r.precision, rates_of(r), int64_t(25) << 20);
+    const StepMemoryOptions options{.precision = r.precision, .bucket_bytes = int64_t(25) << 20, .memory = {}};
+    const StepTimePrediction p = predict_step_time(r.problem, r.layout, options, rates_of(r));
     EXPECT_LT(std::abs(p.step_s / r.reported_step_s - 1.0), 0.25)
         << r.name << ": predicted " << p.step_s << " s, reported " << r.reported_step_s << " s";
     ++checked;

@@ -5,6 +5,8 @@
 // the same work.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -121,9 +123,11 @@ std::map<std::string, double> split_of(const std::vector<Event>& events) {
 
 // Everything the trace of any layout holds to, checked on `t`, the trace
 // parsed.
-void check_trace(const LayoutProblem& pr, const Layout& l, const MachineRates& rates, Trace& t) {
-  const PredictedTrace predicted = predict_step_trace(pr, l, DType::f32, rates, 1 << 20);
-  const StepTimePrediction p = predict_step_time(pr, l, DType::f32, rates, 1 << 20);
+void check_trace(const LayoutProblem& pr, const Layout& l, const MachineRates& rates, const StepMemoryOptions& o,
+                 Trace& t) {
+  const PredictedTrace predicted = predict_step_trace(pr, l, o, rates);
+  const StepTimePrediction p = predict_step_time(pr, l, o, rates);
+  const bool offloads = l.memory_policy != MemoryPolicy::none;
   EXPECT_EQ(predicted.prediction.step_s, p.step_s);
   t = parse(predicted.json());
   const int64_t world = l.dp * l.tp * l.pp;
@@ -180,13 +184,18 @@ void check_trace(const LayoutProblem& pr, const Layout& l, const MachineRates& r
       if (e.cat == "optimizer") {
         EXPECT_TRUE(e.name == "gradient check" || e.name == "clip and update") << e.name;
       }
-      EXPECT_NE(e.cat, "transfer");
+      if (!offloads) {
+        EXPECT_NE(e.cat, "transfer");
+      } else if (e.cat == "transfer") {
+        EXPECT_TRUE(e.name == "chunk move" || e.name == "nvme read") << e.name;
+      }
       EXPECT_NE(e.cat, "data");
     }
-    // The optimizer ends the step.
+    // The optimizer ends the step (the update's exposed moves, if any,
+    // between its two spans).
     std::vector<const Event*> direct;
     for (const Event& e : events)
-      if (e.depth == 1) direct.push_back(&e);
+      if (e.depth == 1 && e.cat != "transfer") direct.push_back(&e);
     ASSERT_GE(direct.size(), 2u);
     EXPECT_EQ(direct[direct.size() - 2]->name, "gradient check");
     EXPECT_EQ(direct.back()->name, "clip and update");
@@ -203,7 +212,11 @@ void check_trace(const LayoutProblem& pr, const Layout& l, const MachineRates& r
     EXPECT_NEAR(split["communication"], p.communication_s, 1e-9 * p.step_s);
     EXPECT_NEAR(split["bubble"], p.bubble_s, 1e-9 * p.step_s);
     EXPECT_NEAR(split["optimizer"], p.optimizer_s, 1e-9 * p.step_s);
-    EXPECT_EQ(split.count("transfer"), 0u);
+    if (offloads) {
+      EXPECT_NEAR(split["transfer"], p.transfer_s, 1e-9 * p.step_s);
+    } else {
+      EXPECT_EQ(split.count("transfer"), 0u);
+    }
   }
   // Ranks of one pipeline stage play one role.
   for (int64_t rank = 0; rank < world; ++rank) {
@@ -214,9 +227,10 @@ void check_trace(const LayoutProblem& pr, const Layout& l, const MachineRates& r
   }
 }
 
-Trace check_trace(const LayoutProblem& pr, const Layout& l, const MachineRates& rates) {
+Trace check_trace(const LayoutProblem& pr, const Layout& l, const MachineRates& rates,
+                  const StepMemoryOptions& o = {.precision = DType::f32, .bucket_bytes = 1 << 20, .memory = {}}) {
   Trace t;
-  check_trace(pr, l, rates, t);
+  check_trace(pr, l, rates, o, t);
   return t;
 }
 
@@ -355,6 +369,55 @@ TEST(StepTrace, GridCollectivesAreOverTheGridsGroups) {
       hand_built_rates());
   std::vector<std::string> after = names(depth, 5, "communication", 1);
   EXPECT_EQ(after, std::vector<std::string>{"all_reduce (2)"});
+}
+
+// A memory policy's exposed moves between tiers show where their phase
+// ends, as transfer spans named as the chunk manager names its moves: the
+// forward and backward's after the last backward, the update's between the
+// gradient check and the update. Here every parameter and half the
+// optimizer state is off the device and nothing is prefetched, so every
+// phase waits for its copies, and on NVMe for its reads too.
+TEST(StepTrace, OffloadedStateMovesAreTransferSpansWhereTheirPhaseEnds) {
+  MachineRates rates = hand_built_rates();
+  rates.host_device = {1e-6, 1e10};
+  rates.nvme_read_bytes_per_s = 2e9;
+  rates.nvme_write_bytes_per_s = 1e9;
+  const Layout l{.micro_batch = 4, .memory_policy = MemoryPolicy::fixed};
+  for (bool nvme : {false, true}) {
+    SCOPED_TRACE(nvme ? "nvme" : "host");
+    StepMemoryOptions o{.precision = DType::f32, .bucket_bytes = 1 << 20, .memory = {}};
+    o.memory.policy = MemoryPolicy::fixed;
+    o.memory.offload_param_frac = 1.0;
+    o.memory.offload_optim_frac = 0.5;
+    o.memory.prefetch = 0;
+    // Only the directory's existence is checked: nothing runs.
+    if (nvme) o.memory.nvme_dir = std::filesystem::temp_directory_path();
+    StepPieces pieces;
+    const StepTimePrediction p = predict_step_time(problem(), l, o, rates, &pieces);
+    EXPECT_GT(pieces.model_moves.copy_s, 0.0);
+    EXPECT_GT(pieces.update_moves.copy_s, 0.0);
+    EXPECT_EQ(pieces.model_moves.disk_s > 0.0, nvme);
+    EXPECT_NEAR(pieces.model_moves.total() + pieces.update_moves.total(), p.transfer_s, 1e-12 * p.step_s);
+
+    const Trace t = check_trace(problem(), l, rates, o);
+    std::vector<const Event*> direct;
+    for (const Event& e : t.events.at(0))
+      if (e.depth == 1) direct.push_back(&e);
+    const auto check = std::find_if(direct.begin(), direct.end(),
+                                    [](const Event* e) { return e->name == "gradient check"; });
+    ASSERT_NE(check, direct.end());
+    const size_t at = static_cast<size_t>(check - direct.begin());
+    std::vector<std::string> around;
+    for (size_t i = at - (nvme ? 3 : 2); i < direct.size(); ++i) around.push_back(direct[i]->name);
+    std::vector<std::string> expected{"embedding backward", "chunk move"};
+    if (nvme) expected.push_back("nvme read");
+    expected.insert(expected.end(), {"gradient check", "chunk move"});
+    if (pieces.update_moves.disk_s > 0.0) expected.push_back("nvme read");
+    expected.push_back("clip and update");
+    EXPECT_EQ(around, expected);
+    EXPECT_NEAR(direct[at - (nvme ? 2 : 1)]->dur, pieces.model_moves.copy_s * 1e6, 1e-9 * p.step_s * 1e6);
+    EXPECT_NEAR(direct[at + 1]->dur, pieces.update_moves.copy_s * 1e6, 1e-9 * p.step_s * 1e6);
+  }
 }
 
 }  // namespace

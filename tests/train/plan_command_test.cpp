@@ -36,6 +36,13 @@ Config tiny(std::initializer_list<std::string> overrides = {}) {
 // `loom calibrate` saves rates and read back as `loom plan --rates` reads them.
 MachineRates h100() { return load_machine_rates(LOOM_SOURCE_DIR "/hardware/h100-sxm.json"); }
 
+// What the planner's models take of a validated config.
+StepMemoryOptions memory_options_of(const TrainPlan& plan) {
+  return {.precision = plan.options.zero.precision,
+          .bucket_bytes = plan.options.zero.bucket_bytes,
+          .memory = plan.options.memory};
+}
+
 std::string plan_output(const Config& cfg, const PlanCommandOptions& options) {
   std::ostringstream out;
   run_plan(cfg, options, out);
@@ -69,15 +76,11 @@ TEST(PlanCommand, PrintsThePlannersMemoryAndTimeOfTheConfigsLayout) {
   const TrainPlan plan = plan_training(cfg);
   const LayoutProblem problem = layout_problem_of(cfg, plan.model);
   const Layout layout = layout_of(cfg);
-  StepMemoryOptions memory;
-  memory.precision = plan.options.zero.precision;
-  memory.bucket_bytes = plan.options.zero.bucket_bytes;
-  memory.memory = plan.options.memory;
+  const StepMemoryOptions memory = memory_options_of(plan);
   const std::vector<RankMemory> ranks = predict_step_memory(problem, layout, memory);
   ASSERT_EQ(ranks.size(), 4u);
   for (const RankMemory& r : ranks) EXPECT_CONTAINS(out, "device " + format_bytes(r.peak(Tier::device)));
-  const StepTimePrediction t =
-      predict_step_time(problem, layout, memory.precision, load_machine_rates(dir / "rates.json"), memory.bucket_bytes);
+  const StepTimePrediction t = predict_step_time(problem, layout, memory, load_machine_rates(dir / "rates.json"));
   EXPECT_CONTAINS(out, rate_text(t));
   std::string line = "layout: --set";
   for (const std::string& s : layout_settings(layout)) line += " " + s;
@@ -152,8 +155,7 @@ TEST(PlanCommand, SearchAccountsForEveryCandidateAndRanksWhatFitsByTime) {
     memory.memory.policy = r.layout.memory_policy;
     memory.memory.micro_batches = problem.global_batch / (r.layout.dp * r.layout.micro_batch);
     EXPECT_EQ(r.device_peak, worst_device_peak(predict_step_memory(problem, r.layout, memory)));
-    EXPECT_EQ(r.time.step_s,
-              predict_step_time(problem, r.layout, memory.precision, rates, memory.bucket_bytes).step_s);
+    EXPECT_EQ(r.time.step_s, predict_step_time(problem, r.layout, memory, rates).step_s);
   }
 
   const std::string out =
@@ -238,6 +240,34 @@ TEST(PlanCommand, NodesPlansACluster) {
   EXPECT_CONTAINS(e, "pass --hardware FILE");
 }
 
+// Offloaded state: the step's split has the exposed transfers, and the plan
+// says what a step moves between tiers; NVMe traffic needs NVMe rates.
+TEST(PlanCommand, PricesAndPrintsTheTransfersOfOffloadedState) {
+  TempDir dir;
+  MachineRates rates = h100();
+  save_machine_rates(rates, dir / "rates.json");
+  const Config cfg =
+      tiny({"memory.policy=static", "memory.offload_param_frac=0.5", "memory.offload_optim_frac=0.5"});
+  const std::string out = plan_output(cfg, {.rates = {.rates = dir / "rates.json"}});
+  const TrainPlan plan = plan_training(cfg);
+  const LayoutProblem problem = layout_problem_of(cfg, plan.model);
+  const StepTimePrediction t = predict_step_time(problem, layout_of(cfg), memory_options_of(plan), rates);
+  EXPECT_GT(t.transfer_s, 0.0);
+  EXPECT_CONTAINS(out, rate_text(t));
+  EXPECT_CONTAINS(out, ", exposed transfers ");
+  EXPECT_CONTAINS(out, "offloaded state moves per step (data-parallel rank 0): " + describe(t.traffic.bytes()));
+  EXPECT_CONTAINS(out, "host->device");
+
+  Config on_nvme = cfg;
+  on_nvme.set_override(str("memory.nvme_dir=", dir.path().string()));
+  EXPECT_CONTAINS(error_of([&] { plan_output(on_nvme, {.rates = {.rates = dir / "rates.json"}}); }),
+                  "loom calibrate --nvme-dir");
+  rates.nvme_read_bytes_per_s = 5e9;
+  rates.nvme_write_bytes_per_s = 3e9;
+  save_machine_rates(rates, dir / "nvme.json");
+  EXPECT_CONTAINS(plan_output(on_nvme, {.rates = {.rates = dir / "nvme.json"}}), "nvme->host");
+}
+
 TEST(PlanCommand, MissingRatesSayToCalibrateOrPassAHardwareFile) {
   TempDir dir;
   const testing::ScopedEnv home("XDG_CACHE_HOME", dir.path().string());
@@ -288,8 +318,7 @@ TEST(PlanCommand, TraceWritesThePredictedStepOfEveryRank) {
 
   const TrainPlan plan = plan_training(cfg);
   const StepTimePrediction t = predict_step_time(layout_problem_of(cfg, plan.model), layout_of(cfg),
-                                                 plan.options.zero.precision, load_machine_rates(dir / "rates.json"),
-                                                 plan.options.zero.bucket_bytes);
+                                                 memory_options_of(plan), load_machine_rates(dir / "rates.json"));
   EXPECT_CONTAINS(out, rate_text(t));
   const std::map<int, std::vector<TraceEvent>> events = trace_events(path);
   ASSERT_EQ(events.size(), 4u);
@@ -338,13 +367,14 @@ TEST(PlanCommand, SearchTracesTheBestLayout) {
   EXPECT_NEAR(events.at(0)[0].dur, s.ranked[0].time.step_s * 1e6, 1e-12 * s.ranked[0].time.step_s * 1e6);
 }
 
-// The (category, name) pairs of a trace's compute, communication and
-// optimizer spans, at any depth.
+// The (category, name) pairs of a trace's compute, communication,
+// transfer and optimizer spans, at any depth.
 std::set<std::pair<std::string, std::string>> span_names(const std::filesystem::path& path) {
   std::set<std::pair<std::string, std::string>> out;
   for (const auto& [rank, spans] : trace_events(path))
     for (const TraceEvent& e : spans)
-      if (e.cat == "compute" || e.cat == "communication" || e.cat == "optimizer") out.insert({e.cat, e.name});
+      if (e.cat == "compute" || e.cat == "communication" || e.cat == "transfer" || e.cat == "optimizer")
+        out.insert({e.cat, e.name});
   return out;
 }
 
@@ -357,9 +387,10 @@ std::set<std::pair<std::string, std::string>> minus(const std::set<std::pair<std
 }
 
 // A tiny traced training step and the plan's predicted trace of its layout
-// name the same work alike. What a measured trace alone holds is
-// bookkeeping the time model leaves out (besides the data category's "load
-// batch", not compared): the traced step's closing "barrier (<world>)";
+// name the same work alike, offloaded state's moves between tiers too. What
+// a measured trace alone holds is bookkeeping the time model leaves out
+// (besides the data category's "load batch", not compared): the traced
+// step's closing "barrier (<world>)" (none on one rank);
 // under a pipeline the sender's wait on a delivered asynchronous "send (2)"
 // (the model's sends cost the sender nothing), the all-reduces of the
 // one-rank data-parallel group (free), and the "all_reduce (2)"s of the
@@ -378,19 +409,22 @@ TEST(PlanCommand, PredictedTraceNamesTheMeasuredTracesSpans) {
   prepare_dataset(po);
   save_machine_rates(h100(), dir / "rates.json");
   using Names = std::set<std::pair<std::string, std::string>>;
-  const std::vector<std::tuple<std::string, std::string, Names>> cases = {
-      {"dp2", "parallel.dp=2", Names{{"communication", "barrier (2)"}}},
-      {"pp2", "parallel.pp=2",
+  const std::vector<std::tuple<std::string, std::vector<std::string>, Names>> cases = {
+      {"dp2", {"parallel.dp=2"}, Names{{"communication", "barrier (2)"}}},
+      {"pp2",
+       {"parallel.pp=2"},
        Names{{"communication", "barrier (2)"},
              {"communication", "send (2)"},
              {"communication", "all_reduce (1)"},
-             {"communication", "all_reduce (2)"}}}};
+             {"communication", "all_reduce (2)"}}},
+      {"offload", {"memory.policy=static", "memory.offload_param_frac=1", "memory.offload_optim_frac=0.5"}, Names{}}};
   for (const auto& [name, layout, measured_only] : cases) {
     SCOPED_TRACE(name);
     Config c = tiny({"data.dir=" + (dir / "data").string(), "data.text=" + (dir / "corpus.txt").string(),
                      "train.out_dir=" + (dir / ("run-" + name)).string(), "train.steps=2",
                      "train.checkpoint_interval=0", "train.eval_interval=0", "train.sample_tokens=0",
-                     "trace.path=" + (dir / (name + "-measured.json")).string(), "trace.steps=2", layout});
+                     "trace.path=" + (dir / (name + "-measured.json")).string(), "trace.steps=2"});
+    for (const std::string& setting : layout) c.set_override(setting);
     RunOptions quiet;
     quiet.quiet = true;
     run_training(c, quiet);
@@ -403,6 +437,7 @@ TEST(PlanCommand, PredictedTraceNamesTheMeasuredTracesSpans) {
     const Names predicted = span_names(dir / (name + "-predicted.json"));
     EXPECT_EQ(minus(predicted, measured), Names{});
     EXPECT_EQ(minus(measured, predicted), measured_only);
+    EXPECT_EQ(predicted.count({"transfer", "chunk move"}), name == "offload" ? 1u : 0u);
     // Each rank runs its modules in the order the run did.
     const auto modules = [](const std::filesystem::path& path) {
       std::map<int, std::vector<std::string>> out;
