@@ -1,15 +1,16 @@
 // The planner's predictions against measured runs on this machine.
 //
-//   planner_bench [steps] [calibration.json]
+//   planner_bench [steps] [calibration.json|-] [name]
 //
 // Calibrates the machine first (loom calibrate's measurements, in the same
 // run, with the NVMe rates of ./loom-nvme-bench-<pid>, unless a calibration
-// file is given), then for each layout of a small GPT on local ranks: the
-// predicted step time (predict_step_time) and its split, the measured step
-// time (the slowest rank's, median over `steps` timed steps after a warm-up
-// step), and predicted / measured. The summary is the median and the worst
-// absolute error over the layouts (the targets: median <= 10%, none
-// worse than 20%).
+// file is given; "-" calibrates), then for each layout of a small GPT on
+// local ranks (those whose name contains `name`, when given): the predicted
+// step time (predict_step_time) and its split, the measured step time (the
+// slowest rank's, median over `steps` timed steps after a warm-up step), and
+// predicted / measured. The summary is the median and the worst absolute
+// error over the layouts (the targets: median <= 10%, none worse
+// than 20%), then, over every layout, the what-if table below.
 //
 // Every layout goes through plan_training (its config is the layout's
 // settings over configs/tiny-test.toml-like keys), so only valid layouts run,
@@ -20,7 +21,7 @@
 //
 //   planner_bench --published
 //
-// prints only the what-if table, which the full run ends with: each
+// prints only the what-if table, which a run over every layout ends with: each
 // published large run (published_runs(): Megatron-LM on Selene's A100s)
 // priced with its hardware file, predicted / reported seconds per iteration,
 // and each rank's predicted device peak against the GPU's memory.
@@ -131,21 +132,21 @@ void print_published_runs() {
               *std::max_element(errors.begin(), errors.end()), errors.size());
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "--published") {
     print_published_runs();
     return 0;
   }
   const int steps = argc > 1 ? std::atoi(argv[1]) : 5;
   if (steps < 1) {
-    std::fprintf(stderr, "usage: planner_bench [steps >= 1] [calibration.json] | planner_bench --published\n");
+    std::fprintf(stderr,
+                 "usage: planner_bench [steps >= 1] [calibration.json|-] [name] | planner_bench --published\n");
     return 2;
   }
   const bench::NvmeDir nvme("-");
   MachineRates rates;
-  if (argc > 2) {
+  const std::string only = argc > 3 ? argv[3] : "";
+  if (argc > 2 && std::string(argv[2]) != "-") {
     rates = load_machine_rates(argv[2]);
   } else {
     std::printf("calibrating this machine\n");
@@ -162,6 +163,7 @@ int main(int argc, char** argv) {
               "compute", "comm", "bubble", "optim", "transfer");
   std::vector<double> errors;
   for (const Case& c : cases()) {
+    if (c.name.find(only) == std::string::npos) continue;
     if (c.nvme && rates.nvme_read_bytes_per_s <= 0.0) {
       std::printf("%-22s left out: the calibration has no NVMe rates\n", c.name.c_str());
       continue;
@@ -182,10 +184,31 @@ int main(int argc, char** argv) {
       std::printf("%-22s moves per step and rank: %s\n", "", moved.c_str());
     std::fflush(stdout);
   }
+  if (errors.empty()) {
+    std::fprintf(stderr, "planner_bench: no layout ran: none whose name contains \"%s\" that these rates price\n",
+                 only.c_str());
+    return 2;
+  }
   std::printf("\nstep time: median |predicted/measured - 1| = %.3f (target <= 0.10), worst = %.3f (target <= 0.20) "
               "over %zu layouts\n",
               median(errors), *std::max_element(errors.begin(), errors.end()), errors.size());
-  std::printf("\n");
-  print_published_runs();
+  // A rerun of some layouts is about them alone.
+  if (only.empty()) {
+    std::printf("\n");
+    print_published_runs();
+  }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Errors end the run here, so that the bench's NVMe directory is removed
+  // on the way out.
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "planner_bench: %s\n", e.what());
+    return 1;
+  }
 }
