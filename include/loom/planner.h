@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
@@ -403,6 +404,23 @@ struct StepTraffic {
 std::vector<StepTraffic> predict_step_traffic(const LayoutProblem& problem, const Layout& layout,
                                               const StepMemoryOptions& options, int step);
 
+// One rank's trainable gradient elements on each pipeline stage, and those
+// of them that a model-parallel reduction completes after the pipeline
+// (Trainer::reduce_model_parallel_gradients): partial sums over tensor-
+// parallel axes (sequence-parallel norms and biases, a grid's replicated
+// parameters), one fused all-reduce per set of axes; and the tied
+// embedding's copy on the first and last stages, summed between them.
+struct StageGradients {
+  double trainable = 0.0;
+  std::map<TpAxes, double> over_tp;  // by TpAxes (1D: kTpAll)
+  double tied_across_stages = 0.0;
+  // Trainer's defer_reduction_: pipeline stages or partial gradients hold
+  // the data-parallel reduction back until after the pipeline, so it does
+  // not overlap the last backward.
+  bool reduced_after_pipeline = false;
+};
+std::vector<StageGradients> predict_stage_gradients(const LayoutProblem& problem, const Layout& layout);
+
 // The predicted step of a layout on a machine, for its busiest rank.
 struct StepTimePrediction {
   double compute_s = 0.0;        // forward, backward and recompute work
@@ -456,7 +474,10 @@ struct StepPieces {
   // ZeRO's parameter gathers over the data-parallel ranks: stages 1-2 once
   // a step, stage 3 before every micro-batch's forward and its backward.
   std::optional<PredictedCollective> step_gather, pass_gather;
-  // After the pipeline, in order: 2.5D's depth reduction, and what the
+  // After the pipeline, on the stage whose part after it is the longest, in
+  // the Trainer's order: the model-parallel reductions (StageGradients: a
+  // fused all-reduce per set of tensor-parallel axes, then the tied
+  // embedding's between the first and last stages) and what the
   // data-parallel gradient reduction leaves exposed.
   std::vector<PredictedCollective> after_pipeline;
   // StepTimePrediction::optimizer_s: the gradient norm's read of the
@@ -505,7 +526,7 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
 // from the pipeline's makespan on every rank, a memory policy's exposed
 // moves of the forward and backward (category transfer: the copies'
 // "chunk move", the disk's "nvme read", as the chunk manager names its
-// moves), 2.5D's depth reduction, the exposed data-parallel reduction, and
+// moves), the model-parallel reductions, the exposed data-parallel one, and
 // the optimizer's "gradient check", the update's exposed moves and "clip
 // and update". Ranks of one pipeline stage share their spans.
 struct PredictedTrace {

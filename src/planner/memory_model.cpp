@@ -1754,6 +1754,47 @@ std::string RankMemory::describe(Tier t) const {
 namespace {
 
 // One rank's replay: the peaks and the chunk stores' moves of its last step.
+// Each pipeline stage's ranks as a replay sees them: the geometry, the
+// model groups of its layers (model_parallel_for's split), the schedule.
+std::vector<RankSetup> stage_setups(const LayoutProblem& problem, const Layout& layout) {
+  const GPTConfig& cfg = problem.model;
+  const int pp = static_cast<int>(layout.pp), tp = static_cast<int>(layout.tp);
+  const int chunks = static_cast<int>(layout.virtual_stages);
+  // model_parallel_for: an interleaved pipeline's virtual stages get equal
+  // layer counts, the others a balance of their costs at model.block_size.
+  std::vector<int> given;
+  if (layout.schedule == PipelineSchedule::interleaved_1f1b)
+    given.assign(static_cast<size_t>(pp * chunks), static_cast<int>(cfg.n_layer) / (pp * chunks));
+  const std::vector<int> layers = pipeline_stage_layers(cfg, cfg.block_size, pp * chunks, given);
+  std::vector<int> first_layer{0};
+  for (int n : layers) first_layer.push_back(first_layer.back() + n);
+  std::vector<RankSetup> stages(static_cast<size_t>(pp));
+  for (int stage = 0; stage < pp; ++stage) {
+    RankSetup& r = stages[static_cast<size_t>(stage)];
+    r.geo.cfg = cfg;
+    r.geo.tp = tp;
+    r.geo.sp = layout.sequence_parallel && tp > 1;
+    r.geo.grid = tensor_grid_shape(layout.tp_mode, layout.tp, layout.tp_depth);
+    r.geo.B = layout.micro_batch;
+    r.geo.T = problem.seq_len;
+    r.stage = stage;
+    r.pp = pp;
+    r.chunks = chunks;
+    r.schedule = layout.schedule;
+    r.micro_batches = problem.global_batch / (layout.micro_batch * layout.dp);
+    r.mesh = tp > 1 || pp > 1;
+    r.recompute = layout.recompute;
+    std::vector<LayerRange> ranges;
+    for (int c = 0; c < chunks; ++c) {
+      const size_t k = static_cast<size_t>(c * pp + stage);
+      ranges.push_back({first_layer[k], first_layer[k + 1]});
+    }
+    r.model = rank_model(r.geo, ranges, stage == 0, stage == pp - 1, pp);
+    r.defer = pp > 1 || (tp > 1 && !partial_elements(r.model.groups).empty());
+  }
+  return stages;
+}
+
 struct ReplayedRank {
   RankMemory memory;
   StepTraffic traffic;
@@ -1777,17 +1818,7 @@ std::vector<ReplayedRank> replay_ranks(const LayoutProblem& problem, const Layou
                                                      ? trainable_layout(whole.layout(), frozen)
                                                      : whole.layout());
   }
-  const GPTConfig& cfg = problem.model;
   const int pp = static_cast<int>(layout.pp), tp = static_cast<int>(layout.tp), dp = static_cast<int>(layout.dp);
-  const int chunks = static_cast<int>(layout.virtual_stages);
-  // model_parallel_for: an interleaved pipeline's virtual stages get equal
-  // layer counts, the others a balance of their costs at model.block_size.
-  std::vector<int> given;
-  if (layout.schedule == PipelineSchedule::interleaved_1f1b)
-    given.assign(static_cast<size_t>(pp * chunks), static_cast<int>(cfg.n_layer) / (pp * chunks));
-  const std::vector<int> layers = pipeline_stage_layers(cfg, cfg.block_size, pp * chunks, given);
-  std::vector<int> first_layer{0};
-  for (int n : layers) first_layer.push_back(first_layer.back() + n);
 
   // The chunks a memory policy packs, as ChunkModel places them, for the
   // ranks' shares of them.
@@ -1802,32 +1833,11 @@ std::vector<ReplayedRank> replay_ranks(const LayoutProblem& problem, const Layou
   // every tensor-parallel rank), so the ranks of a stage with the same
   // shares have the same peaks: each such class is replayed once. A search
   // over hundreds of ranks then replays a handful.
-  std::vector<RankSetup> stages(static_cast<size_t>(pp));
-  std::vector<ParamLayout> trainable(static_cast<size_t>(pp));
-  for (int stage = 0; stage < pp; ++stage) {
-    RankSetup& r = stages[static_cast<size_t>(stage)];
-    r.geo.cfg = cfg;
-    r.geo.tp = tp;
-    r.geo.sp = layout.sequence_parallel && tp > 1;
-    r.geo.grid = tensor_grid_shape(layout.tp_mode, layout.tp, layout.tp_depth);
-    r.geo.B = layout.micro_batch;
-    r.geo.T = problem.seq_len;
-    r.stage = stage;
-    r.pp = pp;
-    r.chunks = chunks;
-    r.schedule = layout.schedule;
-    r.micro_batches = problem.global_batch / (layout.micro_batch * layout.dp);
-    r.mesh = tp > 1 || pp > 1;
-    r.recompute = layout.recompute;
-    std::vector<LayerRange> ranges;
-    for (int c = 0; c < chunks; ++c) {
-      const size_t k = static_cast<size_t>(c * pp + stage);
-      ranges.push_back({first_layer[k], first_layer[k + 1]});
-    }
-    r.model = rank_model(r.geo, ranges, stage == 0, stage == pp - 1, pp);
-    r.defer = pp > 1 || (tp > 1 && !partial_elements(r.model.groups).empty());
+  const std::vector<RankSetup> stages = stage_setups(problem, layout);
+  std::vector<ParamLayout> trainable;
+  for (const RankSetup& r : stages) {
     std::vector<int> unused;
-    trainable[static_cast<size_t>(stage)] = trainable_groups(r.model, unused);
+    trainable.push_back(trainable_groups(r.model, unused));
   }
   const auto shares = [&](int stage, int dp_rank) {
     std::vector<int64_t> owned{stage};
@@ -1908,6 +1918,23 @@ std::vector<StepTraffic> predict_step_traffic(const LayoutProblem& problem, cons
   LOOM_CHECK(step >= 1, "steps are counted from 1, not ", step);
   std::vector<StepTraffic> out;
   for (const ReplayedRank& r : replay_ranks(problem, layout, options, true, step)) out.push_back(r.traffic);
+  return out;
+}
+
+std::vector<StageGradients> predict_stage_gradients(const LayoutProblem& problem, const Layout& layout) {
+  std::vector<StageGradients> out;
+  for (const RankSetup& r : stage_setups(problem, layout)) {
+    StageGradients g;
+    for (const Group& group : r.model.groups) g.trainable += group.trainable;
+    for (const auto& [reduction, n] : partial_elements(r.model.groups)) {
+      if (reduction == kTiedStages)
+        g.tied_across_stages += n;
+      else if (layout.tp > 1)  // Trainer::reduce_model_parallel_gradients: none over a group of one
+        g.over_tp[static_cast<TpAxes>(reduction)] += n;
+    }
+    g.reduced_after_pipeline = r.defer;
+    out.push_back(std::move(g));
+  }
   return out;
 }
 

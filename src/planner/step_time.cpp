@@ -2,15 +2,17 @@
 //
 // A rank's step is its pipeline's makespan (every micro-batch's forward and
 // backward through its layers, with the tensor-parallel collectives inside
-// them, scheduled by simulate_pipeline), then what data parallelism leaves
-// exposed of the gradient reduction, then the optimizer, then what a memory
-// policy's moves between tiers leave exposed. Each piece follows
-// what loom's modules do (src/nn, src/zero): the shapes below are the
-// rank-local GEMM shapes of the column/row-parallel layers (or a grid's
-// SUMMA and cube layers), the collectives the ones the layers and stores
-// issue.
+// them, scheduled by simulate_pipeline), then the model-parallel gradient
+// reductions and what data parallelism leaves exposed of its own, then the
+// optimizer, then what a memory policy's moves between tiers leave exposed.
+// Each piece follows what loom's modules do (src/nn, src/zero, the
+// Trainer): the shapes below are the rank-local GEMM shapes of the
+// column/row-parallel layers (or a grid's SUMMA and cube layers), the
+// collectives the ones the layers, stores and Trainer issue, in their order
+// (tests/train/plan_command_test holds them to a traced run's).
 #include <algorithm>
 #include <array>
+#include <optional>
 
 #include "loom/planner.h"
 
@@ -64,11 +66,17 @@ struct Cost {
 };
 
 // `backward` after the forward it recomputes first (activation
-// checkpointing): the recompute's collectives come before the backward's.
-void add_recompute(Cost& backward, const Cost& forward) {
-  backward.compute_s += forward.compute_s;
-  backward.communication_s += forward.communication_s;
-  backward.collectives.insert(backward.collectives.begin(), forward.collectives.begin(), forward.collectives.end());
+// checkpointing, Block::backward): all of the block's forward but the MLP's
+// output projection, whose output the backward does not need
+// (`projection`: its cost, its collectives the forward's from index `at`
+// on). The recompute's collectives come before the backward's.
+void add_recompute(Cost& backward, const Cost& forward, const Cost& projection, size_t at) {
+  std::vector<PredictedCollective> again = forward.collectives;
+  const auto first = again.begin() + static_cast<std::ptrdiff_t>(at);
+  again.erase(first, first + static_cast<std::ptrdiff_t>(projection.collectives.size()));
+  backward.compute_s += forward.compute_s - projection.compute_s;
+  backward.communication_s += forward.communication_s - projection.communication_s;
+  backward.collectives.insert(backward.collectives.begin(), again.begin(), again.end());
 }
 
 // How a rank runs on its device. A GPU is each rank's own. A calibrated CPU
@@ -214,31 +222,39 @@ std::pair<Cost, Cost> grid_block_cost(const Shapes& s, bool recompute) {
   const int64_t C = m.n_embd, q = s.grid.q, I = m.intermediate();
   const int64_t n = s.N / (q * s.grid.depth);
   const bool swiglu = m.mlp == MlpKind::swiglu;
-  Cost forward, backward;
+  const double rows = static_cast<double>(n);
   // block_matmuls alternates entering (q|k|v, fc) and leaving layers.
   const std::array<MatrixShape, 4> matmuls = m.block_matmuls();
-  for (size_t i = 0; i < matmuls.size(); ++i) {
-    const MatrixShape& l = matmuls[i];
-    const auto [f, b] = grid_linear_cost(s, l.out, l.in, !m.lora.enabled(),
-                                         i % 2 == 0 ? GridSide::entering : GridSide::leaving);
-    forward += f;
-    backward += b;
+  std::array<std::pair<Cost, Cost>, 4> linears;
+  for (size_t i = 0; i < matmuls.size(); ++i)
+    linears[i] = grid_linear_cost(s, matmuls[i].out, matmuls[i].in, !m.lora.enabled(),
+                                  i % 2 == 0 ? GridSide::entering : GridSide::leaving);
+  // Each norm (ln_1 before attention, ln_2 before the MLP) all-reduces its
+  // statistics over the row, [n] floats each, and backward its two sums,
+  // [n, 2].
+  const RankGroup row = grid_row(s.grid);
+  const int statistics = m.norm == NormKind::layernorm ? 2 : 1;
+  const double norm_forward = s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, row);
+  const double norm_backward = s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * rows, row);
+  // In the order the block runs them: forward ln_1, the attention's two
+  // layers, ln_2, the MLP's two; backward the reverse.
+  Cost forward, backward;
+  size_t projection_at = 0;  // where the MLP's output layer's collectives start in the forward's
+  for (size_t i = 0; i < linears.size(); ++i) {
+    if (i % 2 == 0)
+      forward.communication_s += statistics * forward.issue(Collective::all_reduce, row.size, norm_forward, statistics);
+    if (i + 1 == linears.size()) projection_at = forward.collectives.size();
+    forward += linears[i].first;
+  }
+  for (size_t i = linears.size(); i-- > 0;) {
+    backward += linears[i].second;
+    if (i % 2 == 0) backward.communication_s += backward.issue(Collective::all_reduce, row.size, norm_backward);
   }
   const double sequences_heads = static_cast<double>(s.B / (q * s.grid.depth) * (m.n_head / q));
-  const double rows = static_cast<double>(n);
   const double elementwise = kF32 * rows * (10.0 * static_cast<double>(C / q) + (swiglu ? 3.0 : 2.0) * static_cast<double>(I / q));
   forward.compute_s += attention(s, sequences_heads, false) + memory_seconds(s, elementwise);
   backward.compute_s += attention(s, sequences_heads, true) + memory_seconds(s, 2.0 * elementwise);
-  const double statistics = m.norm == NormKind::layernorm ? 2.0 : 1.0;
-  forward.communication_s +=
-      2.0 * statistics *
-      forward.issue(Collective::all_reduce, grid_row(s.grid).size,
-                    s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, grid_row(s.grid)),
-                    static_cast<int>(2.0 * statistics));
-  backward.communication_s +=
-      2.0 * backward.issue(Collective::all_reduce, grid_row(s.grid).size,
-                           s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * rows, grid_row(s.grid)), 2);
-  if (recompute) add_recompute(backward, forward);
+  if (recompute) add_recompute(backward, forward, linears[3].first, projection_at);
   return {forward, backward};
 }
 
@@ -279,14 +295,31 @@ std::pair<Cost, Cost> block_cost(const Shapes& s, bool recompute) {
   } else {
     forward.communication_s = 2.0 * forward.issue(Collective::all_reduce, s.tp, tp_collective(s, Collective::all_reduce), 2);
   }
+  // The MLP's output layer: the last GEMM, and the last collective (its
+  // output's sum or scatter).
+  Cost projection{layers[3].forward(s, s.N), 0.0, {}};
+  projection.communication_s = projection.issue(
+      s.sp ? Collective::reduce_scatter : Collective::all_reduce, s.tp,
+      tp_collective(s, s.sp ? Collective::reduce_scatter : Collective::all_reduce));
   Cost backward;
   for (const Linear& l : layers) backward.compute_s += l.backward(s, s.N, trained);
   backward.compute_s += attention_backward + memory_seconds(s, 2.0 * elementwise);
   // Each collective's backward is its dual (an all-gather's a
-  // reduce-scatter), the same buffers in reverse order.
-  backward.communication_s = forward.communication_s;
-  backward.collectives = forward.collectives;
-  if (recompute) add_recompute(backward, forward);
+  // reduce-scatter), the same buffers in reverse order. Under sequence
+  // parallelism each of the MLP and attention first gathers its input again
+  // for its weight gradient (the forward kept only the rank's tokens), then
+  // gathers the output's gradient and reduce-scatters the input's.
+  if (s.sp) {
+    const double gather = tp_collective(s, Collective::all_gather), scatter = tp_collective(s, Collective::reduce_scatter);
+    for (int k = 0; k < 2; ++k)
+      backward.communication_s += backward.issue({{Collective::all_gather, static_cast<int>(s.tp), gather},
+                                                  {Collective::all_gather, static_cast<int>(s.tp), gather},
+                                                  {Collective::reduce_scatter, static_cast<int>(s.tp), scatter}});
+  } else {
+    backward.communication_s = forward.communication_s;
+    backward.collectives = forward.collectives;
+  }
+  if (recompute) add_recompute(backward, forward, projection, forward.collectives.size() - projection.collectives.size());
   return {forward, backward};
 }
 
@@ -309,8 +342,16 @@ std::pair<Cost, Cost> embedding_cost(const Shapes& s) {
   }
   const double bytes = kF32 * 2.0 * static_cast<double>(s.N * s.m.n_embd);
   Cost forward{memory_seconds(s, bytes), 0.0, {}}, backward{memory_seconds(s, bytes), 0.0, {}};
-  // A vocabulary-parallel lookup sums the ranks' rows.
-  forward.communication_s = forward.issue(Collective::all_reduce, s.tp, tp_collective(s, Collective::all_reduce));
+  // A vocabulary-parallel lookup sums the ranks' rows: all-reduced, or under
+  // sequence parallelism reduce-scattered to each rank's tokens, whose
+  // gradients backward then gathers.
+  if (s.sp) {
+    forward.communication_s =
+        forward.issue(Collective::reduce_scatter, s.tp, tp_collective(s, Collective::reduce_scatter));
+    backward.communication_s = backward.issue(Collective::all_gather, s.tp, tp_collective(s, Collective::all_gather));
+  } else {
+    forward.communication_s = forward.issue(Collective::all_reduce, s.tp, tp_collective(s, Collective::all_reduce));
+  }
   return {forward, backward};
 }
 
@@ -322,9 +363,21 @@ std::pair<Cost, Cost> head_cost(const Shapes& s) {
     // splitting the vocabulary.
     const int64_t q = s.grid.q, n = s.N / (q * s.grid.depth);
     const double V = static_cast<double>(GridLinear::local_features(s.m.vocab_size, s.grid));
-    auto [forward, backward] =
-        grid_linear_cost(s, static_cast<int64_t>(V) * q, s.m.n_embd, !s.m.lora.enabled(), GridSide::entering);
     const double rows = static_cast<double>(n);
+    // The final norm's statistics over the row first (as a block's norms),
+    // its backward's sums last.
+    const RankGroup row = grid_row(s.grid);
+    const int statistics = s.m.norm == NormKind::layernorm ? 2 : 1;
+    Cost forward, backward;
+    forward.communication_s +=
+        statistics * forward.issue(Collective::all_reduce, row.size,
+                                   s.rates.collective_seconds(Collective::all_reduce, kF32 * rows, row), statistics);
+    const auto [head_forward, head_backward] =
+        grid_linear_cost(s, static_cast<int64_t>(V) * q, s.m.n_embd, !s.m.lora.enabled(), GridSide::entering);
+    forward += head_forward;
+    backward += head_backward;
+    backward.communication_s += backward.issue(Collective::all_reduce, row.size,
+                                               s.rates.collective_seconds(Collective::all_reduce, kF32 * 2.0 * rows, row));
     const double bytes = kF32 * (3.0 * rows * V + 2.0 * rows * static_cast<double>(s.m.n_embd / q));
     forward.compute_s += memory_seconds(s, bytes);
     backward.compute_s += memory_seconds(s, bytes);
@@ -344,10 +397,20 @@ std::pair<Cost, Cost> head_cost(const Shapes& s) {
   const double bytes = kF32 * (3.0 * static_cast<double>(s.N * V) + 2.0 * static_cast<double>(s.N * C));
   Cost forward{head.forward(s, s.N) + memory_seconds(s, bytes), 0.0, {}};
   Cost backward{head.backward(s, s.N, trained) + memory_seconds(s, bytes), 0.0, {}};
+  // Under sequence parallelism the head gathers the final norm's tokens
+  // (and backward reduce-scatters their gradient); otherwise the input's
+  // gradient is a partial sum over the vocabulary's shards, all-reduced.
   // Vocabulary-parallel cross-entropy: the rows' max [N], then their sums
   // [N, 2].
   const RankGroup tp = RankGroup::consecutive(static_cast<int>(s.tp));
-  forward.communication_s = forward.issue(
+  if (s.sp) {
+    forward.communication_s = forward.issue(Collective::all_gather, s.tp, tp_collective(s, Collective::all_gather));
+    backward.communication_s =
+        backward.issue(Collective::reduce_scatter, s.tp, tp_collective(s, Collective::reduce_scatter));
+  } else {
+    backward.communication_s = backward.issue(Collective::all_reduce, s.tp, tp_collective(s, Collective::all_reduce));
+  }
+  forward.communication_s += forward.issue(
       {{Collective::all_reduce, tp.size,
         s.rates.collective_seconds(Collective::all_reduce, kF32 * static_cast<double>(s.N), tp)},
        {Collective::all_reduce, tp.size,
@@ -396,6 +459,38 @@ TransferSeconds exposed_transfers(const Shapes& s, const StepTraffic::Phase& pha
   const double beyond = std::max(0.0, std::max(ahead.copy_s, ahead.disk_s) - work);
   (ahead.copy_s >= ahead.disk_s ? waited.copy_s : waited.disk_s) += beyond;
   return waited;
+}
+
+// What a stage does after the pipeline, priced: the reductions in the order
+// the Trainer issues them (their exposed seconds), ZeRO's parameter gathers
+// and the optimizer.
+struct AfterPipeline {
+  std::vector<PredictedCollective> reductions;
+  double reductions_s = 0.0, gathers_s = 0.0, optimizer_s = 0.0, gradient_check_s = 0.0;
+  std::optional<PredictedCollective> step_gather, pass_gather;
+  void reduce(Collective op, int group, double seconds) {
+    if (group <= 1) return;
+    reductions.push_back({op, group, seconds});
+    reductions_s += seconds;
+  }
+  double total() const { return reductions_s + gathers_s + optimizer_s; }
+};
+
+// The ranks a reduction over tensor-parallel `axes` spans
+// (TensorParallel::group_over; 1D: the whole tp group).
+RankGroup tp_axes_group(const Shapes& s, TpAxes axes) {
+  if (s.grid.ranks() <= 1 || axes == kTpAll) return RankGroup::consecutive(static_cast<int>(s.tp));
+  switch (axes) {
+    case kTpCols: return grid_row(s.grid);
+    case kTpRows: return grid_column(s.grid);
+    case kTpDepth: return grid_depth(s.grid);
+    default: {
+      // Two axes: the token rows over a layer's column and the depth, or on
+      // a cube its row and the depth; they span the grid.
+      const int depth = (axes & kTpDepth) ? s.grid.depth : 1;
+      return {s.grid.q * depth, s.grid.ranks()};
+    }
+  }
 }
 
 // From the third step on every step moves the same (predict_step_traffic).
@@ -493,65 +588,71 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
   p.communication_s = static_cast<double>(accumulation) * per_micro_batch.communication_s;
   p.bubble_s = p.pipeline.makespan_s - p.pipeline.busy_s[busiest];
 
-  // Data parallelism: this rank's share of the trainable parameters (a 2.5D
-  // grid's depth layers each hold a copy).
-  const double trainable =
-      (s.grid.ranks() > 1 ? tensor_parallel_param_elements(m, static_cast<int>(layout.tp), s.grid)
-                          : static_cast<double>(m.num_trainable_params()) / static_cast<double>(layout.tp)) /
-      static_cast<double>(layout.pp);
+  // After the pipeline, on each stage: the model-parallel reductions, the
+  // data-parallel one, ZeRO's gathers and the optimizer, over the stage's
+  // trainable elements; the slowest stage sets the step.
   const double element = static_cast<double>(dtype_size(precision));
   const int dp = static_cast<int>(layout.dp);
   const RankGroup dp_group = RankGroup::strided(dp, layout.tp);
-  double reduction = 0.0, gathers = 0.0;
   const Collective reduce = layout.zero_stage == 0 ? Collective::all_reduce : Collective::reduce_scatter;
-  if (dp > 1) {
-    const double grad_bytes = trainable * element;
-    reduction = rates.collective_seconds(reduce, grad_bytes, dp_group);
-    // Stages 1-2 publish the updated shards once a step; stage 3 gathers
-    // each group before its forward and again before its backward, every
-    // micro-batch.
-    const double gather = rates.collective_seconds(Collective::all_gather, grad_bytes, dp_group);
-    if (layout.zero_stage == 1 || layout.zero_stage == 2) {
-      gathers = gather;
-      if (pieces) pieces->step_gather = PredictedCollective{Collective::all_gather, dp, gather};
-    }
-    if (layout.zero_stage == 3) {
-      gathers = 2.0 * static_cast<double>(accumulation) * gather;
-      if (pieces) pieces->pass_gather = PredictedCollective{Collective::all_gather, dp, gather};
-    }
-  }
-  // Gradient buckets reduce while the last micro-batch's backward runs; what
-  // outlasts it, and at least the last bucket, is exposed.
   const double last_backward = costs.backward_s[busiest];
-  const double buckets = std::max(1.0, trainable * element / static_cast<double>(options.bucket_bytes));
-  const double exposed_reduction =
-      dp > 1 ? std::max(reduction / buckets, reduction - last_backward) : 0.0;
-  p.communication_s += exposed_reduction + gathers;
-  // 2.5D: the layers' copies of every matrix sum their gradients over the
-  // depth once per step (Trainer::reduce_model_parallel_gradients).
-  double depth_reduction = 0.0;
-  if (s.grid.ranks() > 1 && !s.grid.cube && s.grid.depth > 1) {
-    const double q = s.grid.q;
-    const double matrices = static_cast<double>(m.n_layer) * layer_matmul_weights(m) / (q * q);
-    depth_reduction = rates.collective_seconds(Collective::all_reduce, kF32 * matrices, grid_depth(s.grid));
+  const auto after_pipeline = [&](const StageGradients& g) {
+    AfterPipeline a;
+    for (const auto& [axes, n] : g.over_tp) {
+      const RankGroup group = tp_axes_group(s, axes);
+      a.reduce(Collective::all_reduce, group.size, rates.collective_seconds(Collective::all_reduce, n * element, group));
+    }
+    if (g.tied_across_stages > 0.0) {
+      // The first and the last stage's ranks at the same place in theirs.
+      const RankGroup ends{2, (layout.pp - 1) * layout.dp * layout.tp + 1};
+      a.reduce(Collective::all_reduce, ends.size,
+               rates.collective_seconds(Collective::all_reduce, g.tied_across_stages * element, ends));
+    }
+    if (dp > 1) {
+      const double grad_bytes = g.trainable * element;
+      const double reduction = rates.collective_seconds(reduce, grad_bytes, dp_group);
+      // Gradient buckets reduce while the last micro-batch's backward runs
+      // (what outlasts it, and at least the last bucket, is exposed), unless
+      // the reduction waits for the pipeline to finish.
+      const double buckets = std::max(1.0, grad_bytes / static_cast<double>(options.bucket_bytes));
+      a.reduce(reduce, dp,
+               g.reduced_after_pipeline ? reduction : std::max(reduction / buckets, reduction - last_backward));
+      // Stages 1-2 publish the updated shards once a step; stage 3 gathers
+      // each group before its forward and again before its backward, every
+      // micro-batch.
+      const double gather = rates.collective_seconds(Collective::all_gather, grad_bytes, dp_group);
+      if (layout.zero_stage == 1 || layout.zero_stage == 2) {
+        a.gathers_s = gather;
+        a.step_gather = PredictedCollective{Collective::all_gather, dp, gather};
+      }
+      if (layout.zero_stage == 3) {
+        a.gathers_s = 2.0 * static_cast<double>(accumulation) * gather;
+        a.pass_gather = PredictedCollective{Collective::all_gather, dp, gather};
+      }
+    }
+    // AdamW over this rank's shard: parameters, gradients and both moments
+    // read, the parameters and moments written (fp32, 28 bytes), the working
+    // copy rewritten below fp32; the gradient norm reads the gradients once
+    // more.
+    const double shard = layout.zero_stage >= 1 ? g.trainable / static_cast<double>(dp) : g.trainable;
+    a.optimizer_s = memory_seconds(s, shard * (28.0 + 4.0 + (precision == DType::f32 ? 0.0 : 2.0 * element)));
+    a.gradient_check_s = memory_seconds(s, shard * 4.0);
+    return a;
+  };
+  AfterPipeline after;
+  for (const StageGradients& g : predict_stage_gradients(problem, layout)) {
+    AfterPipeline a = after_pipeline(g);
+    if (a.total() >= after.total()) after = std::move(a);
   }
-  p.communication_s += depth_reduction;
+  p.communication_s += after.reductions_s + after.gathers_s;
+  p.optimizer_s = after.optimizer_s;
   if (pieces) {
     pieces->transfer_s = costs.transfer_s;
-    if (depth_reduction > 0.0)
-      pieces->after_pipeline.push_back({Collective::all_reduce, static_cast<int>(s.grid.depth), depth_reduction});
-    if (dp > 1) pieces->after_pipeline.push_back({reduce, dp, exposed_reduction});
-  }
-
-  // AdamW over this rank's shard: parameters, gradients and both moments
-  // read, the parameters and moments written (fp32, 28 bytes), the working
-  // copy rewritten below fp32; the gradient norm reads the gradients once more.
-  const double shard = layout.zero_stage >= 1 ? trainable / static_cast<double>(dp) : trainable;
-  const double optimizer_bytes = shard * (28.0 + 4.0 + (precision == DType::f32 ? 0.0 : 2.0 * element));
-  p.optimizer_s = memory_seconds(s, optimizer_bytes);
-  if (pieces) {
-    pieces->gradient_check_s = memory_seconds(s, shard * 4.0);
-    pieces->update_s = p.optimizer_s - pieces->gradient_check_s;
+    pieces->after_pipeline = after.reductions;
+    pieces->step_gather = after.step_gather;
+    pieces->pass_gather = after.pass_gather;
+    pieces->gradient_check_s = after.gradient_check_s;
+    pieces->update_s = after.optimizer_s - after.gradient_check_s;
   }
 
   // A memory policy's moves between tiers: the forward and backward's
@@ -581,7 +682,7 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
   }
 
   p.step_s =
-      p.pipeline.makespan_s + exposed_reduction + gathers + depth_reduction + p.optimizer_s + p.transfer_s;
+      p.pipeline.makespan_s + after.reductions_s + after.gathers_s + p.optimizer_s + p.transfer_s;
   p.tokens_per_s = static_cast<double>(problem.global_batch * problem.seq_len) / p.step_s;
   const double peak = (precision != DType::f32 && rates.peak_flops_bf16 > 0 ? rates.peak_flops_bf16
                                                                              : rates.peak_flops_fp32) *

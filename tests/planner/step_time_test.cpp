@@ -69,14 +69,17 @@ TEST(StepTime, SingleRankComputeIsTheGemmAndAttentionWork) {
   EXPECT_NEAR(bf16.compute_s / p.compute_s, 0.25, 1e-12);
 }
 
-TEST(StepTime, RecomputeAddsOneForwardOfTheBlocks) {
+// Activation checkpointing reruns each block's forward but the MLP's output
+// projection (C x 4C), whose output the backward does not need.
+TEST(StepTime, RecomputeAddsTheBlocksForwardButTheMlpOutput) {
   const LayoutProblem pr = problem();
   const MachineRates r = flat_rates();
   const StepTimePrediction plain = predict(pr, Layout{.micro_batch = 2}, r);
   const StepTimePrediction again =
       predict(pr, Layout{.micro_batch = 2, .recompute = true}, r);
   const double N = 8.0 * 64, B = 8, T = 64, C = 64, L = 4;
-  const double block_forward = 2.0 * N * L * layer_matmul_weights(pr.model) + 2.0 * B * T * T * C * L;
+  const double block_forward =
+      2.0 * N * L * (layer_matmul_weights(pr.model) - 4 * C * C) + 2.0 * B * T * T * C * L;
   EXPECT_NEAR((again.compute_s - plain.compute_s) * 0.5e12 / block_forward, 1.0, 1e-12);
 }
 
@@ -86,18 +89,27 @@ TEST(StepTime, TensorParallelCollectivesFollowTheLayers) {
   for (bool sp : {false, true}) {
     const Layout l{.tp = 2, .sequence_parallel = sp, .micro_batch = 2};
     const StepTimePrediction p = predict(pr, l, r);
-    const double rows = 2.0 * 64, act = 4.0 * rows * 64;
-    // Per block and micro-batch, forward and backward: two all-reduces, or
-    // two all-gathers and two reduce-scatters; the embedding's all-reduce and
-    // the cross-entropy's of N and 2 N floats.
+    const double rows = 2.0 * 64, act = 4.0 * rows * 64, C = 64;
+    // Per block and micro-batch: forward two all-reduces, or two all-gathers
+    // and two reduce-scatters; backward the same all-reduces, or for each
+    // half the input gathered again, then an all-gather and a
+    // reduce-scatter. The embedding's all-reduce (sp: a reduce-scatter, and
+    // backward an all-gather); the head's input gradient all-reduced (sp: the
+    // input gathered, its gradient reduce-scattered); the cross-entropy's
+    // all-reduces of N and 2 N floats.
     const RankGroup tp = RankGroup::consecutive(2);
-    const double block = sp ? 2 * (r.collective_seconds(Collective::all_gather, act, tp) +
-                                   r.collective_seconds(Collective::reduce_scatter, act, tp))
-                            : 2 * r.collective_seconds(Collective::all_reduce, act, tp);
-    const double per_micro_batch = 4 * 2 * block + r.collective_seconds(Collective::all_reduce, act, tp) +
-                                   r.collective_seconds(Collective::all_reduce, 4.0 * rows, tp) +
+    const double gather = r.collective_seconds(Collective::all_gather, act, tp);
+    const double scatter = r.collective_seconds(Collective::reduce_scatter, act, tp);
+    const double all_reduce = r.collective_seconds(Collective::all_reduce, act, tp);
+    const double block = sp ? 2 * (gather + scatter) + 2 * (2 * gather + scatter) : 4 * all_reduce;
+    const double ends = sp ? 2 * (gather + scatter) : 2 * all_reduce;
+    const double per_micro_batch = 4 * block + ends + r.collective_seconds(Collective::all_reduce, 4.0 * rows, tp) +
                                    r.collective_seconds(Collective::all_reduce, 8.0 * rows, tp);
-    EXPECT_NEAR(p.communication_s / (4 * per_micro_batch), 1.0, 1e-12) << "sp " << sp;
+    // Under sequence parallelism the norms, the row-parallel biases and the
+    // positions have partial gradients, summed once a step: per layer two
+    // LayerNorms' 2 C and two biases' C, the final norm's 2 C, 64 positions.
+    const double partial = sp ? r.collective_seconds(Collective::all_reduce, 4.0 * (4 * 6 * C + 2 * C + 64 * C), tp) : 0.0;
+    EXPECT_NEAR(p.communication_s / (4 * per_micro_batch + partial), 1.0, 1e-12) << "sp " << sp;
     EXPECT_NEAR(sum_of_parts(p) / p.step_s, 1.0, 1e-12);
   }
 }
@@ -106,8 +118,9 @@ TEST(StepTime, TensorParallelCollectivesFollowTheLayers) {
 // rank sends (grid_linear_elements_sent, held to CommStats by
 // tests/nn/grid_linear_test.cpp) over the link's rate: the block's four
 // layers, the norms' statistics, the embedding's scatter and gather, the
-// head and the cross-entropy's three all-reduces, and 2.5D's depth
-// reduction once a step.
+// final norm, the head and the cross-entropy's three all-reduces, and once
+// a step 2.5D's depth reduction and the replicated parameters' partial
+// gradients.
 TEST(StepTime, GridCollectivesSendWhatTheLayersSend) {
   const LayoutProblem pr = problem();
   MachineRates r = flat_rates();
@@ -130,10 +143,18 @@ TEST(StepTime, GridCollectivesSendWhatTheLayersSend) {
     const int64_t table_group = g.cube ? q * q : q, vocab_parts = g.cube ? q * q : q;
     const int64_t padded_vocab = (V + vocab_parts - 1) / vocab_parts * vocab_parts;
     const double embedding = 2.0 * (table_group - 1) * n * static_cast<double>(C / q);
-    const double head = grid_linear_elements_sent(padded_vocab, C, N, g) + 2 * ring * 3 * n;
+    // The final norm's statistics and sums, the head, the cross-entropy's
+    // all-reduces of [n] and [n, 2].
+    const double head = 2 * 2 * ring * n + 2 * ring * 2 * n + grid_linear_elements_sent(padded_vocab, C, N, g) +
+                        2 * ring * 3 * n;
     const double micro_batches = static_cast<double>(pr.global_batch / l.micro_batch);
+    // The norms, the positions and the linears' biases (a rank's q-th of
+    // each), summed over the q * depth ranks of a token group, by a ring.
+    const double token_group = static_cast<double>(q * g.depth);
+    const double replicated = static_cast<double>(L * (4 * C + 3 * C + C + I + C) + 2 * C + m.block_size * C) / q;
+    const double partial = 2.0 * (token_group - 1) / token_group * replicated;
     const double elements = micro_batches * (static_cast<double>(L) * block + embedding + head) +
-                            static_cast<double>(L) * matrices;
+                            static_cast<double>(L) * matrices + partial;
     const StepTimePrediction p = predict(pr, l, r);
     EXPECT_NEAR(p.communication_s * 1e10 / (4.0 * elements), 1.0, 1e-9) << tensor_parallel_mode_name(mode);
     EXPECT_NEAR(sum_of_parts(p) / p.step_s, 1.0, 1e-12);
@@ -196,7 +217,11 @@ TEST(StepTime, ACollectiveCrossingNodesRunsOnTheInterNodeLink) {
   EXPECT_EQ(predict_step_time(pr, tp4, one_bucket, nodes_of_4).communication_s,
             predict_step_time(pr, tp4, one_bucket, one_node).communication_s);
   const Layout hybrid{.dp = 2, .tp = 4, .micro_batch = 2, .zero_stage = 1};
-  const double b = 4.0 * static_cast<double>(pr.model.num_trainable_params()) / 4;
+  // A tp rank's gradient: its quarter of the matrices, the embedding table
+  // and the column-parallel biases; the norms, the row-parallel biases and
+  // the positions whole.
+  const double C = 64, L = 4, V = 256;
+  const double b = 4.0 * (L * (12 * C * C + 7 * C) / 4 + V * C / 4 + L * (4 * C + 2 * C) + 2 * C + 64 * C);
   const double crossing = predict_step_time(pr, hybrid, one_bucket, nodes_of_4).communication_s -
                           predict_step_time(pr, hybrid, one_bucket, one_node).communication_s;
   EXPECT_NEAR(crossing / (2 * (b / 2) * (1 / 1e9 - 1 / 1e10)), 1.0, 1e-9);

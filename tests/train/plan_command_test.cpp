@@ -1,6 +1,7 @@
 // `loom plan`: the config's predicted figures as the planner computes them,
 // the layout search's accounting and ranking, and where the rates come from.
 #include <gtest/gtest.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -393,9 +394,11 @@ std::set<std::pair<std::string, std::string>> minus(const std::set<std::pair<std
 // step's closing "barrier (<world>)" (none on one rank);
 // under a pipeline the sender's wait on a delivered asynchronous "send (2)"
 // (the model's sends cost the sender nothing), the all-reduces of the
-// one-rank data-parallel group (free), and the "all_reduce (2)"s of the
-// stop-signal agreement, the loss and the tied embedding's gradient over the
-// stages. Each rank's modules run in the measured order.
+// one-rank data-parallel group (free), and the small all-reduces of the
+// stop-signal agreement, the gradient norm and the loss (named as the tied
+// embedding's gradient sum over the stages, which the model prices). Each
+// rank's modules run in the measured order, each with the collectives the
+// run issued inside it.
 TEST(PlanCommand, PredictedTraceNamesTheMeasuredTracesSpans) {
   TempDir dir;
   std::ifstream in(LOOM_SOURCE_DIR "/data/tinyshakespeare.txt", std::ios::binary);
@@ -413,10 +416,16 @@ TEST(PlanCommand, PredictedTraceNamesTheMeasuredTracesSpans) {
       {"dp2", {"parallel.dp=2"}, Names{{"communication", "barrier (2)"}}},
       {"pp2",
        {"parallel.pp=2"},
-       Names{{"communication", "barrier (2)"},
-             {"communication", "send (2)"},
-             {"communication", "all_reduce (1)"},
-             {"communication", "all_reduce (2)"}}},
+       Names{{"communication", "barrier (2)"}, {"communication", "send (2)"}, {"communication", "all_reduce (1)"}}},
+      {"tp2 sp",
+       {"parallel.tp=2", "parallel.sequence_parallel=true"},
+       Names{{"communication", "barrier (2)"}, {"communication", "all_reduce (1)"}}},
+      {"tp2 recompute",
+       {"parallel.tp=2", "train.activation_checkpointing=true"},
+       Names{{"communication", "barrier (2)"}, {"communication", "all_reduce (1)"}}},
+      {"2d",
+       {"parallel.tp=4", "parallel.tp_mode=2d", "train.activation_checkpointing=true"},
+       Names{{"communication", "barrier (4)"}, {"communication", "all_reduce (1)"}, {"communication", "all_reduce (4)"}}},
       {"offload", {"memory.policy=static", "memory.offload_param_frac=1", "memory.offload_optim_frac=0.5"}, Names{}}};
   for (const auto& [name, layout, measured_only] : cases) {
     SCOPED_TRACE(name);
@@ -447,6 +456,24 @@ TEST(PlanCommand, PredictedTraceNamesTheMeasuredTracesSpans) {
       return out;
     };
     EXPECT_EQ(modules(dir / (name + "-predicted.json")), modules(dir / (name + "-measured.json")));
+    // The collectives inside each module, where it first runs on each rank.
+    const auto inside = [](const std::filesystem::path& path) {
+      std::map<std::pair<int, std::string>, std::vector<std::string>> out;
+      for (auto [rank, spans] : trace_events(path)) {
+        // In time order, a span before the spans it holds.
+        std::sort(spans.begin(), spans.end(), [](const TraceEvent& a, const TraceEvent& b) {
+          return std::tie(a.ts, a.depth) < std::tie(b.ts, b.depth);
+        });
+        std::set<std::string> seen;
+        std::string module;
+        for (const TraceEvent& e : spans) {
+          if (e.depth == 1) module = e.cat == "compute" && seen.insert(e.name).second ? e.name : "";
+          if (e.depth == 2 && e.cat == "communication" && !module.empty()) out[{rank, module}].push_back(e.name);
+        }
+      }
+      return out;
+    };
+    EXPECT_EQ(inside(dir / (name + "-predicted.json")), inside(dir / (name + "-measured.json")));
   }
 }
 
