@@ -23,9 +23,16 @@ cmake --build build -j "$jobs"
   -LE "async|streams_twinned|mpi|gpu" --timeout 600)
 
 # -O1 with line tables only: the sanitizers need no more to name the line of a
-# fault, and it compiles more than twice as fast as -O2 -g.
+# fault, and it compiles more than twice as fast as -O2 -g. The CUDA kernels
+# are host-uninstrumented device code whose tests need a GPU: the release
+# build compiles them.
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-  -DLOOM_WERROR=ON -DLOOM_SANITIZE=ON -DLOOM_BUILD_TESTS=ON -DLOOM_BUILD_BENCH=OFF
+  -DLOOM_WERROR=ON -DLOOM_SANITIZE=ON -DLOOM_BUILD_TESTS=ON -DLOOM_BUILD_BENCH=OFF -DLOOM_WITH_CUDA=OFF
 cmake --build build-asan -j "$jobs"
+# Under the sanitizers the unit suites but one exhaustive loop (every layout
+# candidate of three small models through plan_training: three minutes
+# under them, over code the planner, config and train suites run there on
+# fewer candidates); the passes above run it.
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-  ctest --output-on-failure --no-tests=error -j "$jobs" -L unit --timeout 900)
+  ctest --output-on-failure --no-tests=error -j "$jobs" -L unit -E '^LayoutRules\.ConfigCheckAgreesWithTheRulesOnEveryCandidate$' \
+  --timeout 900)
