@@ -357,8 +357,11 @@ TEST_F(CudaKernels, AttentionForwardAndBackwardMatchCpu) {
   struct Shape {
     int64_t B, T, C, NH;
   };
-  // Head sizes 20 (part of a warp) and 80 (two and a half warps' worth).
-  for (const Shape& shape : {Shape{2, 37, 60, 3}, Shape{1, 29, 160, 2}}) {
+  // Head sizes 20 (part of a warp) and 80 (two and a half warps' worth); 64
+  // and 128 over several 64-row tiles of the tiled forward, the last one
+  // partial; 160 beyond its largest head.
+  for (const Shape& shape : {Shape{2, 37, 60, 3}, Shape{1, 29, 160, 2}, Shape{1, 150, 128, 2}, Shape{2, 70, 256, 2},
+                             Shape{1, 20, 320, 2}}) {
     const auto [B, T, C, NH] = shape;
     const std::string what = "attention hs=" + std::to_string(C / NH);
     const auto qkv = random_vector(B * T * 3 * C, 1, -2.0f, 2.0f), dout = random_vector(B * T * C, 2);
