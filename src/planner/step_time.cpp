@@ -423,6 +423,15 @@ PredictedModule module_piece(std::string name, const Cost& c) {
   return {std::move(name), c.compute_s, c.communication_s, c.collectives};
 }
 
+// The bytes a step's moves read from and write to NVMe, whichever tier is
+// on the other side.
+double nvme_read_bytes(const TierTraffic& t) {
+  return static_cast<double>(t.at(Tier::nvme, Tier::host) + t.at(Tier::nvme, Tier::device));
+}
+double nvme_written_bytes(const TierTraffic& t) {
+  return static_cast<double>(t.at(Tier::host, Tier::nvme) + t.at(Tier::device, Tier::nvme));
+}
+
 // Offloaded state: the seconds moves take on the copy engine and the disk.
 TransferSeconds transfer_seconds(const Shapes& s, const TierMoves& m) {
   const auto both = [](const TierTraffic& t, Tier a, Tier b) { return static_cast<double>(t.at(a, b) + t.at(b, a)); };
@@ -436,8 +445,7 @@ TransferSeconds transfer_seconds(const Shapes& s, const TierMoves& m) {
     // written.
     t.copy_s = memory_seconds(s, 2.0 * copied);
   }
-  const double read = static_cast<double>(m.bytes.at(Tier::nvme, Tier::host) + m.bytes.at(Tier::nvme, Tier::device));
-  const double written = static_cast<double>(m.bytes.at(Tier::host, Tier::nvme) + m.bytes.at(Tier::device, Tier::nvme));
+  const double read = nvme_read_bytes(m.bytes), written = nvme_written_bytes(m.bytes);
   if (read + written > 0.0)
     t.disk_s = s.share.disk * (read / s.rates.nvme_read_bytes_per_s + written / s.rates.nvme_write_bytes_per_s);
   return t;
@@ -661,7 +669,7 @@ StepTimePrediction predict_step_time(const LayoutProblem& problem, const Layout&
   if (layout.memory_policy != MemoryPolicy::none) {
     for (const StepTraffic& t : predict_step_traffic(problem, layout, options, kSteadyStep)) {
       const TierTraffic bytes = t.bytes();
-      if ((bytes.at(Tier::nvme, Tier::host) + bytes.at(Tier::host, Tier::nvme) > 0) &&
+      if (nvme_read_bytes(bytes) + nvme_written_bytes(bytes) > 0.0 &&
           (rates.nvme_read_bytes_per_s <= 0.0 || rates.nvme_write_bytes_per_s <= 0.0))
         throw Error(str("memory.nvme_dir places model state on NVMe, and the machine rates have no NVMe figures "
                         "to price its reads and writes: run `loom calibrate --nvme-dir DIR` with DIR on the disk "
