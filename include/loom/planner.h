@@ -306,7 +306,10 @@ struct MachineRates {
 };
 
 struct CalibrationOptions {
-  std::vector<int64_t> gemm_sizes{128, 512, 2048};  // each of m, n, k takes every size
+  // Each of m, n, k takes every size. From 32: a micro-batch of one short
+  // sequence, or a small model's width, is priced at its own rate rather
+  // than at the smallest size's.
+  std::vector<int64_t> gemm_sizes{32, 128, 512, 2048};
   // The thread counts GEMMs and attention are measured at (local ranks run
   // on a share of the threads, and small products gain little from more);
   // empty: 1, 2, 4, ... below the OpenMP threads, and those.

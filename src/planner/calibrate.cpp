@@ -5,8 +5,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <barrier>
 #include <chrono>
 #include <cstdio>
+#include <exception>
 #include <fstream>
 #include <mutex>
 #include <optional>
@@ -29,12 +31,30 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// The fastest of `reps` runs of `work` after one warm-up run.
+// Lines up the copies of a measurement that run at once (at_once): each
+// run of the work starts when every copy is ready for it. One copy: no
+// waiting.
+class Aligner {
+ public:
+  explicit Aligner(int copies) : copies_(copies), barrier_(copies) {}
+  void wait() {
+    if (copies_ > 1) barrier_.arrive_and_wait();
+  }
+
+ private:
+  int copies_;
+  std::barrier<> barrier_;
+};
+
+// The fastest of `reps` runs of `work` after one warm-up run, every run
+// lined up with the other copies'.
 template <typename Work>
-double best_seconds(int reps, Work work) {
+double best_seconds(int reps, Aligner& align, Work work) {
+  align.wait();
   work();
   double best = 1e30;
   for (int r = 0; r < reps; ++r) {
+    align.wait();
     const auto start = std::chrono::steady_clock::now();
     work();
     best = std::min(best, seconds_since(start));
@@ -64,18 +84,37 @@ std::vector<int> thread_counts(const CalibrationOptions& options) {
   return counts;
 }
 
-// Runs `measure` with the kernels on `threads` threads, then restores the
-// budget.
+// Runs `copies` copies of `measure(align)` at once, each on a thread of its
+// own with the kernels on `threads` threads and a memory context of its
+// own, and returns each copy's result: what each of `copies` local ranks
+// measures while the others run the same kernels, as ranks sharing the
+// machine do (two threads running two products are each slower than one
+// running alone: they share caches, memory bandwidth and the clock).
 template <typename Measure>
-auto on_threads(int threads, Measure measure) {
-  const int all = cpu::num_threads();
-  cpu::set_num_threads(threads);
-  auto result = measure();
-  cpu::set_num_threads(all);
-  return result;
+auto at_once(int copies, int threads, Measure measure) {
+  Aligner align(copies);
+  using Result = decltype(measure(align));
+  std::vector<Result> results(static_cast<size_t>(copies));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(copies));
+  std::vector<std::thread> workers;
+  for (int c = 0; c < copies; ++c)
+    workers.emplace_back([&, c] {
+      try {
+        MemoryContext ctx;
+        MemoryContext::Install install(ctx);
+        cpu::set_num_threads(threads);
+        results[static_cast<size_t>(c)] = measure(align);
+      } catch (...) {
+        errors[static_cast<size_t>(c)] = std::current_exception();
+      }
+    });
+  for (std::thread& w : workers) w.join();
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
+  return results;
 }
 
-std::vector<GemmSample> measure_gemms(const CalibrationOptions& options, int threads) {
+std::vector<GemmSample> measure_gemms(const CalibrationOptions& options, int threads, Aligner& align) {
   const int64_t largest = *std::max_element(options.gemm_sizes.begin(), options.gemm_sizes.end());
   Tensor a = Tensor::empty({largest, largest}), b = Tensor::empty({largest, largest}),
          c = Tensor::empty({largest, largest});
@@ -88,23 +127,19 @@ std::vector<GemmSample> measure_gemms(const CalibrationOptions& options, int thr
         // Enough repetitions that the small products are timed over about a
         // millisecond, not one call's jitter.
         const int reps = static_cast<int>(std::clamp(1e8 / flops, 3.0, 200.0));
-        const double s = best_seconds(3, [&] {
+        const double s = best_seconds(3, align, [&] {
           for (int r = 0; r < reps; ++r)
             ops::gemm(false, false, m, n, k, 1.0f, a.data<float>(), k, b.data<float>(), n, 0.0f, c.data<float>(), n);
           ops::synchronize();
         });
         samples.push_back({m, n, k, flops * reps / s, threads});
       }
-  double best = 0.0;
-  for (const GemmSample& g : samples) best = std::max(best, g.flops_per_s);
-  report(options, str("gemm on ", threads, threads == 1 ? " thread: " : " threads: ", samples.size(),
-                      " shapes, best ", static_cast<int64_t>(best / 1e9), " GFLOP/s"));
   return samples;
 }
 
 // The attention kernels over 2 sequences of 4 heads at each (seq_len,
 // head_dim), per head and sequence.
-std::vector<AttentionSample> measure_attention(const CalibrationOptions& options, int threads) {
+std::vector<AttentionSample> measure_attention(const CalibrationOptions& options, int threads, Aligner& align) {
   constexpr int64_t B = 2, NH = 4;
   std::vector<AttentionSample> samples;
   for (int64_t T : options.attention_seq_lens)
@@ -114,19 +149,52 @@ std::vector<AttentionSample> measure_attention(const CalibrationOptions& options
              dout = Tensor::empty({rows, C}), dqkv = Tensor::empty({rows, 3 * C});
       ops::fill(qkv.data<float>(), DType::f32, qkv.numel(), 0.01f);
       ops::fill(dout.data<float>(), DType::f32, dout.numel(), 0.01f);
-      const double forward = best_seconds(3, [&] {
+      const double forward = best_seconds(3, align, [&] {
         ops::attention_forward(out.data<float>(), lse.data<float>(), qkv.data<float>(), B, T, C, NH, NH);
         ops::synchronize();
       });
-      const double backward = best_seconds(3, [&] {
+      const double backward = best_seconds(3, align, [&] {
         ops::attention_backward(dqkv.data<float>(), dout.data<float>(), out.data<float>(), lse.data<float>(),
                                 qkv.data<float>(), B, T, C, NH, NH, ops::GradWrite::overwrite);
         ops::synchronize();
       });
       samples.push_back({T, hs, forward / (B * NH), backward / (B * NH), threads});
     }
-  report(options, str("attention on ", threads, threads == 1 ? " thread: " : " threads: ", samples.size(), " shapes"));
   return samples;
+}
+
+// The GEMM and attention samples at `threads` threads, each the mean of what
+// the copies that run at once measured (every sample lists the same shapes
+// in the same order).
+void measure_kernels(const CalibrationOptions& options, int threads, int copies, MachineRates& rates) {
+  const auto on = [&](auto measure) { return at_once(copies, threads, measure); };
+  const std::vector<std::vector<GemmSample>> gemms =
+      on([&](Aligner& align) { return measure_gemms(options, threads, align); });
+  const std::vector<std::vector<AttentionSample>> attention =
+      on([&](Aligner& align) { return measure_attention(options, threads, align); });
+  const double n = static_cast<double>(copies);
+  double best = 0.0;
+  for (size_t i = 0; i < gemms[0].size(); ++i) {
+    GemmSample g = gemms[0][i];
+    g.flops_per_s = 0.0;
+    for (const std::vector<GemmSample>& copy : gemms) g.flops_per_s += copy[i].flops_per_s / n;
+    best = std::max(best, g.flops_per_s);
+    rates.gemm.push_back(g);
+  }
+  for (size_t i = 0; i < attention[0].size(); ++i) {
+    AttentionSample a = attention[0][i];
+    a.forward_s = a.backward_s = 0.0;
+    for (const std::vector<AttentionSample>& copy : attention) {
+      a.forward_s += copy[i].forward_s / n;
+      a.backward_s += copy[i].backward_s / n;
+    }
+    rates.attention.push_back(a);
+  }
+  const std::string on_threads = str(" on ", threads, threads == 1 ? " thread" : " threads",
+                                     copies > 1 ? str(", ", copies, " at once") : std::string());
+  report(options, str("gemm", on_threads, ": ", gemms[0].size(), " shapes, best ", static_cast<int64_t>(best / 1e9),
+                      " GFLOP/s"));
+  report(options, str("attention", on_threads, ": ", attention[0].size(), " shapes"));
 }
 
 // Bytes read plus bytes written per second by a device-to-device copy.
@@ -134,7 +202,8 @@ double measure_copy_rate(const CalibrationOptions& options) {
   const int64_t n = options.memory_bytes / 4;
   Tensor src = Tensor::empty({n}), dst = Tensor::empty({n});
   ops::fill(src.data<float>(), DType::f32, n, 1.0f);
-  const double s = best_seconds(5, [&] {
+  Aligner alone(1);
+  const double s = best_seconds(5, alone, [&] {
     ops::copy(dst.data<float>(), src.data<float>(), src.nbytes());
     ops::synchronize();
   });
@@ -272,12 +341,11 @@ MachineRates calibrate_machine(const CalibrationOptions& options) {
                         " busy with other work, so these rates will be too slow; calibrate again when the machine "
                         "is quiet"));
   rates.threads = omp_get_max_threads();
+  // Local ranks on `threads` threads each are all / threads of them
+  // (DeviceShare in step_time.cpp), so each count is measured with that
+  // many copies running at once.
   for (int threads : thread_counts(options))
-    on_threads(threads, [&] {
-      for (const GemmSample& g : measure_gemms(options, threads)) rates.gemm.push_back(g);
-      for (const AttentionSample& a : measure_attention(options, threads)) rates.attention.push_back(a);
-      return 0;
-    });
+    measure_kernels(options, threads, std::max(1, rates.threads / threads), rates);
   for (const GemmSample& g : rates.gemm) rates.peak_flops_fp32 = std::max(rates.peak_flops_fp32, g.flops_per_s);
   rates.memory_bytes_per_s = measure_copy_rate(options);
   rates.device_memory_bytes = physical_memory_bytes();

@@ -255,6 +255,13 @@ TEST(Calibration, MeasuresEveryRateOnASmallGrid) {
   const auto warnings = std::count_if(lines.begin(), lines.end(),
                                       [](const std::string& l) { return l.starts_with("warning: the CPUs were"); });
   EXPECT_EQ(lines.size() - static_cast<size_t>(warnings), 6u);
+  // One thread is measured with a copy on every thread at once, as local
+  // ranks of one thread each run.
+  const std::string one_thread = str("gemm on 1 thread, ", omp_get_max_threads(), " at once: 8 shapes");
+  if (omp_get_max_threads() >= 2) {
+    EXPECT_TRUE(std::any_of(lines.begin(), lines.end(), [&](const std::string& l) { return l.starts_with(one_thread); }))
+        << one_thread;
+  }
   // What calibrate measured, the planner reads back.
   testing::TempDir dir;
   save_machine_rates(r, dir.path() / "c.json");
