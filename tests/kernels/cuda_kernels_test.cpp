@@ -155,6 +155,16 @@ TEST_F(CudaKernels, LinearForwardAndBackwardMatchCpu) {
   const auto want = concat({&out, &dinp, &dw, &db});
   expect_close("linear out", {got.begin(), got.begin() + N * OC}, out, kGemmTol);
   expect_close("linear all", got, want, kGemmTol);
+  // A bias one float past a 16-byte boundary takes the path without
+  // cuBLASLt's bias epilogue (the output starts as the bias).
+  std::vector<float> shifted(OC + 1);
+  std::copy(bias.begin(), bias.end(), shifted.begin() + 1);
+  const auto got_shifted = run_twice("linear, bias unaligned", [&] {
+    DeviceVector<float> i(inp), w(weight), b(shifted), o(zeros(N * OC));
+    linear_forward(o.get(), i.get(), w.get(), b.get() + 1, N, C, OC, stream_);
+    return o.host();
+  });
+  expect_close("linear out, bias unaligned", got_shifted, out, kGemmTol);
 }
 
 TEST_F(CudaKernels, AddBiasMatchesCpu) {

@@ -99,16 +99,13 @@ __global__ void add_bias_kernel(float* out, const float* bias, int64_t n, int64_
     out[e] += bias[e % OC];
 }
 
-}  // namespace
-
-void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-          const float* B, int64_t ldb, float beta, float* C, int64_t ldc, cudaStream_t stream) {
-  if (M == 0 || N == 0) return;
-  if (K == 0) {
-    scale_matrix_kernel<<<grid_for(M * N), kThreads, 0, stream>>>(C, M, N, ldc, beta);
-    check_launch();
-    return;
-  }
+// C = alpha op(A) op(B) + beta C, plus `bias` (one value per column of the
+// row-major C, or null) added by cuBLASLt's epilogue as the product is
+// written. False, with nothing run, where cuBLASLt has no algorithm for a
+// bias epilogue on these operands; a product without one always has.
+bool lt_matmul(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+               const float* B, int64_t ldb, float beta, float* C, int64_t ldc, const float* bias,
+               cudaStream_t stream) {
   int device = 0;
   LOOM_CUDA_CHECK(cudaGetDevice(&device));
   LtContext& ctx = lt_context();
@@ -124,6 +121,13 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
   const cublasOperation_t op_second = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
   LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+  if (bias != nullptr) {
+    // The row-major C's columns are the column-major result's rows, which
+    // the bias epilogue adds one value to each of.
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
 
   using Layout = Desc<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy>;
   Layout first, second, out;
@@ -148,16 +152,37 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
   }
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
-  LOOM_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, op.d, first.d, second.d, out.d, out.d, pref.d, 1,
-                                                   &heuristic, &found));
+  const cublasStatus_t searched = cublasLtMatmulAlgoGetHeuristic(handle, op.d, first.d, second.d, out.d, out.d,
+                                                                 pref.d, 1, &heuristic, &found);
+  if (bias != nullptr && (searched != CUBLAS_STATUS_SUCCESS || found == 0)) return false;
+  LOOM_CUBLAS_CHECK(searched);
   LOOM_CHECK(found > 0, "cuBLASLt has no fp32 algorithm for a ", M, "x", N, "x", K, " product");
   LOOM_CUBLAS_CHECK(cublasLtMatmul(handle, op.d, &alpha, B, first.d, A, second.d, &beta, C, out.d, C, out.d,
                                    &heuristic.algo, workspace, kWorkspaceBytes, stream));
+  return true;
+}
+
+}  // namespace
+
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float beta, float* C, int64_t ldc, cudaStream_t stream) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    scale_matrix_kernel<<<grid_for(M * N), kThreads, 0, stream>>>(C, M, N, ldc, beta);
+    check_launch();
+    return;
+  }
+  lt_matmul(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, nullptr, stream);
 }
 
 void linear_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                     int64_t OC, cudaStream_t stream) {
-  // As on the CPU: out starts as the bias and the product adds onto it.
+  // The bias joins the product in cuBLASLt's epilogue; where no algorithm
+  // has one, out starts as the bias and the product adds onto it, as on the
+  // CPU.
+  if (bias != nullptr && alignment(bias) >= 16 && N > 0 && OC > 0 && C > 0 &&
+      lt_matmul(false, true, N, OC, C, 1.0f, inp, C, weight, C, 0.0f, out, OC, bias, stream))
+    return;
   if (bias != nullptr) {
     broadcast_rows_kernel<<<grid_for(N * OC), kThreads, 0, stream>>>(out, bias, N * OC, OC);
     check_launch();
