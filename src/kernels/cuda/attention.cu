@@ -155,6 +155,23 @@ constexpr int kTile = 64;           // query rows per block, keys per step
 constexpr int kTiledThreads = 256;  // four per query row
 constexpr int kKeysPerThread = kTile / 4;
 
+// acc[4 c + i] += p * row[4 (4 c + quad) + i] for c < n / 4: a thread's
+// share of a tile row in float4 words, every fourth word from its quad's
+// (its 16 columns of a transposed tile's row, or its quarter of a
+// row-major one).
+template <int n>
+__device__ inline void add_scaled_words(float (&acc)[n], float p, const float* row, int quad) {
+  const float4* r4 = reinterpret_cast<const float4*>(row);
+#pragma unroll
+  for (int c = 0; c < n / 4; ++c) {
+    const float4 v = r4[4 * c + quad];
+    acc[4 * c] += p * v.x;
+    acc[4 * c + 1] += p * v.y;
+    acc[4 * c + 2] += p * v.z;
+    acc[4 * c + 3] += p * v.w;
+  }
+}
+
 template <int HD>
 struct TiledLayout {
   static constexpr int q_stride = HD + 1, kt_stride = kTile + 4, v_stride = HD, p_stride = kTile + 1;
@@ -200,18 +217,7 @@ __global__ void __launch_bounds__(kTiledThreads)
     // sc[4 u + i] scores key 4 (4 u + quad) + i of the tile.
     float sc[kKeysPerThread] = {};
     const float* q_row = Qs + r * L::q_stride;
-    for (int d = 0; d < HD; ++d) {
-      const float qd = q_row[d];
-      const float4* k4 = reinterpret_cast<const float4*>(Kt + d * L::kt_stride);
-#pragma unroll
-      for (int u = 0; u < kKeysPerThread / 4; ++u) {
-        const float4 k = k4[4 * u + quad];
-        sc[4 * u] += qd * k.x;
-        sc[4 * u + 1] += qd * k.y;
-        sc[4 * u + 2] += qd * k.z;
-        sc[4 * u + 3] += qd * k.w;
-      }
-    }
+    for (int d = 0; d < HD; ++d) add_scaled_words(sc, q_row[d], Kt + d * L::kt_stride, quad);
     // Causal: key k0 + j is seen by query t when it is at most t (and real).
     float tile_max = -INFINITY;
 #pragma unroll
@@ -241,18 +247,7 @@ __global__ void __launch_bounds__(kTiledThreads)
 #pragma unroll
     for (int k = 0; k < kDims; ++k) acc[k] *= rescale;
     const float* p_all = Ps + r * L::p_stride;
-    for (int j = 0; j < kTile; ++j) {
-      const float p = p_all[j];
-      const float4* v4 = reinterpret_cast<const float4*>(Vs + j * L::v_stride);
-#pragma unroll
-      for (int k = 0; k < kDims / 4; ++k) {
-        const float4 v = v4[4 * k + quad];
-        acc[4 * k] += p * v.x;
-        acc[4 * k + 1] += p * v.y;
-        acc[4 * k + 2] += p * v.z;
-        acc[4 * k + 3] += p * v.w;
-      }
-    }
+    for (int j = 0; j < kTile; ++j) add_scaled_words(acc, p_all[j], Vs + j * L::v_stride, quad);
   }
   if (t >= s.T) return;
   float* o = out + s.o(b, h, t);
@@ -328,21 +323,8 @@ __global__ void __launch_bounds__(kTiledThreads)
     __syncthreads();
     float sc[kKeysPerThread] = {}, dp[kKeysPerThread] = {};
     for (int d = 0; d < HD; ++d) {
-      const float qd = Qs[r * L::row_stride + d], gd = Gs[r * L::row_stride + d];
-      const float4* k4 = reinterpret_cast<const float4*>(Kt + d * L::t_stride);
-      const float4* v4 = reinterpret_cast<const float4*>(Vt + d * L::t_stride);
-#pragma unroll
-      for (int u = 0; u < kKeysPerThread / 4; ++u) {
-        const float4 k = k4[4 * u + quad], v = v4[4 * u + quad];
-        sc[4 * u] += qd * k.x;
-        sc[4 * u + 1] += qd * k.y;
-        sc[4 * u + 2] += qd * k.z;
-        sc[4 * u + 3] += qd * k.w;
-        dp[4 * u] += gd * v.x;
-        dp[4 * u + 1] += gd * v.y;
-        dp[4 * u + 2] += gd * v.z;
-        dp[4 * u + 3] += gd * v.w;
-      }
+      add_scaled_words(sc, Qs[r * L::row_stride + d], Kt + d * L::t_stride, quad);
+      add_scaled_words(dp, Gs[r * L::row_stride + d], Vt + d * L::t_stride, quad);
     }
 #pragma unroll
     for (int u = 0; u < kKeysPerThread; ++u) {
@@ -357,18 +339,7 @@ __global__ void __launch_bounds__(kTiledThreads)
       Ks[j * HD + d] = k0 + j < s.T && d < hs ? qkv[s.k(b, h, k0 + j) + d] : 0.0f;
     }
     __syncthreads();
-    for (int j = 0; j < kTile; ++j) {
-      const float g = dS[r * L::p_stride + j];
-      const float4* k4 = reinterpret_cast<const float4*>(Ks + j * HD);
-#pragma unroll
-      for (int c = 0; c < kDims / 4; ++c) {
-        const float4 k = k4[4 * c + quad];
-        dq[4 * c] += g * k.x;
-        dq[4 * c + 1] += g * k.y;
-        dq[4 * c + 2] += g * k.z;
-        dq[4 * c + 3] += g * k.w;
-      }
-    }
+    for (int j = 0; j < kTile; ++j) add_scaled_words(dq, dS[r * L::p_stride + j], Ks + j * HD, quad);
   }
   if (t >= s.T) return;
   float* dst = dqkv + s.q(b, h, t);
@@ -424,21 +395,8 @@ __global__ void __launch_bounds__(kTiledThreads)
     __syncthreads();
     float sc[kKeysPerThread] = {}, dp[kKeysPerThread] = {};
     for (int d = 0; d < HD; ++d) {
-      const float kd = Ks[r * L::row_stride + d], vd = Vs[r * L::row_stride + d];
-      const float4* q4 = reinterpret_cast<const float4*>(Qt + d * L::t_stride);
-      const float4* g4 = reinterpret_cast<const float4*>(Gt + d * L::t_stride);
-#pragma unroll
-      for (int u = 0; u < kKeysPerThread / 4; ++u) {
-        const float4 q = q4[4 * u + quad], g = g4[4 * u + quad];
-        sc[4 * u] += kd * q.x;
-        sc[4 * u + 1] += kd * q.y;
-        sc[4 * u + 2] += kd * q.z;
-        sc[4 * u + 3] += kd * q.w;
-        dp[4 * u] += vd * g.x;
-        dp[4 * u + 1] += vd * g.y;
-        dp[4 * u + 2] += vd * g.z;
-        dp[4 * u + 3] += vd * g.w;
-      }
+      add_scaled_words(sc, Ks[r * L::row_stride + d], Qt + d * L::t_stride, quad);
+      add_scaled_words(dp, Vs[r * L::row_stride + d], Gt + d * L::t_stride, quad);
     }
 #pragma unroll
     for (int u = 0; u < kKeysPerThread; ++u) {
@@ -460,21 +418,8 @@ __global__ void __launch_bounds__(kTiledThreads)
     }
     __syncthreads();
     for (int i = 0; i < kTile; ++i) {
-      const float p = Ps[r * L::p_stride + i], g = dS[r * L::p_stride + i];
-      const float4* q4 = reinterpret_cast<const float4*>(Qr + i * HD);
-      const float4* o4 = reinterpret_cast<const float4*>(Gr + i * HD);
-#pragma unroll
-      for (int c = 0; c < kDims / 4; ++c) {
-        const float4 q = q4[4 * c + quad], o = o4[4 * c + quad];
-        dv[4 * c] += p * o.x;
-        dv[4 * c + 1] += p * o.y;
-        dv[4 * c + 2] += p * o.z;
-        dv[4 * c + 3] += p * o.w;
-        dk[4 * c] += g * q.x;
-        dk[4 * c + 1] += g * q.y;
-        dk[4 * c + 2] += g * q.z;
-        dk[4 * c + 3] += g * q.w;
-      }
+      add_scaled_words(dv, Ps[r * L::p_stride + i], Gr + i * HD, quad);
+      add_scaled_words(dk, dS[r * L::p_stride + i], Qr + i * HD, quad);
     }
   }
   if (key >= s.T) return;
