@@ -24,7 +24,12 @@
 //    with a checkpoint started before each one that found none in flight.
 //    Figures: the median step time while a checkpoint is written over the
 //    median without (target <= 1.10), and the pause at the step boundary
-//    (the snapshot into host memory) over the median step.
+//    (the snapshot into host memory) over the median step. Baseline: the
+//    same steps while `dd` writes the same bytes (one dd per rank, each
+//    rank's share, conv=fsync), started before each step that found none
+//    running: what writing those bytes costs the step on this machine
+//    whatever writes them (on a virtual machine the device's emulation can
+//    run on the same cores).
 //
 // "-" (the default) writes under ./loom-checkpoint-bench-<pid>, removed at
 // the end. On two shared cores the writer's hashing competes with the step's
@@ -32,12 +37,14 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench_common.h"
@@ -203,8 +210,9 @@ void async_steps(const fs::path& dir, double state_mb, int steps) {
   constexpr int64_t B = 4;
   std::printf("2. asynchronous checkpoints: %lld layers, %s of model state on %d ranks (ZeRO-1), %d steps each\n",
               static_cast<long long>(cfg.n_layer), format_bytes(double(state_bytes(cfg))).c_str(), kRanks, steps);
-  std::vector<double> plain, writing, pauses;
+  std::vector<double> plain, writing, pauses, beside_dd;
   int64_t written = 0;
+  const int64_t per_rank = state_bytes(cfg) / kRanks;
   run_local(kRanks, [&](Communicator& comm) {
     Trainer t(cfg, options_of(1), &comm);
     CheckpointWriter writer(dir / "async", t, nullptr, {.keep_last = 1, .async = true},
@@ -237,15 +245,34 @@ void async_steps(const fs::path& dir, double state_mb, int steps) {
       writer.poll();
     }
     writer.finish();
+    // dd runs on a thread of rank 0, a new one whenever the last has ended.
+    std::vector<double> d;
+    std::thread dd;
+    std::atomic<bool> dd_running{false};
+    for (int i = 0; i < steps; ++i) {
+      if (comm.rank() == 0 && !dd_running) {
+        if (dd.joinable()) dd.join();
+        dd_running = true;
+        dd = std::thread([&] {
+          dd_seconds(dir, kRanks, per_rank, true);
+          dd_running = false;
+        });
+      }
+      d.push_back(step());
+    }
+    if (dd.joinable()) dd.join();
     if (comm.rank() == 0) {
       plain = p;
       writing = w;
       pauses = s;
+      beside_dd = d;
     }
   });
   const double base = median(plain), during = median(writing);
   std::printf("   step without a checkpoint  %7.1f ms (median)\n", 1e3 * base);
   std::printf("   step while one is written  %7.1f ms   x %.3f   (target <= 1.10)\n", 1e3 * during, during / base);
+  std::printf("   step while dd writes as much %7.1f ms   x %.3f   (baseline: the same bytes written by dd)\n",
+              1e3 * median(beside_dd), median(beside_dd) / base);
   std::printf("   snapshot pause             %7.1f ms   = %.2f steps   (%lld checkpoints written)\n",
               1e3 * median(pauses), median(pauses) / base, static_cast<long long>(written));
 }
