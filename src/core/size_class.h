@@ -10,7 +10,11 @@
 
 namespace loom::detail {
 
-inline size_t round_up_bytes(size_t bytes, size_t step) { return (bytes + step - 1) / step * step; }
+// `step` must be a power of two, as every step here is: a mask, not a
+// division, which the planner's memory model, replaying millions of
+// allocations in a search, spent a fifth of its time in.
+inline size_t round_up_bytes(size_t bytes, size_t step) { return (bytes + step - 1) & ~(step - 1); }
+static_assert(std::has_single_bit(kMemoryAlignment));
 
 // The block size a request is served from. Sixteen classes per power of two
 // (at most 6.25% rounded up) let tensors of nearby sizes share blocks; above

@@ -34,6 +34,7 @@ constexpr double kF32 = 4.0;
 // read.
 class Timeline {
  public:
+
   int alloc(Tier tier, const char* term, double bytes) { return bytes <= 0.0 ? -1 : add(tier, term, bytes, false); }
   int alloc(const char* term, double bytes) { return alloc(Tier::device, term, bytes); }
   // A tensor of no elements still takes the smallest block.
@@ -45,12 +46,15 @@ class Timeline {
     LOOM_CHECK(e.live, "memory model: a tensor freed twice");
     e.live = false;
     const int t = static_cast<int>(e.tier);
+    // The first free after a new peak: what is live is still the peak's.
+    if (peak_terms_stale_[t]) keep_peak_terms(t);
     live_[t] -= e.bytes;
     by_term_[t][e.term] -= e.bytes;
     if (e.raw)
       reserved_[t] -= e.bytes;
     else
-      ++cached_[t][e.block];
+      ++cached_[t][static_cast<size_t>(e.block_slot)];
+    freed_ids_.push_back(id);
     id = -1;
   }
   void free_all(std::vector<int>& ids) {
@@ -67,11 +71,12 @@ class Timeline {
   // Allocator::reset_peak: the high-water marks start again from what is live.
   void reset_peaks() {
     for (int t = 0; t < 3; ++t) {
-      snapshot(t);
+      new_peak(t);
       peak_[t].reserved = reserved_[t];
     }
   }
-  TierPeak peak(Tier tier) const {
+  TierPeak peak(Tier tier) {
+    if (peak_terms_stale_[static_cast<int>(tier)]) keep_peak_terms(static_cast<int>(tier));
     const Peak& p = peak_[static_cast<int>(tier)];
     TierPeak out{.bytes = p.bytes, .reserved = p.reserved, .phase = str(p.phase_name, p.phase_suffix), .terms = {}};
     // In name order, as they were kept before terms were interned.
@@ -89,7 +94,7 @@ class Timeline {
     Tier tier;
     int term;
     double bytes;
-    size_t block;
+    int block_slot;  // the block size's index in cached_, unless raw
     bool raw;
     bool live;
   };
@@ -111,37 +116,74 @@ class Timeline {
     for (std::vector<double>& bytes : by_term_) bytes.push_back(0.0);
     return static_cast<int>(term_names_.size()) - 1;
   }
+  // The index of a block size in cached_[t]. A replay meets a score of
+  // sizes at most, so a scan beats hashing; consecutive requests are often
+  // of one size, so the last one found is tried first.
+  int block_slot(int t, size_t block) {
+    std::vector<size_t>& sizes = block_sizes_[t];
+    if (const int last = last_slot_[t]; last >= 0 && sizes[static_cast<size_t>(last)] == block) return last;
+    for (size_t i = 0; i < sizes.size(); ++i)
+      if (sizes[i] == block) return last_slot_[t] = static_cast<int>(i);
+    sizes.push_back(block);
+    cached_[t].push_back(0);
+    return last_slot_[t] = static_cast<int>(sizes.size()) - 1;
+  }
   int add(Tier tier, const char* term, double bytes, bool raw) {
     const int t = static_cast<int>(tier);
-    const size_t block = raw ? 0 : detail::size_class(static_cast<size_t>(bytes));
+    int slot = -1;
     if (raw) {
       reserved_[t] += bytes;
-    } else if (auto it = cached_[t].find(block); it != cached_[t].end() && it->second > 0) {
-      --it->second;
     } else {
-      reserved_[t] += static_cast<double>(block);
+      const size_t block = detail::size_class(static_cast<size_t>(bytes));
+      slot = block_slot(t, block);
+      if (int& free_blocks = cached_[t][static_cast<size_t>(slot)]; free_blocks > 0)
+        --free_blocks;
+      else
+        reserved_[t] += static_cast<double>(block);
     }
     const int term_id = intern(term);
     live_[t] += bytes;
     by_term_[t][static_cast<size_t>(term_id)] += bytes;
-    if (live_[t] > peak_[t].bytes) snapshot(t);
+    if (live_[t] > peak_[t].bytes) new_peak(t);
     peak_[t].reserved = std::max(peak_[t].reserved, reserved_[t]);
-    entries_.push_back({tier, term_id, bytes, block, raw, true});
+    // A freed entry's id is taken again: the entries stay as many as are
+    // live at once, and in cache.
+    const Entry entry{tier, term_id, bytes, slot, raw, true};
+    if (!freed_ids_.empty()) {
+      const int id = freed_ids_.back();
+      freed_ids_.pop_back();
+      entries_[static_cast<size_t>(id)] = entry;
+      return id;
+    }
+    entries_.push_back(entry);
     return static_cast<int>(entries_.size()) - 1;
   }
-  void snapshot(int t) {
+  // A new high-water mark. Its terms are copied when something is next
+  // freed (or the peak is asked for): until then only allocations follow,
+  // each a new peak, and copying every term at each of them cost the
+  // search a tenth of its time.
+  void new_peak(int t) {
     Peak& p = peak_[t];
     p.bytes = live_[t];
     p.phase_name = phase_name_;
     p.phase_suffix = phase_suffix_;
-    p.terms = by_term_[t];
+    peak_terms_stale_[t] = true;
+  }
+  void keep_peak_terms(int t) {
+    peak_[t].terms = by_term_[t];
+    peak_terms_stale_[t] = false;
   }
   std::vector<Entry> entries_;
   double live_[3] = {0.0, 0.0, 0.0}, reserved_[3] = {0.0, 0.0, 0.0};
   std::vector<const char*> term_names_;
   std::vector<double> by_term_[3];
-  std::unordered_map<size_t, int> cached_[3];  // free blocks by size
+  std::vector<int> freed_ids_;  // of entries_, to be taken again
+  // Per tier: the block sizes met and each one's free blocks.
+  std::vector<size_t> block_sizes_[3];
+  std::vector<int> cached_[3];
+  int last_slot_[3] = {-1, -1, -1};
   Peak peak_[3];
+  bool peak_terms_stale_[3] = {false, false, false};
   const char* phase_name_ = "start of step";
   const char* phase_suffix_ = "";
 };
