@@ -42,8 +42,9 @@ class Timeline {
   int reserve(Tier tier, const char* term, double bytes) { return bytes <= 0.0 ? -1 : add(tier, term, bytes, true); }
   void free(int& id) {
     if (id < 0) return;
-    Entry& e = entries_.at(static_cast<size_t>(id));
-    LOOM_CHECK(e.live, "memory model: a tensor freed twice");
+    const size_t index = static_cast<size_t>(id) & kIndexMask;
+    Entry& e = entries_.at(index);
+    LOOM_CHECK(e.live && e.generation == id >> kIndexBits, "memory model: a tensor freed twice");
     e.live = false;
     const int t = static_cast<int>(e.tier);
     // The first free after a new peak: what is live is still the peak's.
@@ -54,7 +55,7 @@ class Timeline {
       reserved_[t] -= e.bytes;
     else
       ++cached_[t][static_cast<size_t>(e.block_slot)];
-    freed_ids_.push_back(id);
+    freed_indices_.push_back(index);
     id = -1;
   }
   void free_all(std::vector<int>& ids) {
@@ -97,7 +98,14 @@ class Timeline {
     int block_slot;  // the block size's index in cached_, unless raw
     bool raw;
     bool live;
+    int generation;  // how often the entry was taken again, mod kGenerations
   };
+  // A freed entry is taken again, so that the entries stay as many as are
+  // live at once, and in cache. An id is the entry's index and its
+  // generation, so that freeing a tensor twice is still caught after its
+  // entry was taken again.
+  static constexpr int kIndexBits = 24, kGenerations = 1 << (31 - kIndexBits);
+  static constexpr size_t kIndexMask = (size_t{1} << kIndexBits) - 1;
   // A peak as the replay keeps it: bytes per interned term.
   struct Peak {
     double bytes = 0.0, reserved = 0.0;
@@ -146,17 +154,18 @@ class Timeline {
     by_term_[t][static_cast<size_t>(term_id)] += bytes;
     if (live_[t] > peak_[t].bytes) new_peak(t);
     peak_[t].reserved = std::max(peak_[t].reserved, reserved_[t]);
-    // A freed entry's id is taken again: the entries stay as many as are
-    // live at once, and in cache.
-    const Entry entry{tier, term_id, bytes, slot, raw, true};
-    if (!freed_ids_.empty()) {
-      const int id = freed_ids_.back();
-      freed_ids_.pop_back();
-      entries_[static_cast<size_t>(id)] = entry;
-      return id;
+    Entry entry{tier, term_id, bytes, slot, raw, true, 0};
+    size_t index = entries_.size();
+    if (!freed_indices_.empty()) {
+      index = freed_indices_.back();
+      freed_indices_.pop_back();
+      entry.generation = (entries_[index].generation + 1) % kGenerations;
+      entries_[index] = entry;
+    } else {
+      LOOM_CHECK(index <= kIndexMask, "memory model: more than ", kIndexMask + 1, " tensors live at once");
+      entries_.push_back(entry);
     }
-    entries_.push_back(entry);
-    return static_cast<int>(entries_.size()) - 1;
+    return static_cast<int>(index) | (entry.generation << kIndexBits);
   }
   // A new high-water mark. Its terms are copied when something is next
   // freed (or the peak is asked for): until then only allocations follow,
@@ -177,7 +186,7 @@ class Timeline {
   double live_[3] = {0.0, 0.0, 0.0}, reserved_[3] = {0.0, 0.0, 0.0};
   std::vector<const char*> term_names_;
   std::vector<double> by_term_[3];
-  std::vector<int> freed_ids_;  // of entries_, to be taken again
+  std::vector<size_t> freed_indices_;  // of entries_, to be taken again
   // Per tier: the block sizes met and each one's free blocks.
   std::vector<size_t> block_sizes_[3];
   std::vector<int> cached_[3];
