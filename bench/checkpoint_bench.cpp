@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <filesystem>
 #include <mutex>
 #include <string>
@@ -245,22 +246,29 @@ void async_steps(const fs::path& dir, double state_mb, int steps) {
       writer.poll();
     }
     writer.finish();
-    // dd runs on a thread of rank 0, a new one whenever the last has ended.
+    // dd runs on a thread of rank 0, a new one whenever the last has ended;
+    // its failure is raised here once the thread is joined.
     std::vector<double> d;
     std::thread dd;
     std::atomic<bool> dd_running{false};
+    std::exception_ptr dd_failure;
     for (int i = 0; i < steps; ++i) {
-      if (comm.rank() == 0 && !dd_running) {
+      if (comm.rank() == 0 && !dd_running && !dd_failure) {
         if (dd.joinable()) dd.join();
         dd_running = true;
         dd = std::thread([&] {
-          dd_seconds(dir, kRanks, per_rank, true);
+          try {
+            dd_seconds(dir, kRanks, per_rank, true);
+          } catch (...) {
+            dd_failure = std::current_exception();
+          }
           dd_running = false;
         });
       }
       d.push_back(step());
     }
     if (dd.joinable()) dd.join();
+    if (dd_failure) std::rethrow_exception(dd_failure);
     if (comm.rank() == 0) {
       plain = p;
       writing = w;

@@ -6,7 +6,6 @@
 #include <array>
 #include <limits>
 #include <map>
-#include <unordered_map>
 #include <memory>
 
 #include "loom/planner.h"
@@ -34,7 +33,6 @@ constexpr double kF32 = 4.0;
 // read.
 class Timeline {
  public:
-
   int alloc(Tier tier, const char* term, double bytes) { return bytes <= 0.0 ? -1 : add(tier, term, bytes, false); }
   int alloc(const char* term, double bytes) { return alloc(Tier::device, term, bytes); }
   // A tensor of no elements still takes the smallest block.
